@@ -1,0 +1,43 @@
+// The collectives the tails need, over the ranks of one tensor-parallel group.
+//
+// Contract shared by every implementation:
+//   - sums accumulate in fp32 (or wider) and add the ranks' contributions in rank order 0..tp-1,
+//     so every rank obtains bit-identical results;
+//   - tensors are rank-2 [rows, cols] with a contiguous last dimension; shards are column blocks:
+//     rank r owns columns [r*cols/tp, (r+1)*cols/tp);
+//   - every call is collective: all ranks call the same sequence of operations with equal shapes;
+//   - a rank that waits longer than the implementation's timeout throws Error (never hangs).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "latentmoe/tensor.h"
+
+namespace latentmoe {
+
+// An opaque execution stream: cudaStream_t for CUDA communicators, ignored (nullptr) on the CPU.
+using StreamHandle = void*;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+
+  // In place: every rank's `buffer` becomes the sum of all ranks' buffers.
+  virtual void all_reduce_sum(const TensorView& buffer, StreamHandle stream = nullptr) = 0;
+  // `input` [rows, cols]; `output` [rows, cols/tp] receives this rank's column shard of the sum.
+  virtual void reduce_scatter_sum(const TensorView& input, const TensorView& output,
+                                  StreamHandle stream = nullptr) = 0;
+  // `input` [rows, cols/tp] is this rank's shard; `output` [rows, cols] receives all shards.
+  virtual void all_gather(const TensorView& input, const TensorView& output, StreamHandle stream = nullptr) = 0;
+  virtual void barrier(StreamHandle stream = nullptr) = 0;
+
+  // Gives up on the group after a failure on some rank: collectives blocked now or called later,
+  // on every rank of the group, throw Error instead of waiting for peers that will never come.
+  virtual void abort() = 0;
+};
+
+}  // namespace latentmoe

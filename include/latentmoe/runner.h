@@ -1,0 +1,71 @@
+// The latent-MoE layer of one tensor-parallel rank: routing, the latent down-projection, the
+// routed experts (this rank's shard), the shared expert (this rank's shard), and the tail that
+// turns the rank's un-reduced partials into the layer output through one of the TailTier paths.
+//
+// Life cycle: construct once (weights are placed on the backend's device and every workspace is
+// sized for `max_tokens`), then call forward() any number of times. forward() allocates nothing.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "latentmoe/communicator.h"
+#include "latentmoe/config.h"
+#include "latentmoe/parallel.h"
+#include "latentmoe/tensor.h"
+#include "latentmoe/tier.h"
+#include "latentmoe/weights.h"
+
+namespace latentmoe {
+
+enum class BackendKind { automatic, cpu, cuda };
+std::string_view to_string(BackendKind kind);
+// "auto", "cpu", "cuda"; throws on anything else.
+BackendKind parse_backend_kind(std::string_view name);
+
+struct RunnerOptions {
+  BackendKind backend = BackendKind::cpu;
+  TierPolicy policy = {};
+  // Largest token count forward() accepts; workspaces are sized for it.
+  int64_t max_tokens = 4096;
+};
+
+struct ForwardInputs {
+  TensorView hidden_states;   // [T, d], the compute dtype
+  TensorView router_logits;   // [T, E+Z] f32; undefined: computed from the gate weight in fp32
+  TensorView latent_states;   // [T, l], optional: a down-projection the caller already ran
+  std::optional<TailTier> tier;  // forced tier; nullopt selects by the policy
+};
+
+struct ForwardOutputs {
+  TensorView output;        // [T, d], the compute dtype; identical on every rank
+  TensorView topk_ids;      // [T, k] i32; optional
+  TensorView topk_weights;  // [T, k] f32; optional
+};
+
+class Runner {
+ public:
+  // `weights` must be this rank's shard (see shard_layer_weights / load_layer_weights) in the
+  // compute dtype; `communicator` must outlive the runner and match parallel.tp_size/rank.
+  Runner(const LayerConfig& config, const ParallelConfig& parallel, const LayerWeights& weights,
+         Communicator& communicator, const RunnerOptions& options = {});
+  ~Runner();
+  Runner(const Runner&) = delete;
+  Runner& operator=(const Runner&) = delete;
+
+  DType dtype() const;
+  Device device() const;
+  // The tier forward() would take for `num_tokens` tokens when none is forced.
+  TailTier select_tier(int64_t num_tokens) const;
+  // Runs the layer. Inputs and outputs live on device() (host tensors for the CPU backend).
+  // Returns the tier it ran. Throws Error on bad shapes or dtypes, an impossible forced tier, or
+  // more than max_tokens tokens.
+  TailTier forward(const ForwardInputs& inputs, const ForwardOutputs& outputs);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace latentmoe

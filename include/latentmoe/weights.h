@@ -1,0 +1,54 @@
+// The layer's weights, by the names of DESIGN section 3, in the stacked layout the backends use,
+// and their per-rank tensor-parallel sharding (DESIGN section 2).
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "latentmoe/config.h"
+#include "latentmoe/parallel.h"
+#include "latentmoe/safetensors.h"
+#include "latentmoe/tensor.h"
+
+namespace latentmoe {
+
+// Either the whole layer (tp 1) or one rank's shard. Matrices are stored in the compute dtype
+// (`dtype`), the router and norm vectors in f32. I_r = I / tp and Is_r = Is / tp.
+struct LayerWeights {
+  DType dtype = DType::f32;
+  HostTensor gate;           // [E+Z, d] f32; optional (undefined when router logits are supplied)
+  HostTensor score_bias;     // [E+Z] f32; optional (e_score_correction_bias)
+  HostTensor down_proj;      // [l, d]   W_down (replicated)
+  HostTensor latent_norm;    // [l] f32; present iff config.use_latent_norm (replicated)
+  HostTensor up_proj;        // [d, l]   W_up (replicated)
+  HostTensor expert_gate;    // [E, I_r, l]; present iff gated
+  HostTensor expert_up;      // [E, I_r, l]
+  HostTensor expert_down;    // [E, l, I_r]
+  HostTensor shared_gate;    // [Is_r, d]; present iff shared expert and gated
+  HostTensor shared_up;      // [Is_r, d]; present iff shared expert
+  HostTensor shared_down;    // [d, Is_r]; present iff shared expert
+};
+
+// Throws Error naming the first tensor whose presence, dtype or shape does not match `config`
+// for a rank of a tp_size group.
+void validate_layer_weights(const LayerWeights& weights, const LayerConfig& config, int tp_size);
+
+// Loads rank `parallel.rank`'s shard straight from the file (only that rank's slices are copied),
+// converting matrices to `dtype`. Names may carry `prefix` (e.g. "model.layers.3.mlp."); the
+// Nemotron-H names fc1_latent_proj / fc2_latent_proj are accepted for the two latent projections.
+// Missing tensors, wrong shapes and unsupported dtypes are errors naming the tensor.
+LayerWeights load_layer_weights(const SafetensorsFile& file, const LayerConfig& config, std::string_view prefix,
+                                const ParallelConfig& parallel, DType dtype);
+
+// Rank `parallel.rank`'s shard of full (tp 1) weights.
+LayerWeights shard_layer_weights(const LayerWeights& full, const LayerConfig& config, const ParallelConfig& parallel);
+
+// Writes full (tp 1) weights under the canonical names with `prefix` (used by demo and tests).
+void save_layer_weights(const std::string& path, const LayerWeights& full, const LayerConfig& config,
+                        std::string_view prefix = "");
+
+// Seeded random full weights for tests and the demo: matrices ~ U(-1,1)/sqrt(fan_in), bias and
+// gamma near 1, in `dtype`. `with_gate` also makes the router gate [E+Z, d].
+LayerWeights make_random_layer_weights(const LayerConfig& config, DType dtype, uint64_t seed, bool with_gate = true);
+
+}  // namespace latentmoe

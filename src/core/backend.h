@@ -1,0 +1,146 @@
+// The narrow set of operations a backend implements. The runner and the tails (src/core/runner.cpp,
+// src/core/tails.cpp) are written once against this interface, so the CPU reference proves the same
+// orchestration the GPU runs. Every tensor argument lives on the backend's device; every operation
+// validates nothing that the runner already validated (shapes are checked once, in the runner).
+//
+// Precision contract for all backends: reductions (dot products, sums over experts, norms,
+// collectives) accumulate in fp32 or wider; results are rounded once to the output's dtype.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+
+#include "latentmoe/communicator.h"
+#include "latentmoe/config.h"
+#include "latentmoe/tensor.h"
+
+namespace latentmoe::detail {
+
+// Device memory owned by a backend; released by the deleter given at allocation.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(void* pointer, size_t bytes, std::function<void(void*)> release)
+      : pointer_(pointer), bytes_(bytes), release_(std::move(release)) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      pointer_ = other.pointer_;
+      bytes_ = other.bytes_;
+      release_ = std::move(other.release_);
+      other.pointer_ = nullptr;
+      other.bytes_ = 0;
+    }
+    return *this;
+  }
+  ~DeviceBuffer() { reset(); }
+  void* get() const { return pointer_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void reset() {
+    if (pointer_ != nullptr && release_) release_(pointer_);
+    pointer_ = nullptr;
+  }
+  void* pointer_ = nullptr;
+  size_t bytes_ = 0;
+  std::function<void(void*)> release_;
+};
+
+struct RoutingParams {
+  ScoringFunc scoring = ScoringFunc::sigmoid;
+  int64_t num_experts = 0;      // E (real experts); ids >= E are zero experts
+  int64_t num_zero_experts = 0; // Z
+  int64_t top_k = 0;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  bool norm_topk_prob = true;
+  float routed_scaling_factor = 1.0f;
+
+  static RoutingParams from_config(const LayerConfig& config);
+};
+
+struct ActivationParams {
+  Activation activation = Activation::silu;
+  float situ_beta = 4.0f;
+  float situ_linear_beta = 25.0f;
+
+  static ActivationParams from_config(const LayerConfig& config);
+};
+
+// One rank's shard of the routed experts (stacked) or of a dense gated/non-gated MLP.
+// For the routed experts: gate/up [E, I_r, l], down [E, l, I_r]; for a dense MLP: gate/up [Is_r, d],
+// down [d, Is_r]. `gate` is undefined for relu2.
+struct MlpWeights {
+  TensorView gate;
+  TensorView up;
+  TensorView down;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual Device device() const = 0;
+  // Device memory for weights and workspaces. Only called at construction, never in forward.
+  virtual DeviceBuffer allocate(size_t bytes) = 0;
+  // Copies equal-shape, equal-dtype contiguous tensors between the host and this device.
+  virtual void copy(const TensorView& src, const TensorView& dst) = 0;
+  // Stream the backend's operations run on (nullptr on the CPU); passed to the communicator.
+  virtual StreamHandle stream() const { return nullptr; }
+
+  // logits [T, E+Z] f32 = x [T, d] · gate [E+Z, d]^T, computed in fp32.
+  virtual void router_logits(const TensorView& x, const TensorView& gate, const TensorView& logits) = 0;
+
+  // DESIGN section 1 step 1. logits [T, E+Z] f32; bias [E+Z] f32 or undefined.
+  // Writes topk_ids [T, k] i32 (ordered by descending biased score, ties to the lower id),
+  // topk_weights [T, k] f32 and zero_weight_sum [T] f32 (the summed weights of ids >= E).
+  virtual void route(const RoutingParams& params, const TensorView& logits, const TensorView& bias,
+                     const TensorView& topk_ids, const TensorView& topk_weights,
+                     const TensorView& zero_weight_sum) = 0;
+
+  // y [T, n] = x [T, m] · w [n, m]^T, plus the previous y when `accumulate`. y may be a strided
+  // column block of a wider matrix (its last dimension is contiguous).
+  virtual void linear(const TensorView& x, const TensorView& w, const TensorView& y, bool accumulate) = 0;
+
+  // out [T, l] = sum over j < k with ids[t, j] < E of weights[t, j] · expert_{ids[t, j]}(z[t]).
+  virtual void routed_experts(const ActivationParams& activation, const TensorView& z, const TensorView& topk_ids,
+                              const TensorView& topk_weights, const MlpWeights& experts, const TensorView& out) = 0;
+
+  // out [T, d] = act(x Wg^T, x Wu^T) Wd^T (or relu(x Wu^T)^2 Wd^T).
+  virtual void dense_mlp(const ActivationParams& activation, const TensorView& x, const MlpWeights& mlp,
+                         const TensorView& out) = 0;
+
+  // out[t] = in[t] / sqrt(mean(in[t]^2) + eps) · gamma (gamma f32), in fp32.
+  virtual void rms_norm(const TensorView& in, const TensorView& gamma, float eps, const TensorView& out) = 0;
+
+  // out = a + b, elementwise (out may alias a or b).
+  virtual void add(const TensorView& a, const TensorView& b, const TensorView& out) = 0;
+
+  // out[t, :] += scale[t] · x[t, :] (the zero experts; scale f32).
+  virtual void add_scaled_rows(const TensorView& x, const TensorView& scale, const TensorView& out) = 0;
+
+  // --- Collective steps of the tails. The defaults compose the communicator's collectives with
+  // --- the operations above; a backend overrides them with fused kernels.
+
+  // out = RMSNorm(AR(partial)) when gamma is defined, else out = AR(partial). `partial` may be
+  // overwritten with the reduced sum.
+  virtual void all_reduce_rms_norm(Communicator& comm, const TensorView& partial, const TensorView& gamma, float eps,
+                                   const TensorView& out);
+
+  // Tier 0's collective: latent_out = RMSNorm(AR(latent_partial)) (no norm when gamma is undefined)
+  // on every rank, and shared_shard_out [T, d/tp] = this rank's column shard of RS(shared_partial).
+  virtual void tail_fusion_collective(Communicator& comm, const TensorView& latent_partial,
+                                      const TensorView& shared_partial, const TensorView& gamma, float eps,
+                                      const TensorView& latent_out, const TensorView& shared_shard_out);
+
+  // Runs `main` and `aux` so that they may overlap (CUDA: aux on a second stream joined by events).
+  // The default runs main, then aux.
+  virtual void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux);
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace latentmoe::detail
