@@ -17,13 +17,13 @@ std::string_view to_string(Activation activation);
 std::string_view to_string(ScoringFunc scoring);
 
 struct LayerConfig {
-  int64_t hidden_size = 0;               // d         (hidden_size)
-  int64_t latent_size = 0;               // l         (moe_latent_size | routed_expert_hidden_size)
-  int64_t num_experts = 0;               // E         (n_routed_experts | num_experts)
-  int64_t top_k = 0;                     // k         (num_experts_per_tok | num_experts_per_token)
-  int64_t intermediate_size = 0;         // I         (moe_intermediate_size)
-  int64_t num_shared_experts = 0;        //           (n_shared_experts | num_shared_experts)
-  int64_t shared_intermediate_size = 0;  // Is        (shared_expert_intermediate_size | moe_shared_...)
+  int64_t hidden_size = 0;                   // d         (hidden_size)
+  int64_t latent_size = 0;                   // l         (moe_latent_size | routed_expert_hidden_size)
+  int64_t num_experts = 0;                   // E         (n_routed_experts | num_experts)
+  int64_t top_k = 0;                         // k         (num_experts_per_tok | num_experts_per_token)
+  int64_t intermediate_size = 0;             // I         (moe_intermediate_size)
+  int64_t num_shared_experts = 0;            //           (n_shared_experts | num_shared_experts)
+  int64_t shared_intermediate_size = 0;      // Is        (shared_expert_intermediate_size | moe_shared_...)
   Activation activation = Activation::silu;  //    (hidden_act)
   double situ_beta = 4.0;
   double situ_linear_beta = 25.0;
@@ -34,17 +34,24 @@ struct LayerConfig {
   double routed_scaling_factor = 1.0;
   bool use_latent_norm = false;  // (latent_moe_use_norm)
   double rms_norm_eps = 1e-5;
-  int64_t zero_expert_num = 0;   // Z
+  int64_t zero_expert_num = 0;  // Z
 
   bool has_shared_expert() const { return shared_intermediate_size > 0; }
   bool is_gated() const { return activation != Activation::relu2; }
   // E + Z: the width of the router logits.
   int64_t num_router_outputs() const { return num_experts + zero_expert_num; }
 
-  // Throws Error naming the first inconsistent key.
+  // Throws Error naming the first inconsistent key (by its JSON name).
   void validate() const;
 
-  // Parses JSON text; `source` names it in error messages (a path, say).
+  // The config as a JSON object with the primary key names (docs/CONFIG.md); from_json() of the
+  // result gives back an equal config.
+  std::string to_json() const;
+
+  bool operator==(const LayerConfig&) const = default;
+
+  // Parses JSON text and validates the result; `source` names it in error messages (a path, say).
+  // The rules (types, aliases, defaults, null) are in docs/CONFIG.md.
   static LayerConfig from_json(std::string_view json_text, std::string_view source = "config");
   static LayerConfig from_file(const std::string& path);
 };

@@ -1,0 +1,384 @@
+// LayerConfig parsing and validation. The accepted keys, aliases, types and rules are documented in
+// docs/CONFIG.md; keep the two in step.
+#include "latentmoe/config.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "latentmoe/error.h"
+
+namespace latentmoe {
+namespace {
+
+using nlohmann::json;
+
+// Every size must fit in an int32 so that kernels may index a single dimension with int.
+constexpr int64_t kMaxDimension = std::numeric_limits<int32_t>::max();
+
+// A short rendering of a JSON value for error messages.
+std::string describe(const json& value) {
+  std::string text = value.dump();
+  constexpr size_t kMaxChars = 48;
+  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars - 3) + "...";
+  return text;
+}
+
+std::string_view type_name(const json& value) {
+  switch (value.type()) {
+    case json::value_t::object:
+      return "an object";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned:
+      return "an integer";
+    case json::value_t::number_float:
+      return "a number";
+    default:
+      return "null";
+  }
+}
+
+// Reads typed values from the top-level object; every error names `source` and the key.
+class Reader {
+ public:
+  Reader(const json& root, std::string_view source) : root_(root), source_(source) {}
+
+  struct Found {
+    const json* value = nullptr;
+    std::string_view key;  // the name under which it was found
+  };
+
+  // The value under `key` or `alias` (null counts as absent); both present and different: Error.
+  Found find(std::string_view key, std::string_view alias = {}) const {
+    const json* primary = lookup(key);
+    const json* secondary = alias.empty() ? nullptr : lookup(alias);
+    if (primary != nullptr && secondary != nullptr && *primary != *secondary) {
+      fail("'", key, "' (", describe(*primary), ") and its alias '", alias, "' (", describe(*secondary),
+           ") disagree; give one of them");
+    }
+    if (primary != nullptr) return {primary, key};
+    if (secondary != nullptr) return {secondary, alias};
+    return {};
+  }
+
+  bool has(std::string_view key, std::string_view alias = {}) const { return find(key, alias).value != nullptr; }
+
+  int64_t required_int(std::string_view key, std::string_view alias = {}) const { return as_int(require(key, alias)); }
+  int64_t optional_int(std::string_view key, std::string_view alias, int64_t fallback) const {
+    Found found = find(key, alias);
+    return found.value == nullptr ? fallback : as_int(found);
+  }
+  double optional_double(std::string_view key, double fallback) const {
+    Found found = find(key);
+    return found.value == nullptr ? fallback : as_double(found);
+  }
+  bool optional_bool(std::string_view key, std::string_view alias, bool fallback) const {
+    Found found = find(key, alias);
+    return found.value == nullptr ? fallback : as_bool(found);
+  }
+  std::optional<std::string> optional_string(std::string_view key) const {
+    Found found = find(key);
+    if (found.value == nullptr) return std::nullopt;
+    return as_string(found);
+  }
+  std::string required_string(std::string_view key) const { return as_string(require(key, {})); }
+
+  template <class... Parts>
+  [[noreturn]] void fail(Parts&&... parts) const {
+    detail::throw_error(source_, ": ", std::forward<Parts>(parts)...);
+  }
+
+ private:
+  const json* lookup(std::string_view key) const {
+    auto it = root_.find(key);
+    if (it == root_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+
+  Found require(std::string_view key, std::string_view alias) const {
+    Found found = find(key, alias);
+    if (found.value == nullptr) {
+      if (alias.empty()) fail("missing required key '", key, "'");
+      fail("missing required key '", key, "' (or its alias '", alias, "')");
+    }
+    return found;
+  }
+
+  // Integers must be JSON integers: 8.0, "8" and true are rejected rather than guessed at.
+  int64_t as_int(const Found& found) const {
+    const json& value = *found.value;
+    if (value.is_number_unsigned()) {
+      auto number = value.get<uint64_t>();
+      if (number > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        fail("'", found.key, "' is out of range: ", describe(value));
+      }
+      return static_cast<int64_t>(number);
+    }
+    if (value.is_number_integer()) return value.get<int64_t>();
+    fail("'", found.key, "' must be an integer, got ", type_name(value), " (", describe(value), ")");
+  }
+
+  double as_double(const Found& found) const {
+    const json& value = *found.value;
+    if (!value.is_number()) {
+      fail("'", found.key, "' must be a number, got ", type_name(value), " (", describe(value), ")");
+    }
+    return value.get<double>();
+  }
+
+  // Booleans must be JSON true/false: 0 and 1 are rejected (HF configs always write true/false).
+  bool as_bool(const Found& found) const {
+    const json& value = *found.value;
+    if (!value.is_boolean()) {
+      fail("'", found.key, "' must be true or false, got ", type_name(value), " (", describe(value), ")");
+    }
+    return value.get<bool>();
+  }
+
+  std::string as_string(const Found& found) const {
+    const json& value = *found.value;
+    if (!value.is_string()) {
+      fail("'", found.key, "' must be a string, got ", type_name(value), " (", describe(value), ")");
+    }
+    return value.get<std::string>();
+  }
+
+  const json& root_;
+  std::string_view source_;
+};
+
+void check_size(std::string_view key, int64_t value, bool allow_zero) {
+  if (allow_zero) {
+    LATENTMOE_CHECK(value >= 0, key, " must be >= 0, got ", value);
+  } else {
+    LATENTMOE_CHECK(value > 0, key, " must be positive, got ", value);
+  }
+  LATENTMOE_CHECK(value <= kMaxDimension, key, " ", value, " exceeds the limit ", kMaxDimension);
+}
+
+void check_positive_finite(std::string_view key, double value) {
+  LATENTMOE_CHECK(std::isfinite(value) && value > 0, key, " must be finite and > 0, got ", value);
+}
+
+// a * b * ... without overflow; nullopt when the product does not fit in int64.
+std::optional<int64_t> checked_product(std::initializer_list<int64_t> factors) {
+  int64_t product = 1;
+  for (int64_t factor : factors) {
+    if (factor != 0 && product > std::numeric_limits<int64_t>::max() / factor) return std::nullopt;
+    product *= factor;
+  }
+  return product;
+}
+
+// Drops nlohmann's "[json.exception.parse_error.101] " tag, keeping the position and the reason.
+std::string parse_error_text(const json::exception& error) {
+  std::string text = error.what();
+  if (!text.empty() && text.front() == '[') {
+    size_t end = text.find("] ");
+    if (end != std::string::npos) text = text.substr(end + 2);
+  }
+  return text;
+}
+
+}  // namespace
+
+std::string_view to_string(Activation activation) {
+  switch (activation) {
+    case Activation::silu:
+      return "silu";
+    case Activation::situ:
+      return "situ";
+    case Activation::relu2:
+      return "relu2";
+  }
+  return "unknown";
+}
+
+std::string_view to_string(ScoringFunc scoring) {
+  switch (scoring) {
+    case ScoringFunc::sigmoid:
+      return "sigmoid";
+    case ScoringFunc::softmax:
+      return "softmax";
+  }
+  return "unknown";
+}
+
+void LayerConfig::validate() const {
+  check_size("hidden_size", hidden_size, false);
+  check_size("moe_latent_size", latent_size, false);
+  check_size("n_routed_experts", num_experts, false);
+  check_size("num_experts_per_tok", top_k, false);
+  check_size("moe_intermediate_size", intermediate_size, false);
+  check_size("n_shared_experts", num_shared_experts, true);
+  check_size("shared_expert_intermediate_size", shared_intermediate_size, true);
+  check_size("zero_expert_num", zero_expert_num, true);
+  check_size("n_router_outputs (n_routed_experts + zero_expert_num)", num_router_outputs(), false);
+
+  const int64_t num_outputs = num_router_outputs();
+  LATENTMOE_CHECK(top_k <= num_outputs, "num_experts_per_tok ", top_k,
+                  " exceeds n_routed_experts + zero_expert_num = ", num_outputs);
+  LATENTMOE_CHECK(n_group >= 1, "n_group must be positive, got ", n_group);
+  LATENTMOE_CHECK(num_outputs % n_group == 0, "n_group ", n_group,
+                  " does not divide n_routed_experts + zero_expert_num = ", num_outputs);
+  const int64_t group_size = num_outputs / n_group;
+  // A group's score is the sum of its best two biased scores (DeepSeek-V3), so a group needs two.
+  LATENTMOE_CHECK(n_group == 1 || group_size >= 2, "n_group ", n_group, " leaves ", group_size,
+                  " expert per group (n_routed_experts + zero_expert_num = ", num_outputs,
+                  "); group-limited routing needs at least 2");
+  LATENTMOE_CHECK(topk_group >= 1 && topk_group <= n_group, "topk_group ", topk_group,
+                  " is outside [1, n_group = ", n_group, "]");
+  LATENTMOE_CHECK(
+      top_k <= topk_group * group_size, "num_experts_per_tok ", top_k,
+      " exceeds the experts in the kept groups: topk_group * (n_routed_experts + zero_expert_num) / n_group = ",
+      topk_group, " * ", num_outputs, " / ", n_group, " = ", topk_group * group_size);
+
+  check_positive_finite("situ_beta", situ_beta);
+  check_positive_finite("situ_linear_beta", situ_linear_beta);
+  check_positive_finite("routed_scaling_factor", routed_scaling_factor);
+  check_positive_finite("rms_norm_eps", rms_norm_eps);
+
+  // The largest weight tensor (all routed experts' projections) must have a countable size.
+  LATENTMOE_CHECK(checked_product({num_experts, 3, intermediate_size, latent_size}).has_value(),
+                  "n_routed_experts * moe_intermediate_size * moe_latent_size overflows (", num_experts, " * ",
+                  intermediate_size, " * ", latent_size, ")");
+}
+
+std::string LayerConfig::to_json() const {
+  json out = json::object();
+  out["hidden_size"] = hidden_size;
+  out["moe_latent_size"] = latent_size;
+  out["n_routed_experts"] = num_experts;
+  out["num_experts_per_tok"] = top_k;
+  out["moe_intermediate_size"] = intermediate_size;
+  out["n_shared_experts"] = num_shared_experts;
+  out["shared_expert_intermediate_size"] = shared_intermediate_size;
+  out["hidden_act"] = std::string(to_string(activation));
+  out["situ_beta"] = situ_beta;
+  out["situ_linear_beta"] = situ_linear_beta;
+  out["scoring_func"] = std::string(to_string(scoring));
+  out["n_group"] = n_group;
+  out["topk_group"] = topk_group;
+  out["norm_topk_prob"] = norm_topk_prob;
+  out["routed_scaling_factor"] = routed_scaling_factor;
+  out["latent_moe_use_norm"] = use_latent_norm;
+  out["rms_norm_eps"] = rms_norm_eps;
+  out["zero_expert_num"] = zero_expert_num;
+  return out.dump(2);
+}
+
+LayerConfig LayerConfig::from_json(std::string_view json_text, std::string_view source) {
+  json root;
+  try {
+    root = json::parse(json_text.begin(), json_text.end());
+  } catch (const json::exception& error) {  // parse_error, or out_of_range for a number like 1e400
+    detail::throw_error(source, ": invalid JSON: ", parse_error_text(error));
+  }
+  Reader reader(root, source);
+  if (!root.is_object()) reader.fail("the top level must be a JSON object, got ", type_name(root));
+
+  LayerConfig config;
+  config.hidden_size = reader.required_int("hidden_size");
+  config.latent_size = reader.required_int("moe_latent_size", "routed_expert_hidden_size");
+  config.num_experts = reader.required_int("n_routed_experts", "num_experts");
+  config.top_k = reader.required_int("num_experts_per_tok", "num_experts_per_token");
+  config.intermediate_size = reader.required_int("moe_intermediate_size");
+
+  const bool shared_count_given = reader.has("n_shared_experts", "num_shared_experts");
+  config.num_shared_experts = reader.optional_int("n_shared_experts", "num_shared_experts", 0);
+  if (reader.has("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")) {
+    // An explicit width wins over n_shared_experts * I (Qwen2-MoE style configs give only the width).
+    config.shared_intermediate_size =
+        reader.optional_int("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", 0);
+    if (shared_count_given && config.num_shared_experts == 0 && config.shared_intermediate_size > 0) {
+      reader.fail("n_shared_experts is 0 but shared_expert_intermediate_size is ", config.shared_intermediate_size,
+                  "; set n_shared_experts > 0 or the width to 0");
+    }
+    if (!shared_count_given) config.num_shared_experts = config.shared_intermediate_size > 0 ? 1 : 0;
+  } else {
+    auto product = checked_product({config.num_shared_experts, config.intermediate_size});
+    if (!product.has_value() || config.num_shared_experts < 0 || config.intermediate_size < 0) {
+      // Out-of-range inputs: leave the product alone and let validate() name the bad key.
+      config.shared_intermediate_size = 0;
+    } else {
+      config.shared_intermediate_size = *product;
+    }
+  }
+
+  const std::string act = reader.required_string("hidden_act");
+  if (act == "silu") {
+    config.activation = Activation::silu;
+  } else if (act == "situ") {
+    config.activation = Activation::situ;
+  } else if (act == "relu2") {
+    config.activation = Activation::relu2;
+  } else {
+    reader.fail("unknown hidden_act '", act, "'; accepted: silu, situ, relu2");
+  }
+  config.situ_beta = reader.optional_double("situ_beta", config.situ_beta);
+  config.situ_linear_beta = reader.optional_double("situ_linear_beta", config.situ_linear_beta);
+
+  if (auto scoring = reader.optional_string("scoring_func")) {
+    if (*scoring == "sigmoid") {
+      config.scoring = ScoringFunc::sigmoid;
+    } else if (*scoring == "softmax") {
+      config.scoring = ScoringFunc::softmax;
+    } else {
+      reader.fail("unknown scoring_func '", *scoring, "'; accepted: sigmoid, softmax");
+    }
+  }
+  config.n_group = reader.optional_int("n_group", {}, config.n_group);
+  config.topk_group = reader.optional_int("topk_group", {}, config.topk_group);
+  config.norm_topk_prob = reader.optional_bool("norm_topk_prob", "moe_renormalize", config.norm_topk_prob);
+  config.routed_scaling_factor = reader.optional_double("routed_scaling_factor", config.routed_scaling_factor);
+  config.use_latent_norm = reader.optional_bool("latent_moe_use_norm", {}, config.use_latent_norm);
+  config.rms_norm_eps = reader.optional_double("rms_norm_eps", config.rms_norm_eps);
+  config.zero_expert_num = reader.optional_int("zero_expert_num", {}, config.zero_expert_num);
+
+  try {
+    config.validate();
+  } catch (const Error& error) {
+    reader.fail(error.what());
+  }
+  return config;
+}
+
+LayerConfig LayerConfig::from_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) detail::throw_error(path, ": cannot read config file: is a directory");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) detail::throw_error(path, ": cannot read config file: ", std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) detail::throw_error(path, ": cannot read config file: read error");
+  return from_json(text.str(), path);
+}
+
+void validate_parallel(const LayerConfig& config, const ParallelConfig& parallel) {
+  LATENTMOE_CHECK(parallel.tp_size >= 1, "tp must be >= 1, got ", parallel.tp_size);
+  LATENTMOE_CHECK(parallel.rank >= 0 && parallel.rank < parallel.tp_size, "rank ", parallel.rank,
+                  " is outside [0, tp = ", parallel.tp_size, ")");
+  const int64_t tp = parallel.tp_size;
+  auto check_divides = [tp](std::string_view key, int64_t size) {
+    LATENTMOE_CHECK(size % tp == 0, "tp ", tp, " does not divide ", key, " ", size);
+  };
+  check_divides("hidden_size", config.hidden_size);
+  check_divides("moe_latent_size", config.latent_size);
+  check_divides("moe_intermediate_size", config.intermediate_size);
+  if (config.has_shared_expert()) check_divides("shared_expert_intermediate_size", config.shared_intermediate_size);
+}
+
+}  // namespace latentmoe
