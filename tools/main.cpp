@@ -1,2 +1,31 @@
-// Placeholder entry point; replaced by the command-line tool.
-int main() { return 0; }
+// latentmoe: the command-line tool. Every failure ends with one line on stderr and exit code 1
+// (2 for a malformed command line).
+#include <iostream>
+
+#include "commands.h"
+#include "latentmoe/error.h"
+#include "latentmoe/runner.h"
+#include "version.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"latentmoe: the Mixture-of-Experts block of latent-MoE models under tensor parallelism"};
+  app.set_version_flag("--version", latentmoe::tools::version_string());
+  app.require_subcommand(1);
+  app.fallthrough(false);
+  latentmoe::tools::register_run_command(app);
+  latentmoe::tools::register_demo_command(app);
+  latentmoe::tools::register_inspect_command(app);
+  latentmoe::tools::register_bench_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& error) {
+    return app.exit(error);
+  } catch (const latentmoe::Error& error) {
+    std::cerr << "latentmoe: error: " << error.what() << "\n";
+    return 1;
+  } catch (const std::exception& error) {
+    std::cerr << "latentmoe: error: " << error.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -22,8 +22,8 @@ std::vector<std::unique_ptr<Communicator>> make_in_process_group(int tp_size, In
 
 // Runs body(rank) for rank 0..tp_size-1, each on its own thread, and waits for all. If any rank
 // throws, the group's communicators are aborted (peers blocked in a collective throw instead of
-// waiting for the timeout) and the first exception (lowest rank among the first failures) is
-// rethrown on the calling thread.
+// waiting for the timeout) and the exception of the rank that failed first (not the aborts it
+// caused on its peers) is rethrown on the calling thread.
 void run_ranks(std::vector<std::unique_ptr<Communicator>>& group, const std::function<void(int rank)>& body);
 
 }  // namespace latentmoe

@@ -19,6 +19,10 @@
 
 namespace latentmoe {
 
+namespace detail {
+struct RunnerState;
+}
+
 enum class BackendKind { automatic, cpu, cuda };
 std::string_view to_string(BackendKind kind);
 // "auto", "cpu", "cuda"; throws on anything else.
@@ -29,7 +33,14 @@ struct RunnerOptions {
   TierPolicy policy = {};
   // Largest token count forward() accepts; workspaces are sized for it.
   int64_t max_tokens = 4096;
+  // CUDA: the device this rank runs on; -1 picks rank % number of devices (so several ranks share
+  // one GPU when there are fewer GPUs than ranks).
+  int device_ordinal = -1;
 };
+
+// The backend `auto` resolves to here (cuda when built with CUDA and a GPU is present, else cpu);
+// throws Error when an explicitly requested backend is not available.
+BackendKind resolve_backend_kind(BackendKind kind);
 
 struct ForwardInputs {
   TensorView hidden_states;   // [T, d], the compute dtype
@@ -63,9 +74,13 @@ class Runner {
   // more than max_tokens tokens.
   TailTier forward(const ForwardInputs& inputs, const ForwardOutputs& outputs);
 
+  // forward() on host tensors whatever the backend: for a GPU backend, inputs are staged to the
+  // device and outputs back (the staging buffers are allocated on the first call, for max_tokens).
+  // Convenient for tools and tests; engines call forward() on device tensors.
+  TailTier forward_host(const ForwardInputs& inputs, const ForwardOutputs& outputs);
+
  private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<detail::RunnerState> impl_;
 };
 
 }  // namespace latentmoe

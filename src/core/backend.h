@@ -86,10 +86,15 @@ class Backend {
   virtual Device device() const = 0;
   // Device memory for weights and workspaces. Only called at construction, never in forward.
   virtual DeviceBuffer allocate(size_t bytes) = 0;
-  // Copies equal-shape, equal-dtype contiguous tensors between the host and this device.
+  // Copies equal-shape, equal-dtype tensors (rows contiguous) between the host and this device or
+  // within the device, in stream order. A copy into host memory has completed when copy() returns.
   virtual void copy(const TensorView& src, const TensorView& dst) = 0;
   // Stream the backend's operations run on (nullptr on the CPU); passed to the communicator.
   virtual StreamHandle stream() const { return nullptr; }
+  // Called once by the runner at construction, after the weights are placed: a backend sizes its
+  // internal workspaces (e.g. the grouped-GEMM layout) for up to `max_tokens` tokens here, so that
+  // no operation allocates during forward.
+  virtual void prepare(const LayerConfig& config, int64_t max_tokens, int tp_size) {}
 
   // logits [T, E+Z] f32 = x [T, d] · gate [E+Z, d]^T, computed in fp32.
   virtual void router_logits(const TensorView& x, const TensorView& gate, const TensorView& logits) = 0;

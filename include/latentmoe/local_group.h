@@ -1,0 +1,46 @@
+// Runs a whole tensor-parallel group inside this process: one thread per rank, each with its own
+// Runner over its shard and a communicator of the group. Used by the command-line tool, the demo
+// and the tests; an engine builds Runners itself, one per rank process.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "latentmoe/config.h"
+#include "latentmoe/runner.h"
+#include "latentmoe/tensor.h"
+#include "latentmoe/weights.h"
+
+namespace latentmoe {
+
+struct LocalGroupInputs {
+  HostTensor hidden_states;  // [T, d]
+  HostTensor router_logits;  // [T, E+Z] f32, optional
+  HostTensor latent_states;  // [T, l], optional
+};
+
+struct RankResult {
+  HostTensor output;        // [T, d]
+  HostTensor topk_ids;      // [T, k] i32
+  HostTensor topk_weights;  // [T, k] f32
+  TailTier tier = TailTier::native;
+  double forward_ms = 0.0;  // median wall time of the timed forward calls of this rank
+};
+
+struct LocalGroupOptions {
+  int tp_size = 1;
+  BackendKind backend = BackendKind::cpu;
+  std::optional<TailTier> tier;  // nullopt: the policy picks
+  TierPolicy policy = {};
+  int num_timed_runs = 1;        // forward is run this many times; the last run's outputs are kept
+};
+
+// `rank_weights(parallel)` returns rank parallel.rank's shard (e.g. load_layer_weights from a file
+// or shard_layer_weights of in-memory weights); it is called on the rank's own thread. Returns
+// one result per rank. Throws the first rank's Error if any rank fails.
+std::vector<RankResult> run_local_group(const LayerConfig& config,
+                                        const std::function<LayerWeights(const ParallelConfig&)>& rank_weights,
+                                        const LocalGroupInputs& inputs, const LocalGroupOptions& options);
+
+}  // namespace latentmoe

@@ -1,0 +1,50 @@
+// Default implementations of the tails' collective steps (composed from the communicator and the
+// backend's own operations) and the parameter structs derived from the config.
+#include "core/backend.h"
+
+namespace latentmoe::detail {
+
+RoutingParams RoutingParams::from_config(const LayerConfig& config) {
+  RoutingParams params;
+  params.scoring = config.scoring;
+  params.num_experts = config.num_experts;
+  params.num_zero_experts = config.zero_expert_num;
+  params.top_k = config.top_k;
+  params.n_group = config.n_group;
+  params.topk_group = config.topk_group;
+  params.norm_topk_prob = config.norm_topk_prob;
+  params.routed_scaling_factor = static_cast<float>(config.routed_scaling_factor);
+  return params;
+}
+
+ActivationParams ActivationParams::from_config(const LayerConfig& config) {
+  ActivationParams params;
+  params.activation = config.activation;
+  params.situ_beta = static_cast<float>(config.situ_beta);
+  params.situ_linear_beta = static_cast<float>(config.situ_linear_beta);
+  return params;
+}
+
+void Backend::all_reduce_rms_norm(Communicator& comm, const TensorView& partial, const TensorView& gamma, float eps,
+                                  const TensorView& out) {
+  if (comm.size() > 1) comm.all_reduce_sum(partial, stream());
+  if (gamma.defined()) {
+    rms_norm(partial, gamma, eps, out);
+  } else {
+    copy(partial, out);
+  }
+}
+
+void Backend::tail_fusion_collective(Communicator& comm, const TensorView& latent_partial,
+                                     const TensorView& shared_partial, const TensorView& gamma, float eps,
+                                     const TensorView& latent_out, const TensorView& shared_shard_out) {
+  all_reduce_rms_norm(comm, latent_partial, gamma, eps, latent_out);
+  comm.reduce_scatter_sum(shared_partial, shared_shard_out, stream());
+}
+
+void Backend::run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) {
+  main();
+  aux();
+}
+
+}  // namespace latentmoe::detail

@@ -1,0 +1,258 @@
+// The runner: validation, weight placement, workspaces, and the forward pass of DESIGN sections 1-2,
+// written once against the Backend interface. The tails themselves are in tails.cpp.
+#include "latentmoe/runner.h"
+
+#include <array>
+
+#include "core/backend.h"
+#include "core/runner_state.h"
+#include "core/tails.h"
+#include "latentmoe/error.h"
+#ifdef LATENTMOE_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace latentmoe {
+
+std::string_view to_string(BackendKind kind) {
+  switch (kind) {
+    case BackendKind::automatic: return "auto";
+    case BackendKind::cpu: return "cpu";
+    case BackendKind::cuda: return "cuda";
+  }
+  return "?";
+}
+
+BackendKind parse_backend_kind(std::string_view name) {
+  if (name == "auto") return BackendKind::automatic;
+  if (name == "cpu") return BackendKind::cpu;
+  if (name == "cuda") return BackendKind::cuda;
+  detail::throw_error("unknown backend '", name, "' (expected auto, cpu or cuda)");
+}
+
+bool cuda_backend_available() {
+#ifdef LATENTMOE_WITH_CUDA
+  return cuda::cuda_device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+BackendKind resolve_backend_kind(BackendKind kind) {
+  if (kind == BackendKind::automatic) return cuda_backend_available() ? BackendKind::cuda : BackendKind::cpu;
+#ifndef LATENTMOE_WITH_CUDA
+  LATENTMOE_CHECK(kind != BackendKind::cuda, "the CUDA backend is not available: latentmoe was built without CUDA");
+#else
+  LATENTMOE_CHECK(kind != BackendKind::cuda || cuda::cuda_device_count() > 0,
+                  "the CUDA backend is not available: no CUDA device was found");
+#endif
+  return kind;
+}
+
+namespace detail {
+
+namespace {
+
+std::unique_ptr<Backend> make_backend(BackendKind kind, const ParallelConfig& parallel, int device_ordinal) {
+  switch (resolve_backend_kind(kind)) {
+    case BackendKind::cpu: return make_cpu_backend();
+    case BackendKind::cuda:
+#ifdef LATENTMOE_WITH_CUDA
+    {
+      const int num_devices = cuda::cuda_device_count();
+      const int device = device_ordinal >= 0 ? device_ordinal : parallel.rank % num_devices;
+      LATENTMOE_CHECK(device < num_devices, "CUDA device ", device, " does not exist (", num_devices, " found)");
+      return cuda::make_cuda_backend(device);
+    }
+#endif
+    case BackendKind::automatic: break;
+  }
+  throw_error("internal: unresolved backend kind");
+}
+
+// Copies one host weight to the backend's device; undefined host tensors stay undefined.
+DeviceTensor place(Backend& backend, const HostTensor& host) {
+  DeviceTensor placed;
+  if (!host.defined()) return placed;
+  placed.buffer = backend.allocate(host.nbytes());
+  placed.view = TensorView(placed.buffer.get(), host.dtype(), host.shape(), backend.device());
+  backend.copy(host.view(), placed.view);
+  return placed;
+}
+
+DeviceTensor workspace(Backend& backend, DType dtype, std::vector<int64_t> shape) {
+  DeviceTensor tensor;
+  int64_t count = 1;
+  for (int64_t extent : shape) count *= extent;
+  tensor.buffer = backend.allocate(static_cast<size_t>(std::max<int64_t>(count, 1)) * dtype_size(dtype));
+  tensor.view = TensorView(tensor.buffer.get(), dtype, shape, backend.device());
+  return tensor;
+}
+
+void check_tensor(const TensorView& tensor, const char* name, DType dtype, std::initializer_list<int64_t> shape,
+                  Device device) {
+  LATENTMOE_CHECK(tensor.defined(), name, " is missing");
+  const std::vector<int64_t> expected(shape);
+  LATENTMOE_CHECK(tensor.shape() == expected, name, " has shape ", tensor.shape_string(), ", expected ",
+                  TensorView(nullptr, dtype, expected).shape_string());
+  LATENTMOE_CHECK(tensor.dtype() == dtype, name, " has dtype ", dtype_name(tensor.dtype()), ", expected ",
+                  dtype_name(dtype));
+  LATENTMOE_CHECK(tensor.is_contiguous(), name, " must be contiguous");
+  LATENTMOE_CHECK(tensor.device() == device, name, " is on the ", device == Device::cpu ? "GPU" : "CPU",
+                  " but the runner's backend is on the ", device == Device::cpu ? "CPU" : "GPU");
+  LATENTMOE_CHECK(tensor.data() != nullptr || tensor.numel() == 0, name, " has no data");
+}
+
+}  // namespace
+
+}  // namespace detail
+
+using detail::check_tensor;
+
+Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const LayerWeights& weights,
+               Communicator& communicator, const RunnerOptions& options)
+    : impl_(std::make_unique<detail::RunnerState>(config, parallel, communicator, options)) {
+  config.validate();
+  validate_parallel(config, parallel);
+  LATENTMOE_CHECK(communicator.size() == parallel.tp_size && communicator.rank() == parallel.rank,
+                  "the communicator is rank ", communicator.rank(), " of ", communicator.size(),
+                  " but the parallel config is rank ", parallel.rank, " of ", parallel.tp_size);
+  LATENTMOE_CHECK(options.max_tokens >= 1, "max_tokens must be at least 1, got ", options.max_tokens);
+  LATENTMOE_CHECK(is_compute_dtype(weights.dtype), "weights dtype ", dtype_name(weights.dtype),
+                  " is not a compute dtype (F32, BF16, F16)");
+  validate_layer_weights(weights, config, parallel.tp_size);
+
+  detail::RunnerState& state = *impl_;
+  state.dtype = weights.dtype;
+  state.backend = detail::make_backend(options.backend, parallel, options.device_ordinal);
+  detail::Backend& backend = *state.backend;
+  state.routing = detail::RoutingParams::from_config(config);
+  state.activation = detail::ActivationParams::from_config(config);
+
+  state.gate = detail::place(backend, weights.gate);
+  state.score_bias = detail::place(backend, weights.score_bias);
+  state.down_proj = detail::place(backend, weights.down_proj);
+  state.latent_norm = detail::place(backend, weights.latent_norm);
+  state.up_proj = detail::place(backend, weights.up_proj);
+  state.expert_gate = detail::place(backend, weights.expert_gate);
+  state.expert_up = detail::place(backend, weights.expert_up);
+  state.expert_down = detail::place(backend, weights.expert_down);
+  state.shared_gate = detail::place(backend, weights.shared_gate);
+  state.shared_up = detail::place(backend, weights.shared_up);
+  state.shared_down = detail::place(backend, weights.shared_down);
+
+  const int64_t max_tokens = options.max_tokens;
+  const int64_t d = config.hidden_size, l = config.latent_size, k = config.top_k;
+  const int64_t shard = d / parallel.tp_size;
+  state.logits = detail::workspace(backend, DType::f32, {max_tokens, config.num_router_outputs()});
+  state.topk_ids = detail::workspace(backend, DType::i32, {max_tokens, k});
+  state.topk_weights = detail::workspace(backend, DType::f32, {max_tokens, k});
+  state.zero_weight_sum = detail::workspace(backend, DType::f32, {max_tokens});
+  state.latent_in = detail::workspace(backend, state.dtype, {max_tokens, l});
+  state.latent_partial = detail::workspace(backend, state.dtype, {max_tokens, l});
+  state.latent_reduced = detail::workspace(backend, state.dtype, {max_tokens, l});
+  state.shared_partial = detail::workspace(backend, state.dtype, {max_tokens, d});
+  state.hidden_shard = detail::workspace(backend, state.dtype, {max_tokens, shard});
+  backend.prepare(config, max_tokens, parallel.tp_size);
+}
+
+Runner::~Runner() = default;
+
+DType Runner::dtype() const { return impl_->dtype; }
+Device Runner::device() const { return impl_->backend->device(); }
+
+TailTier Runner::select_tier(int64_t num_tokens) const {
+  return select_tail_tier(impl_->options.policy, impl_->fused_path_conditions(), num_tokens);
+}
+
+TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outputs) {
+  detail::RunnerState& state = *impl_;
+  const LayerConfig& config = state.config;
+  const Device device = state.backend->device();
+  const int64_t d = config.hidden_size, l = config.latent_size, k = config.top_k;
+
+  LATENTMOE_CHECK(inputs.hidden_states.defined() && inputs.hidden_states.rank() == 2,
+                  "hidden_states must be a rank-2 tensor [tokens, hidden_size]");
+  const int64_t num_tokens = inputs.hidden_states.size(0);
+  LATENTMOE_CHECK(num_tokens <= state.options.max_tokens, "forward got ", num_tokens,
+                  " tokens but the runner was built for at most max_tokens = ", state.options.max_tokens);
+  check_tensor(inputs.hidden_states, "hidden_states", state.dtype, {num_tokens, d}, device);
+  if (inputs.router_logits.defined()) {
+    check_tensor(inputs.router_logits, "router_logits", DType::f32, {num_tokens, config.num_router_outputs()}, device);
+  } else {
+    LATENTMOE_CHECK(state.gate.view.defined(),
+                    "router_logits were not given and the weights have no gate.weight to compute them");
+  }
+  if (inputs.latent_states.defined()) {
+    check_tensor(inputs.latent_states, "latent_states", state.dtype, {num_tokens, l}, device);
+  }
+  check_tensor(outputs.output, "output", state.dtype, {num_tokens, d}, device);
+  if (outputs.topk_ids.defined()) check_tensor(outputs.topk_ids, "topk_ids", DType::i32, {num_tokens, k}, device);
+  if (outputs.topk_weights.defined()) {
+    check_tensor(outputs.topk_weights, "topk_weights", DType::f32, {num_tokens, k}, device);
+  }
+
+  const FusedPathConditions conditions = state.fused_path_conditions();
+  TailTier tier;
+  if (inputs.tier.has_value()) {
+    check_tier_possible(*inputs.tier, conditions);
+    tier = *inputs.tier;
+  } else {
+    tier = select_tail_tier(state.options.policy, conditions, num_tokens);
+  }
+  if (num_tokens == 0) return tier;  // every rank sees the same T, so all skip the collectives together
+
+  detail::run_layer(state, inputs, outputs, tier, num_tokens);
+  return tier;
+}
+
+}  // namespace latentmoe
+
+namespace latentmoe {
+
+TailTier Runner::forward_host(const ForwardInputs& inputs, const ForwardOutputs& outputs) {
+  detail::RunnerState& state = *impl_;
+  detail::Backend& backend = *state.backend;
+  if (backend.device() == Device::cpu) return forward(inputs, outputs);
+
+  const LayerConfig& config = state.config;
+  const int64_t max_tokens = state.options.max_tokens;
+  if (!state.staging) {
+    auto staging = std::make_unique<detail::RunnerState::Staging>();
+    staging->hidden_states = detail::workspace(backend, state.dtype, {max_tokens, config.hidden_size});
+    staging->router_logits = detail::workspace(backend, DType::f32, {max_tokens, config.num_router_outputs()});
+    staging->latent_states = detail::workspace(backend, state.dtype, {max_tokens, config.latent_size});
+    staging->output = detail::workspace(backend, state.dtype, {max_tokens, config.hidden_size});
+    staging->topk_ids = detail::workspace(backend, DType::i32, {max_tokens, config.top_k});
+    staging->topk_weights = detail::workspace(backend, DType::f32, {max_tokens, config.top_k});
+    state.staging = std::move(staging);
+  }
+  detail::RunnerState::Staging& staging = *state.staging;
+  // Shapes and dtypes are checked by forward(); here only what staging needs.
+  auto stage = [&](const TensorView& host, const detail::DeviceTensor& buffer, bool copy_in) -> TensorView {
+    if (!host.defined()) return {};
+    LATENTMOE_CHECK(host.device() == Device::cpu, "forward_host takes host tensors");
+    LATENTMOE_CHECK(host.rank() == 2 && host.size(0) <= max_tokens && host.size(1) == buffer.view.size(1) &&
+                        host.dtype() == buffer.view.dtype() && host.is_contiguous(),
+                    "forward_host: input of shape ", host.shape_string(), " and dtype ", dtype_name(host.dtype()),
+                    " does not fit ", buffer.view.shape_string(), " ", dtype_name(buffer.view.dtype()));
+    TensorView device_view = buffer.view.slice_rows(0, host.size(0));
+    if (copy_in) backend.copy(host, device_view);
+    return device_view;
+  };
+  ForwardInputs device_inputs = inputs;
+  device_inputs.hidden_states = stage(inputs.hidden_states, staging.hidden_states, true);
+  device_inputs.router_logits = stage(inputs.router_logits, staging.router_logits, true);
+  device_inputs.latent_states = stage(inputs.latent_states, staging.latent_states, true);
+  ForwardOutputs device_outputs;
+  device_outputs.output = stage(outputs.output, staging.output, false);
+  device_outputs.topk_ids = stage(outputs.topk_ids, staging.topk_ids, false);
+  device_outputs.topk_weights = stage(outputs.topk_weights, staging.topk_weights, false);
+  const TailTier tier = forward(device_inputs, device_outputs);
+  backend.copy(device_outputs.output, outputs.output);
+  if (outputs.topk_ids.defined()) backend.copy(device_outputs.topk_ids, outputs.topk_ids);
+  if (outputs.topk_weights.defined()) backend.copy(device_outputs.topk_weights, outputs.topk_weights);
+  return tier;
+}
+
+}  // namespace latentmoe

@@ -1,0 +1,165 @@
+// latentmoe demo: the main job. Builds a scaled-down model of each reference family (Kimi-K3-like
+// and Nemotron-3-like) with seeded random weights, runs every tier at tp 1, 2, 4 and 8 in f32 and
+// bf16, checks each run against the single-device (tp 1) result and that all ranks hold identical
+// bits, and prints a table. Exits non-zero if any check fails.
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "latentmoe/compare.h"
+#include "latentmoe/error.h"
+#include "latentmoe/local_group.h"
+#include "latentmoe/weights.h"
+
+namespace latentmoe::tools {
+namespace {
+
+struct DemoModel {
+  const char* name;
+  LayerConfig config;
+};
+
+std::vector<DemoModel> demo_models() {
+  LayerConfig kimi;  // Kimi K3's structure (situ, latent norm, biased sigmoid routing), scaled down
+  kimi.hidden_size = 256;
+  kimi.latent_size = 128;
+  kimi.num_experts = 64;
+  kimi.top_k = 8;
+  kimi.intermediate_size = 96;
+  kimi.num_shared_experts = 1;
+  kimi.shared_intermediate_size = 192;
+  kimi.activation = Activation::situ;
+  kimi.scoring = ScoringFunc::sigmoid;
+  kimi.norm_topk_prob = true;
+  kimi.routed_scaling_factor = 1.0;
+  kimi.use_latent_norm = true;
+
+  LayerConfig nemotron;  // Nemotron 3 Super's structure (relu2, no latent norm, scaling 5), scaled down
+  nemotron.hidden_size = 256;
+  nemotron.latent_size = 64;
+  nemotron.num_experts = 48;
+  nemotron.top_k = 6;
+  nemotron.intermediate_size = 112;
+  nemotron.num_shared_experts = 1;
+  nemotron.shared_intermediate_size = 224;
+  nemotron.activation = Activation::relu2;
+  nemotron.scoring = ScoringFunc::sigmoid;
+  nemotron.norm_topk_prob = true;
+  nemotron.routed_scaling_factor = 5.0;
+  nemotron.use_latent_norm = false;
+  return {{"kimi-k3-mini", kimi}, {"nemotron3-mini", nemotron}};
+}
+
+// Deterministic inputs in `dtype` (values rounded to it) and f32 router logits.
+LocalGroupInputs demo_inputs(const LayerConfig& config, int64_t num_tokens, DType dtype, uint64_t seed) {
+  LocalGroupInputs inputs;
+  inputs.hidden_states = HostTensor(dtype, {num_tokens, config.hidden_size});
+  inputs.router_logits = HostTensor(DType::f32, {num_tokens, config.num_router_outputs()});
+  uint64_t state = seed;
+  auto next_uniform = [&state] {  // splitmix64 -> [-1, 1)
+    state += 0x9e3779b97f4a7c15ull;
+    uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return static_cast<float>(static_cast<double>(z >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+  };
+  for (int64_t i = 0; i < inputs.hidden_states.numel(); ++i) {
+    store_from_float(inputs.hidden_states.data(), dtype, i, next_uniform());
+  }
+  for (int64_t i = 0; i < inputs.router_logits.numel(); ++i) {
+    inputs.router_logits.data_as<float>()[i] = 2.0f * next_uniform();
+  }
+  return inputs;
+}
+
+int run_demo(int64_t num_tokens, int num_timed_runs) {
+  constexpr TailTier kTiers[] = {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
+                                 TailTier::column_parallel};
+  constexpr int kTpSizes[] = {2, 4, 8};
+  struct Tolerance {
+    DType dtype;
+    double max_relative_error;
+  };
+  // Tiers and tp sizes reduce partial sums in different orders, each rounded to the dtype.
+  constexpr Tolerance kTolerances[] = {{DType::f32, 1e-5}, {DType::bf16, 3e-2}};
+
+  std::printf("# latentmoe demo: every tier at tp 1/2/4/8 against the tp 1 result, CPU reference backend\n");
+  std::printf("# max_rel_err = max|out - ref| / max|ref|; ranks must hold bit-identical outputs\n");
+  std::printf("%-15s %-5s %-18s %3s %6s %13s %10s  %s\n", "model", "dtype", "tier", "tp", "tokens", "max_rel_err",
+              "time_ms", "check");
+  int num_failed = 0;
+  for (const DemoModel& model : demo_models()) {
+    model.config.validate();
+    for (const Tolerance& tolerance : kTolerances) {
+      const LayerWeights full = make_random_layer_weights(model.config, tolerance.dtype, /*seed=*/1234, false);
+      const LocalGroupInputs inputs = demo_inputs(model.config, num_tokens, tolerance.dtype, /*seed=*/99);
+      auto shard_of = [&](const ParallelConfig& parallel) {
+        return shard_layer_weights(full, model.config, parallel);
+      };
+      auto run = [&](int tp_size, TailTier tier) {
+        LocalGroupOptions options;
+        options.tp_size = tp_size;
+        options.tier = tier;
+        options.num_timed_runs = num_timed_runs;
+        return run_local_group(model.config, shard_of, inputs, options);
+      };
+      auto print_row = [&](TailTier tier, int tp_size, double error, double time_ms, bool ok) {
+        std::printf("%-15s %-5s %-18s %3d %6lld %13.3e %10.3f  %s\n", model.name,
+                    std::string(dtype_name(tolerance.dtype)).c_str(), std::string(to_string(tier)).c_str(), tp_size,
+                    static_cast<long long>(num_tokens), error, time_ms, ok ? "ok" : "FAILED");
+        if (!ok) ++num_failed;
+      };
+      const auto reference = run(1, TailTier::native);
+      print_row(TailTier::native, 1, 0.0, reference[0].forward_ms, true);
+      for (int tp_size : kTpSizes) {
+        for (TailTier tier : kTiers) {
+          const auto results = run(tp_size, tier);
+          bool identical = true;
+          for (const RankResult& result : results) {
+            identical = identical && bitwise_equal(result.output.view(), results[0].output.view());
+          }
+          const double error = max_relative_error(results[0].output.view(), reference[0].output.view());
+          const bool same_routing = bitwise_equal(results[0].topk_ids.view(), reference[0].topk_ids.view());
+          double slowest_ms = 0.0;
+          for (const RankResult& result : results) slowest_ms = std::max(slowest_ms, result.forward_ms);
+          print_row(tier, tp_size, error, slowest_ms,
+                    identical && same_routing && error <= tolerance.max_relative_error);
+        }
+      }
+    }
+  }
+
+  std::printf("\n# automatic tier by token count at tp 8 (policy: tail fusion up to %lld tokens, shared-stream "
+              "threshold %lld)\n",
+              static_cast<long long>(TierPolicy::from_environment().tail_fusion_max_tokens),
+              static_cast<long long>(TierPolicy::from_environment().shared_stream_token_threshold));
+  FusedPathConditions conditions;
+  conditions.tp_size = 8;
+  conditions.has_shared_expert = true;
+  const TierPolicy policy = TierPolicy::from_environment();
+  for (int64_t tokens : {1, 8, 64, 65, 256, 257, 4096}) {
+    std::printf("  %5lld tokens -> %s\n", static_cast<long long>(tokens),
+                std::string(to_string(select_tail_tier(policy, conditions, tokens))).c_str());
+  }
+  if (num_failed > 0) {
+    detail::throw_error("demo: ", num_failed, " check(s) failed");
+  }
+  std::printf("\n# all checks passed\n");
+  return 0;
+}
+
+}  // namespace
+
+void register_demo_command(CLI::App& app) {
+  auto num_tokens = std::make_shared<int64_t>(37);
+  auto num_timed_runs = std::make_shared<int>(3);
+  CLI::App* command = app.add_subcommand("demo", "Run every tier at tp 1/2/4/8 on two small models and check them");
+  command->add_option("--tokens", *num_tokens, "Tokens per run")->check(CLI::Range(int64_t{1}, int64_t{4096}));
+  command->add_option("--runs", *num_timed_runs, "Timed forward calls per run (median)")->check(CLI::Range(1, 100));
+  command->callback([num_tokens, num_timed_runs] { run_demo(*num_tokens, *num_timed_runs); });
+}
+
+}  // namespace latentmoe::tools
