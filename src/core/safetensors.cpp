@@ -197,6 +197,11 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   state->data_size = file_size - 8 - header_size;
 
   const char* header_begin = reinterpret_cast<const char*>(bytes + 8);
+  // nlohmann stops at a NUL byte as if the input ended there; the header must be JSON throughout.
+  if (const void* nul = std::memchr(header_begin, 0, header_size)) {
+    detail::throw_error(path, ": header is not valid JSON: NUL byte at header offset ",
+                        static_cast<const char*>(nul) - header_begin);
+  }
   DuplicateKeyFinder duplicates;
   json header;
   try {
