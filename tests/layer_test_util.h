@@ -1,0 +1,168 @@
+// Shared helpers of the layer tests: small configs of both reference families with odd shapes,
+// seeded inputs, and an independent double-precision evaluation of DESIGN section 1 on full weights.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "latentmoe/config.h"
+#include "latentmoe/local_group.h"
+#include "latentmoe/tensor.h"
+#include "latentmoe/weights.h"
+
+namespace latentmoe::testing {
+
+// Kimi-K3-like: situ, latent norm, biased sigmoid routing, shared expert. Every size divisible by 8
+// (so tp 1/2/4/8 all work) but otherwise odd: I/8 = 3, Is/8 = 5.
+inline LayerConfig kimi_like_config() {
+  LayerConfig config;
+  config.hidden_size = 40;
+  config.latent_size = 24;
+  config.num_experts = 12;
+  config.top_k = 3;
+  config.intermediate_size = 24;
+  config.num_shared_experts = 1;
+  config.shared_intermediate_size = 40;
+  config.activation = Activation::situ;
+  config.scoring = ScoringFunc::sigmoid;
+  config.use_latent_norm = true;
+  config.routed_scaling_factor = 1.0;
+  return config;
+}
+
+// Nemotron-3-like: relu2, no latent norm, scaling 5, plus 2 zero experts and softmax scoring so
+// the identity experts and the other score function take part in every tail test.
+inline LayerConfig nemotron_like_config() {
+  LayerConfig config;
+  config.hidden_size = 48;
+  config.latent_size = 16;
+  config.num_experts = 10;
+  config.zero_expert_num = 2;
+  config.top_k = 4;
+  config.intermediate_size = 56;
+  config.num_shared_experts = 1;
+  config.shared_intermediate_size = 72;
+  config.activation = Activation::relu2;
+  config.scoring = ScoringFunc::softmax;
+  config.use_latent_norm = false;
+  config.routed_scaling_factor = 5.0;
+  return config;
+}
+
+inline float uniform_from(uint64_t& state) {  // splitmix64 -> [-1, 1)
+  state += 0x9e3779b97f4a7c15ull;
+  uint64_t z = state;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(static_cast<double>(z >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+}
+
+inline HostTensor random_host_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, float scale = 1.0f) {
+  HostTensor tensor(dtype, std::move(shape));
+  uint64_t state = seed;
+  for (int64_t i = 0; i < tensor.numel(); ++i) store_from_float(tensor.data(), dtype, i, scale * uniform_from(state));
+  return tensor;
+}
+
+inline LocalGroupInputs random_inputs(const LayerConfig& config, int64_t num_tokens, DType dtype, uint64_t seed) {
+  LocalGroupInputs inputs;
+  inputs.hidden_states = random_host_tensor(dtype, {num_tokens, config.hidden_size}, seed);
+  inputs.router_logits = random_host_tensor(DType::f32, {num_tokens, config.num_router_outputs()}, seed + 1, 3.0f);
+  return inputs;
+}
+
+inline double value_at(const HostTensor& tensor, int64_t index) {
+  return load_as_float(tensor.data(), tensor.dtype(), index);
+}
+
+// DESIGN section 1 in double on full (tp 1) weights, using the given routing (topk ids and
+// weights; routing itself is tested on its own). latent_states, when defined, replaces x W_down^T.
+inline std::vector<double> naive_layer(const LayerConfig& config, const LayerWeights& weights, const HostTensor& x,
+                                       const HostTensor& topk_ids, const HostTensor& topk_weights,
+                                       const HostTensor& latent_states = HostTensor()) {
+  const int64_t num_tokens = x.size(0), d = config.hidden_size, l = config.latent_size, k = config.top_k;
+  const int64_t inter = config.intermediate_size, shared_inter = config.shared_intermediate_size;
+  const double b1 = config.situ_beta, b2 = config.situ_linear_beta;
+  auto sigmoid = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
+  auto act = [&](double g, double u) {
+    switch (config.activation) {
+      case Activation::silu: return g * sigmoid(g) * u;
+      case Activation::situ: return (b1 * std::tanh(g / b1) * sigmoid(g)) * (b2 * std::tanh(u / b2));
+      case Activation::relu2: return u > 0 ? u * u : 0.0;
+    }
+    return 0.0;
+  };
+  std::vector<double> out(static_cast<size_t>(num_tokens * d), 0.0);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::vector<double> z(l, 0.0), latent(l, 0.0);
+    for (int64_t i = 0; i < l; ++i) {
+      if (latent_states.defined()) {
+        z[i] = value_at(latent_states, t * l + i);
+      } else {
+        for (int64_t j = 0; j < d; ++j) z[i] += value_at(weights.down_proj, i * d + j) * value_at(x, t * d + j);
+      }
+    }
+    double zero_weight = 0.0;
+    for (int64_t slot = 0; slot < k; ++slot) {
+      const int32_t expert = topk_ids.data_as<int32_t>()[t * k + slot];
+      const double weight = topk_weights.data_as<float>()[t * k + slot];
+      if (expert >= config.num_experts) {
+        zero_weight += weight;
+        continue;
+      }
+      std::vector<double> a(inter);
+      for (int64_t n = 0; n < inter; ++n) {
+        double g = 0.0, u = 0.0;
+        for (int64_t i = 0; i < l; ++i) {
+          const int64_t w_index = (expert * inter + n) * l + i;
+          if (config.is_gated()) g += value_at(weights.expert_gate, w_index) * z[i];
+          u += value_at(weights.expert_up, w_index) * z[i];
+        }
+        a[n] = act(g, u);
+      }
+      for (int64_t i = 0; i < l; ++i) {
+        double y = 0.0;
+        for (int64_t n = 0; n < inter; ++n) y += value_at(weights.expert_down, (expert * l + i) * inter + n) * a[n];
+        latent[i] += weight * y;
+      }
+    }
+    if (config.use_latent_norm) {
+      double mean_square = 0.0;
+      for (double v : latent) mean_square += v * v / static_cast<double>(l);
+      const double scale = 1.0 / std::sqrt(mean_square + config.rms_norm_eps);
+      for (int64_t i = 0; i < l; ++i) latent[i] *= scale * value_at(weights.latent_norm, i);
+    }
+    std::vector<double> shared_a(shared_inter);
+    for (int64_t n = 0; n < shared_inter; ++n) {
+      double g = 0.0, u = 0.0;
+      for (int64_t j = 0; j < d; ++j) {
+        if (config.is_gated()) g += value_at(weights.shared_gate, n * d + j) * value_at(x, t * d + j);
+        u += value_at(weights.shared_up, n * d + j) * value_at(x, t * d + j);
+      }
+      shared_a[n] = act(g, u);
+    }
+    for (int64_t j = 0; j < d; ++j) {
+      double routed = 0.0, shared = 0.0;
+      for (int64_t i = 0; i < l; ++i) routed += value_at(weights.up_proj, j * l + i) * latent[i];
+      for (int64_t n = 0; n < shared_inter; ++n) shared += value_at(weights.shared_down, j * shared_inter + n) * shared_a[n];
+      out[t * d + j] = routed + shared + zero_weight * value_at(x, t * d + j);
+    }
+  }
+  return out;
+}
+
+// max_i |out_i - ref_i| / max_i |ref_i| against a double reference.
+inline double max_relative_error_vs(const HostTensor& out, const std::vector<double>& ref) {
+  double max_diff = 0.0, max_ref = 0.0;
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    const double value = value_at(out, i);
+    if (std::isnan(value)) return NAN;
+    max_diff = std::max(max_diff, std::fabs(value - ref[i]));
+    max_ref = std::max(max_ref, std::fabs(ref[i]));
+  }
+  return max_ref > 0 ? max_diff / max_ref : max_diff;
+}
+
+}  // namespace latentmoe::testing
