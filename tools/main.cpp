@@ -19,7 +19,10 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
-    return app.exit(error);
+    // --help and --version are "errors" with exit code 0; real parse errors get one line.
+    if (error.get_exit_code() == 0) return app.exit(error);
+    std::cerr << "latentmoe: error: " << error.what() << " (see --help)\n";
+    return 2;
   } catch (const latentmoe::Error& error) {
     std::cerr << "latentmoe: error: " << error.what() << "\n";
     return 1;

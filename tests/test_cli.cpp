@@ -1,0 +1,240 @@
+// End-to-end tests of the built `latentmoe` command: `run` on files for every tier, tp and dtype,
+// and the error contract (one line on stderr, non-zero exit, no output file) for bad inputs.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+
+#include "latentmoe/compare.h"
+#include "latentmoe/local_group.h"
+#include "latentmoe/safetensors.h"
+#include "latentmoe/weights.h"
+#include "layer_test_util.h"
+
+namespace latentmoe {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string read_file(const fs::path& path) {
+  std::ifstream stream(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << stream.rdbuf();
+  return buffer.str();
+}
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir = fs::path(LATENTMOE_TEST_TMPDIR) / "cli" / (std::string(info->test_suite_name()) + "." + info->name());
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir);
+  }
+
+  CommandResult latentmoe(const std::string& arguments) {
+    const fs::path out_path = dir / "stdout.txt", err_path = dir / "stderr.txt";
+    const std::string command = std::string(LATENTMOE_CLI_PATH) + " " + arguments + " >" + out_path.string() +
+                                " 2>" + err_path.string();
+    const int status = std::system(command.c_str());
+    CommandResult result;
+    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    result.out = read_file(out_path);
+    result.err = read_file(err_path);
+    return result;
+  }
+
+  // Writes config.json, weights.safetensors (names under `prefix`) and input.safetensors.
+  void write_problem(const LayerConfig& config, DType dtype, int64_t num_tokens, const std::string& prefix,
+                     bool with_logits = true) {
+    std::ofstream(dir / "config.json") << config.to_json();
+    weights = make_random_layer_weights(config, dtype, /*seed=*/17, /*with_gate=*/true);
+    save_layer_weights((dir / "weights.safetensors").string(), weights, config, prefix);
+    inputs = testing::random_inputs(config, num_tokens, dtype, /*seed=*/5);
+    if (!with_logits) inputs.router_logits = HostTensor();
+    std::vector<std::pair<std::string, TensorView>> tensors{{"hidden_states", inputs.hidden_states.view()}};
+    if (with_logits) tensors.emplace_back("router_logits", inputs.router_logits.view());
+    write_safetensors((dir / "input.safetensors").string(), tensors);
+  }
+
+  std::string files(const std::string& prefix = "") const {
+    std::string args = "--config " + (dir / "config.json").string() + " --weights " +
+                       (dir / "weights.safetensors").string() + " --input " + (dir / "input.safetensors").string() +
+                       " --output " + (dir / "out.safetensors").string();
+    if (!prefix.empty()) args += " --prefix " + prefix;
+    return args;
+  }
+
+  // The command failed with exactly one line on stderr containing `fragment`, and wrote no output.
+  void expect_failure(const CommandResult& result, const std::string& fragment) {
+    EXPECT_NE(result.exit_code, 0);
+    EXPECT_NE(result.err.find(fragment), std::string::npos) << "stderr: " << result.err;
+    EXPECT_EQ(std::count(result.err.begin(), result.err.end(), '\n'), 1) << "stderr: " << result.err;
+    EXPECT_FALSE(fs::exists(dir / "out.safetensors"));
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      EXPECT_EQ(entry.path().filename().string().find("out.safetensors"), std::string::npos)
+          << "partial file left: " << entry.path();
+    }
+  }
+
+  fs::path dir;
+  LayerWeights weights;
+  LocalGroupInputs inputs;
+};
+
+TEST_F(CliTest, run_writes_the_same_output_as_the_library_for_every_tier_tp_and_dtype) {
+  const LayerConfig config = testing::nemotron_like_config();
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    write_problem(config, dtype, 17, "model.layers.3.mlp.");
+    for (int tp : {1, 2, 4}) {
+      for (const char* tier : {"auto", "native", "tail_fusion", "allreduce_overlap", "column_parallel"}) {
+        if (tp == 1 && std::string(tier) != "auto" && std::string(tier) != "native") continue;
+        fs::remove(dir / "out.safetensors");
+        const CommandResult result = latentmoe("run " + files("model.layers.3.mlp.") + " --tp " + std::to_string(tp) +
+                                               " --tier " + tier + " --backend cpu");
+        ASSERT_EQ(result.exit_code, 0) << result.err;
+        const SafetensorsFile out = SafetensorsFile::open((dir / "out.safetensors").string());
+        ASSERT_EQ(out.entries().size(), 3u);
+        const HostTensor output = out.read("output");
+        EXPECT_EQ(output.dtype(), dtype);
+        EXPECT_EQ(output.shape(), (std::vector<int64_t>{17, config.hidden_size}));
+        EXPECT_EQ(out.at("topk_ids").dtype, DType::i32);
+        EXPECT_EQ(out.at("topk_ids").shape, (std::vector<int64_t>{17, config.top_k}));
+        EXPECT_EQ(out.at("topk_weights").dtype, DType::f32);
+
+        LocalGroupOptions options;
+        options.tp_size = tp;
+        if (std::string(tier) != "auto") options.tier = parse_tail_tier(tier);
+        const auto expected = run_local_group(
+            config, [&](const ParallelConfig& p) { return shard_layer_weights(weights, config, p); }, inputs, options);
+        EXPECT_TRUE(bitwise_equal(output.view(), expected[0].output.view())) << tier << " tp " << tp;
+        EXPECT_TRUE(bitwise_equal(out.read("topk_ids").view(), expected[0].topk_ids.view()));
+        EXPECT_EQ(out.metadata().at("tier"), std::string(to_string(expected[0].tier)));
+      }
+    }
+  }
+}
+
+TEST_F(CliTest, run_computes_router_logits_from_the_gate_and_takes_latent_states) {
+  const LayerConfig config = testing::kimi_like_config();
+  write_problem(config, DType::f32, 5, "", /*with_logits=*/false);
+  CommandResult result = latentmoe("run " + files() + " --tp 2");
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_NE(result.out.find("tp 2"), std::string::npos);
+
+  HostTensor latent = testing::random_host_tensor(DType::f32, {5, config.latent_size}, 3);
+  write_safetensors((dir / "input.safetensors").string(),
+                    {{"hidden_states", inputs.hidden_states.view()}, {"latent_states", latent.view()}});
+  fs::remove(dir / "out.safetensors");
+  result = latentmoe("run " + files() + " --tp 4 --tier column_parallel");
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const SafetensorsFile out = SafetensorsFile::open((dir / "out.safetensors").string());
+  const std::vector<double> exact = testing::naive_layer(config, weights, inputs.hidden_states, out.read("topk_ids"),
+                                                         out.read("topk_weights"), latent);
+  EXPECT_LE(testing::max_relative_error_vs(out.read("output"), exact), 1e-5);
+}
+
+TEST_F(CliTest, bad_inputs_fail_with_one_line_and_no_output) {
+  const LayerConfig config = testing::kimi_like_config();
+  write_problem(config, DType::f32, 4, "p.");
+  expect_failure(latentmoe("run " + files("p.") + " --tp 3"), "does not divide");
+  expect_failure(latentmoe("run " + files("p.") + " --tier tail_fusion"), "tail_fusion");
+  expect_failure(latentmoe("run " + files("p.") + " --tier fastest"), "fastest");
+  expect_failure(latentmoe("run " + files("p.") + " --backend tpu"), "tpu");
+  expect_failure(latentmoe("run " + files("wrong.")), "wrong.");  // no tensors under that prefix
+  expect_failure(latentmoe("run " + files("p.") + " --tp 0"), "--tp");
+
+  // Missing files.
+  std::string no_config = files("p.");
+  no_config.replace(no_config.find("config.json"), 11, "nope.json");
+  expect_failure(latentmoe("run " + no_config), "nope.json");
+  expect_failure(latentmoe("run --config " + (dir / "config.json").string()), "--weights");  // parse error: one line
+
+  // A truncated weights file.
+  const std::string bytes = read_file(dir / "weights.safetensors");
+  std::ofstream(dir / "weights.safetensors", std::ios::binary | std::ios::trunc) << bytes.substr(0, bytes.size() / 2);
+  expect_failure(latentmoe("run " + files("p.")), "weights.safetensors");
+  std::ofstream(dir / "weights.safetensors", std::ios::binary | std::ios::trunc) << bytes;
+
+  // Inputs: wrong width, wrong dtype, missing hidden_states, logits of the wrong width.
+  HostTensor wide(DType::f32, {4, config.hidden_size + 8});
+  write_safetensors((dir / "input.safetensors").string(), {{"hidden_states", wide.view()}});
+  expect_failure(latentmoe("run " + files("p.")), "hidden_states has shape");
+  HostTensor ints(DType::i32, {4, config.hidden_size});
+  write_safetensors((dir / "input.safetensors").string(), {{"hidden_states", ints.view()}});
+  expect_failure(latentmoe("run " + files("p.")), "I32");
+  write_safetensors((dir / "input.safetensors").string(), {{"router_logits", inputs.router_logits.view()}});
+  expect_failure(latentmoe("run " + files("p.")), "hidden_states");
+  HostTensor narrow_logits(DType::f32, {4, config.num_router_outputs() - 1});
+  write_safetensors((dir / "input.safetensors").string(),
+                    {{"hidden_states", inputs.hidden_states.view()}, {"router_logits", narrow_logits.view()}});
+  expect_failure(latentmoe("run " + files("p.")), "router_logits has shape");
+
+  // A config with a missing key.
+  std::ofstream(dir / "config.json", std::ios::trunc) << R"({"hidden_size": 40})";
+  expect_failure(latentmoe("run " + files("p.")), "moe_latent_size");
+}
+
+TEST_F(CliTest, backend_cuda_is_a_clear_error_without_a_gpu) {
+#ifdef LATENTMOE_WITH_CUDA
+  GTEST_SKIP() << "built with CUDA: the GPU tests cover --backend cuda";
+#else
+  const LayerConfig config = testing::kimi_like_config();
+  write_problem(config, DType::f32, 2, "");
+  expect_failure(latentmoe("run " + files() + " --backend cuda"), "CUDA");
+#endif
+}
+
+TEST_F(CliTest, existing_output_is_untouched_when_a_run_fails) {
+  const LayerConfig config = testing::kimi_like_config();
+  write_problem(config, DType::f32, 2, "");
+  std::ofstream(dir / "out.safetensors") << "previous";
+  const CommandResult result = latentmoe("run " + files() + " --tp 3");
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_EQ(read_file(dir / "out.safetensors"), "previous");
+}
+
+TEST_F(CliTest, inspect_lists_tensors_and_version_and_help_work) {
+  const LayerConfig config = testing::kimi_like_config();
+  write_problem(config, DType::bf16, 2, "m.");
+  CommandResult result = latentmoe("inspect " + (dir / "weights.safetensors").string());
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_NE(result.out.find("m.experts.11.down_proj.weight"), std::string::npos);
+  EXPECT_NE(result.out.find("BF16"), std::string::npos);
+  EXPECT_NE(result.out.find("[24, 24]"), std::string::npos);  // l x I of one expert
+  expect_failure(latentmoe("inspect " + (dir / "missing.safetensors").string()), "missing.safetensors");
+
+  result = latentmoe("--version");
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_NE(result.out.find("latentmoe"), std::string::npos);
+  for (const char* command : {"--help", "run --help", "demo --help", "inspect --help", "bench --help"}) {
+    result = latentmoe(command);
+    EXPECT_EQ(result.exit_code, 0) << command;
+    EXPECT_NE(result.out.find("Usage"), std::string::npos) << command;
+  }
+  result = latentmoe("frobnicate");
+  EXPECT_NE(result.exit_code, 0);
+}
+
+TEST_F(CliTest, demo_passes) {
+  const CommandResult result = latentmoe("demo --tokens 5 --runs 1");
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_NE(result.out.find("all checks passed"), std::string::npos);
+  EXPECT_EQ(result.out.find("FAILED"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace latentmoe
