@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian machine lacks to build latentmoe (idempotent: installs only missing
+# packages), then configures and builds into ${BUILD_DIR:-build}.
+#   LATENTMOE_CUDA=AUTO|ON|OFF  build the CUDA backend (AUTO: when nvcc is found)
+#   BUILD_TYPE=Release          CMake build type
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(cmake make g++ nlohmann-json3-dev libcli11-dev libgtest-dev)
+missing=()
+for package in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# nvcc usually lives outside PATH on a fresh machine.
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+
+build_dir=${BUILD_DIR:-build}
+cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" -DLATENTMOE_CUDA="${LATENTMOE_CUDA:-AUTO}" >/dev/null
+cmake --build "$build_dir" -j"$(nproc)"
