@@ -96,12 +96,9 @@ TEST_F(SafetensorsTest, round_trip_dtypes_shapes_and_metadata) {
   std::vector<uint8_t> d = {0, 255, 7, 128, 9};
   std::vector<double> f = {3.141592653589793};
   std::vector<std::pair<std::string, TensorView>> tensors = {
-      {"a", TensorView(a.data(), DType::f32, {2, 3})},
-      {"b.bf16", TensorView(b.data(), DType::bf16, {4})},
-      {"c", TensorView(c.data(), DType::i64, {1, 2, 2})},
-      {"empty", TensorView(nullptr, DType::f16, {0, 3})},
-      {"d", TensorView(d.data(), DType::u8, {5})},
-      {"f", TensorView(f.data(), DType::f64, {1, 1, 1, 1})},
+      {"a", TensorView(a.data(), DType::f32, {2, 3})},    {"b.bf16", TensorView(b.data(), DType::bf16, {4})},
+      {"c", TensorView(c.data(), DType::i64, {1, 2, 2})}, {"empty", TensorView(nullptr, DType::f16, {0, 3})},
+      {"d", TensorView(d.data(), DType::u8, {5})},        {"f", TensorView(f.data(), DType::f64, {1, 1, 1, 1})},
   };
   const std::map<std::string, std::string> metadata = {{"format", "pt"}, {"note", "hello \"world\""}};
   const std::string file_path = path("round_trip.safetensors");
@@ -255,19 +252,17 @@ TEST_F(SafetensorsTest, rejects_bad_json_structure) {
   expect_rejected(path("entry.st"), raw_file(R"({"t": 5})"), "tensor \"t\": entry is not a JSON object");
   expect_rejected(path("missing.st"), raw_file(R"({"t": {"dtype": "F32", "shape": [1]}})"),
                   "tensor \"t\": missing field \"data_offsets\"");
-  expect_rejected(path("extra.st"),
-                  raw_file(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}})",
-                           std::string(4, '\0')),
-                  "tensor \"t\": unexpected field \"x\"");
+  expect_rejected(
+      path("extra.st"),
+      raw_file(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}})", std::string(4, '\0')),
+      "tensor \"t\": unexpected field \"x\"");
   expect_rejected(path("dtype_type.st"), raw_file(R"({"t": {"dtype": 3, "shape": [1], "data_offsets": [0, 4]}})"),
                   "tensor \"t\": dtype is not a string");
-  expect_rejected(path("dtype_name.st"),
-                  raw_file(R"({"t": {"dtype": "F31", "shape": [1], "data_offsets": [0, 4]}})"),
+  expect_rejected(path("dtype_name.st"), raw_file(R"({"t": {"dtype": "F31", "shape": [1], "data_offsets": [0, 4]}})"),
                   "tensor \"t\": unknown dtype \"F31\"");
   expect_rejected(path("shape_type.st"), raw_file(R"({"t": {"dtype": "F32", "shape": 1, "data_offsets": [0, 4]}})"),
                   "tensor \"t\": shape is not an array");
-  expect_rejected(path("shape_neg.st"),
-                  raw_file(R"({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})"),
+  expect_rejected(path("shape_neg.st"), raw_file(R"({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})"),
                   "tensor \"t\": shape element 0 is not a non-negative integer");
   expect_rejected(path("shape_float.st"),
                   raw_file(R"({"t": {"dtype": "F32", "shape": [2, 1.0], "data_offsets": [0, 8]}})"),
@@ -281,8 +276,7 @@ TEST_F(SafetensorsTest, rejects_bad_json_structure) {
   expect_rejected(path("offsets_type.st"),
                   raw_file(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": ["0", 4]}})"),
                   "tensor \"t\": data_offsets are not non-negative integers");
-  expect_rejected(path("offsets_neg.st"),
-                  raw_file(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}})"),
+  expect_rejected(path("offsets_neg.st"), raw_file(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}})"),
                   "tensor \"t\": data_offsets are not non-negative integers");
   expect_rejected(path("offsets_order.st"),
                   raw_file(R"({"t": {"dtype": "F32", "shape": [0], "data_offsets": [4, 0]}})", std::string(4, '\0')),
@@ -301,8 +295,7 @@ TEST_F(SafetensorsTest, rejects_sizes_and_offsets_that_do_not_fit) {
                   "tensor \"t\": shape [4611686018427387904, 4611686018427387904] is too large");
   // 2^62 F32 elements: the byte count overflows 64 bits.
   expect_rejected(path("bytes_overflow.st"),
-                  raw_file(R"({"t": {"dtype": "F32", "shape": [4611686018427387904], "data_offsets": [0, 16]}})",
-                           data),
+                  raw_file(R"({"t": {"dtype": "F32", "shape": [4611686018427387904], "data_offsets": [0, 16]}})", data),
                   "is too large");
   // An end offset near 2^64 whose span matches the shape: caught by the data-section bound.
   expect_rejected(path("offset_huge.st"),
@@ -313,18 +306,16 @@ TEST_F(SafetensorsTest, rejects_sizes_and_offsets_that_do_not_fit) {
   expect_rejected(path("past_data.st"),
                   raw_file(R"({"t": {"dtype": "F32", "shape": [4], "data_offsets": [4, 20]}})", data),
                   "tensor \"t\": data_offsets [4, 20] run past the data section (16 bytes)");
-  expect_rejected(
-      path("overlap.st"),
-      raw_file(R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},)"
-               R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
-               data),
-      "tensor \"b\" (bytes [8, 16)) overlaps tensor \"a\"");
-  expect_rejected(
-      path("hole.st"),
-      raw_file(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},)"
-               R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
-               data),
-      "data section has a hole: bytes [4, 8) before tensor \"b\"");
+  expect_rejected(path("overlap.st"),
+                  raw_file(R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},)"
+                           R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+                           data),
+                  "tensor \"b\" (bytes [8, 16)) overlaps tensor \"a\"");
+  expect_rejected(path("hole.st"),
+                  raw_file(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},)"
+                           R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+                           data),
+                  "data section has a hole: bytes [4, 8) before tensor \"b\"");
   expect_rejected(path("leading_hole.st"),
                   raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})", data),
                   "bytes [0, 8) before tensor \"a\"");

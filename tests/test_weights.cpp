@@ -235,8 +235,11 @@ TEST_F(WeightsTest, saved_weights_load_as_the_in_memory_shards) {
   EXPECT_EQ(shard.expert_down.shape(), (std::vector<int64_t>{4, 8, 6}));
 
   // Without the prefix nothing is found.
-  expect_error([&] { load_layer_weights(file, config, "", {1, 0}, DType::bf16); },
-               {"missing tensor routed_expert_down_proj.weight", file_path});
+  expect_error(
+      [&] {
+        load_layer_weights(file, config, "", {1, 0}, DType::bf16);
+      },
+      {"missing tensor routed_expert_down_proj.weight", file_path});
 }
 
 TEST_F(WeightsTest, converts_to_the_compute_dtype) {
@@ -250,8 +253,7 @@ TEST_F(WeightsTest, converts_to_the_compute_dtype) {
   validate_layer_weights(bf16, config, 1);
   for (const HostTensor LayerWeights::*member :
        {&LayerWeights::down_proj, &LayerWeights::up_proj, &LayerWeights::expert_gate, &LayerWeights::expert_up,
-        &LayerWeights::expert_down, &LayerWeights::shared_gate, &LayerWeights::shared_up,
-        &LayerWeights::shared_down}) {
+        &LayerWeights::expert_down, &LayerWeights::shared_gate, &LayerWeights::shared_up, &LayerWeights::shared_down}) {
     const HostTensor& source = full.*member;
     const HostTensor& converted = bf16.*member;
     ASSERT_EQ(converted.dtype(), DType::bf16);
@@ -311,21 +313,28 @@ TEST_F(WeightsTest, nemotron_aliases_and_relu2_without_gate_proj) {
   {
     const SafetensorsFile canonical = SafetensorsFile::open(path("canonical.safetensors"));
     std::vector<std::pair<std::string, HostTensor>> tensors;
-    for (const SafetensorsEntry& entry : canonical.entries()) tensors.emplace_back(entry.name, canonical.read(entry.name));
+    for (const SafetensorsEntry& entry : canonical.entries())
+      tensors.emplace_back(entry.name, canonical.read(entry.name));
     tensors.emplace_back(prefix + "fc2_latent_proj.weight", canonical.read(prefix + "routed_expert_up_proj.weight"));
     std::vector<std::pair<std::string, TensorView>> views;
     for (const auto& [name, tensor] : tensors) views.emplace_back(name, tensor.view());
     write_safetensors(path("both.safetensors"), views);
   }
   const SafetensorsFile both = SafetensorsFile::open(path("both.safetensors"));
-  expect_error([&] { load_layer_weights(both, config, prefix, {1, 0}, DType::bf16); },
-               {prefix + "routed_expert_up_proj.weight", prefix + "fc2_latent_proj.weight", "both"});
+  expect_error(
+      [&] {
+        load_layer_weights(both, config, prefix, {1, 0}, DType::bf16);
+      },
+      {prefix + "routed_expert_up_proj.weight", prefix + "fc2_latent_proj.weight", "both"});
 
   // A gated config on the same file needs the gate projections.
   LayerConfig gated = config;
   gated.activation = Activation::silu;
-  expect_error([&] { load_layer_weights(file, gated, prefix, {1, 0}, DType::bf16); },
-               {"missing tensor " + prefix + "experts.0.gate_proj.weight", "[12, 8]"});
+  expect_error(
+      [&] {
+        load_layer_weights(file, gated, prefix, {1, 0}, DType::bf16);
+      },
+      {"missing tensor " + prefix + "experts.0.gate_proj.weight", "[12, 8]"});
 }
 
 TEST_F(WeightsTest, bad_tensors_are_errors_naming_them) {
@@ -378,8 +387,9 @@ TEST_F(WeightsTest, bad_tensors_are_errors_naming_them) {
                {"tensor " + gate_name + " has shape [4, 16], expected [5, 16]"});
 
   const std::string shared_name = prefix + "shared_experts.gate_proj.weight";
-  expect_error(load_edited("no_shared.safetensors", [&](std::string& name, HostTensor&) { return name != shared_name; }),
-               {"missing tensor " + shared_name, "[8, 16]"});
+  expect_error(
+      load_edited("no_shared.safetensors", [&](std::string& name, HostTensor&) { return name != shared_name; }),
+      {"missing tensor " + shared_name, "[8, 16]"});
 
   // Optional ones may be absent.
   rewrite(good, path("no_router.safetensors"), [&](std::string& name, HostTensor&) {

@@ -63,9 +63,8 @@ class DuplicateKeyFinder {
         const std::string& key = parsed.get_ref<const std::string&>();
         if (open_keys_.size() == 1) current_top_key_ = key;
         if (!open_keys_.empty() && !open_keys_.back().insert(key).second && !duplicate_) {
-          duplicate_ = open_keys_.size() == 1
-                           ? "duplicate tensor name \"" + key + "\""
-                           : "duplicate field \"" + key + "\" in \"" + current_top_key_ + "\"";
+          duplicate_ = open_keys_.size() == 1 ? "duplicate tensor name \"" + key + "\""
+                                              : "duplicate field \"" + key + "\" in \"" + current_top_key_ + "\"";
         }
         break;
       }
@@ -131,8 +130,8 @@ SafetensorsEntry parse_entry(const std::string& path, const std::string& name, c
   entry.begin = *begin;
   entry.end = *end;
   LATENTMOE_CHECK(entry.end - entry.begin == nbytes, path, ": tensor \"", name, "\": ", dtype_name(entry.dtype),
-                  " shape ", shape_text(entry.shape), " needs ", nbytes, " bytes but data_offsets [", entry.begin,
-                  ", ", entry.end, "] span ", entry.end - entry.begin);
+                  " shape ", shape_text(entry.shape), " needs ", nbytes, " bytes but data_offsets [", entry.begin, ", ",
+                  entry.end, "] span ", entry.end - entry.begin);
   return entry;
 }
 
@@ -189,8 +188,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
 
   uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | bytes[i];  // little-endian
-  LATENTMOE_CHECK(header_size <= kMaxHeaderBytes, path, ": header length ", header_size,
-                  " exceeds the limit of ", kMaxHeaderBytes, " bytes");
+  LATENTMOE_CHECK(header_size <= kMaxHeaderBytes, path, ": header length ", header_size, " exceeds the limit of ",
+                  kMaxHeaderBytes, " bytes");
   LATENTMOE_CHECK(header_size <= file_size - 8, path, ": header length ", header_size, " runs past the end of the ",
                   file_size, "-byte file");
   state->data = reinterpret_cast<const std::byte*>(bytes + 8 + header_size);
@@ -236,8 +235,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   for (const SafetensorsEntry& entry : state->entries) {
     if (entry.begin < covered) {
       detail::throw_error(path, ": tensor \"", entry.name, "\" (bytes [", entry.begin, ", ", entry.end,
-                          ")) overlaps tensor \"", previous->name, "\" (bytes [", previous->begin, ", ",
-                          previous->end, "))");
+                          ")) overlaps tensor \"", previous->name, "\" (bytes [", previous->begin, ", ", previous->end,
+                          "))");
     }
     LATENTMOE_CHECK(entry.begin == covered, path, ": data section has a hole: bytes [", covered, ", ", entry.begin,
                     ") before tensor \"", entry.name, "\" belong to no tensor");
@@ -414,9 +413,9 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   static std::atomic<uint64_t> counter{0};
   TempFileGuard temp;
   for (int attempt = 0; attempt < 100 && temp.fd < 0; ++attempt) {
-    std::string candidate = (directory / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()) +
-                                          "." + std::to_string(counter.fetch_add(1))))
-                                .string();
+    std::ostringstream name;
+    name << '.' << target.filename().string() << ".tmp." << ::getpid() << '.' << counter.fetch_add(1);
+    const std::string candidate = (directory / name.str()).string();
     int fd = ::open(candidate.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0) {
       temp.fd = fd;

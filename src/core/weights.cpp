@@ -187,8 +187,8 @@ std::string expert_name(int64_t expert, const char* projection) {
 
 enum class Presence { required, optional, absent };
 
-void check_field(const char* field, const HostTensor& tensor, Presence presence, const char* absent_reason,
-                 DType dtype, const std::vector<int64_t>& shape) {
+void check_field(const char* field, const HostTensor& tensor, Presence presence, const char* absent_reason, DType dtype,
+                 const std::vector<int64_t>& shape) {
   if (!tensor.defined()) {
     LATENTMOE_CHECK(presence != Presence::required, "layer weights: ", field, " is missing (expected ",
                     dtype_name(dtype), " ", shape_text(shape), ")");
@@ -295,7 +295,8 @@ LayerWeights load_layer_weights(const SafetensorsFile& file, const LayerConfig& 
       loader.load_whole("gate.e_score_correction_bias", {config.num_router_outputs()}, false, DType::f32);
   weights.down_proj =
       loader.load_whole("routed_expert_down_proj.weight", {l, d}, true, dtype, "fc1_latent_proj.weight");
-  if (config.use_latent_norm) weights.latent_norm = loader.load_whole("routed_expert_norm.weight", {l}, true, DType::f32);
+  if (config.use_latent_norm)
+    weights.latent_norm = loader.load_whole("routed_expert_norm.weight", {l}, true, DType::f32);
   weights.up_proj = loader.load_whole("routed_expert_up_proj.weight", {d, l}, true, dtype, "fc2_latent_proj.weight");
 
   // Stacked experts: each rank copies only its rows of gate/up and its columns of down.
@@ -350,8 +351,7 @@ LayerWeights shard_layer_weights(const LayerWeights& full, const LayerConfig& co
   shard.expert_down = HostTensor(dtype, {num_experts, l, rank_i});
   for (int64_t e = 0; e < num_experts; ++e) {
     if (full.expert_gate.defined()) {
-      copy_row_block(full.expert_gate, e * full_i * l, l, i_begin, i_begin + rank_i, shard.expert_gate,
-                     e * rank_i * l);
+      copy_row_block(full.expert_gate, e * full_i * l, l, i_begin, i_begin + rank_i, shard.expert_gate, e * rank_i * l);
     }
     copy_row_block(full.expert_up, e * full_i * l, l, i_begin, i_begin + rank_i, shard.expert_up, e * rank_i * l);
     copy_col_block(full.expert_down, e * l * full_i, l, full_i, i_begin, i_begin + rank_i, shard.expert_down,
@@ -389,7 +389,8 @@ void save_layer_weights(const std::string& path, const LayerWeights& full, const
       tensors.emplace_back(p + expert_name(e, "gate_proj"),
                            full.expert_gate.view().slice_rows(e, e + 1).reshaped({full_i, l}));
     }
-    tensors.emplace_back(p + expert_name(e, "up_proj"), full.expert_up.view().slice_rows(e, e + 1).reshaped({full_i, l}));
+    tensors.emplace_back(p + expert_name(e, "up_proj"),
+                         full.expert_up.view().slice_rows(e, e + 1).reshaped({full_i, l}));
     tensors.emplace_back(p + expert_name(e, "down_proj"),
                          full.expert_down.view().slice_rows(e, e + 1).reshaped({l, full_i}));
   }
@@ -408,12 +409,14 @@ LayerWeights make_random_layer_weights(const LayerConfig& config, DType dtype, u
 
   LayerWeights weights;
   weights.dtype = dtype;
-  if (with_gate) weights.gate = random_tensor(seed, 1, DType::f32, {config.num_router_outputs(), d}, inverse_sqrt(d), 0);
+  if (with_gate)
+    weights.gate = random_tensor(seed, 1, DType::f32, {config.num_router_outputs(), d}, inverse_sqrt(d), 0);
   weights.score_bias = random_tensor(seed, 2, DType::f32, {config.num_router_outputs()}, 0.1f, 0);
   weights.down_proj = random_tensor(seed, 3, dtype, {l, d}, inverse_sqrt(d), 0);
   if (config.use_latent_norm) weights.latent_norm = random_tensor(seed, 4, DType::f32, {l}, 0.25f, 1.0f);
   weights.up_proj = random_tensor(seed, 5, dtype, {d, l}, inverse_sqrt(l), 0);
-  if (config.is_gated()) weights.expert_gate = random_tensor(seed, 6, dtype, {num_experts, full_i, l}, inverse_sqrt(l), 0);
+  if (config.is_gated())
+    weights.expert_gate = random_tensor(seed, 6, dtype, {num_experts, full_i, l}, inverse_sqrt(l), 0);
   weights.expert_up = random_tensor(seed, 7, dtype, {num_experts, full_i, l}, inverse_sqrt(l), 0);
   weights.expert_down = random_tensor(seed, 8, dtype, {num_experts, l, full_i}, inverse_sqrt(full_i), 0);
   if (config.has_shared_expert()) {
