@@ -1,0 +1,27 @@
+// latentmoe bench layer: one rank's share of the layer on the CUDA backend, per phase, against the
+// byte and FLOP floors computed from ceilings measured in the same run.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace latentmoe::tools {
+
+struct BenchLayerOptions {
+  std::vector<std::string> presets{"kimi-k3", "nemotron3-super"};
+  std::vector<int> tp_shards{8, 1};
+  std::vector<int64_t> tokens{1, 8, 64, 256, 1024, 4096};
+  std::string dtype = "bf16";
+  int warmup = 3;
+  int iterations = 20;
+  int device = 0;
+  uint64_t seed = 2026;
+  std::string json_path;  // empty: no JSON
+  std::string commit;     // recorded in the JSON (e.g. `git rev-parse HEAD`)
+};
+
+// Throws Error when built without CUDA, when no GPU is present, or on bad options.
+void run_bench_layer(const BenchLayerOptions& options);
+
+}  // namespace latentmoe::tools
