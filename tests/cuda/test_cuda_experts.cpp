@@ -1,0 +1,232 @@
+// The MoE layout kernels (counting sort of (token, slot) pairs by expert) and routed_experts (layout,
+// grouped GEMMs, weighted combine) against the CPU reference.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/routing.cuh"
+#include "cuda_test_util.h"
+#include "latentmoe/error.h"
+
+namespace latentmoe::cuda::testing {
+namespace {
+
+using ::latentmoe::detail::ActivationParams;
+using ::latentmoe::detail::make_cpu_backend;
+using ::latentmoe::detail::MlpWeights;
+
+// topk_ids [tokens, k]: k distinct ids per token from [0, E + Z) (ids >= E are zero experts).
+HostTensor random_ids(int64_t tokens, int64_t k, int64_t num_experts, int64_t num_zero_experts, uint32_t seed) {
+  HostTensor ids(DType::i32, {tokens, k});
+  std::mt19937 generator(seed);
+  std::vector<int32_t> all(static_cast<size_t>(num_experts + num_zero_experts));
+  std::iota(all.begin(), all.end(), 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::shuffle(all.begin(), all.end(), generator);
+    std::copy_n(all.begin(), k, ids.data_as<int32_t>() + t * k);
+  }
+  return ids;
+}
+
+class CudaExperts : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    LATENTMOE_REQUIRE_GPU();
+    gpu_ = std::make_unique<CudaBackend>(0);
+    cpu_ = make_cpu_backend();
+  }
+
+  // Builds the layout on the device and checks it against the definition in cuda/moe_layout.h.
+  void check_layout(int64_t tokens, int64_t k, int64_t num_experts, int64_t num_zero_experts, uint32_t seed) {
+    SCOPED_TRACE("T = " + std::to_string(tokens) + ", k = " + std::to_string(k) + ", E = " +
+                 std::to_string(num_experts) + ", Z = " + std::to_string(num_zero_experts));
+    const HostTensor ids = random_ids(tokens, k, num_experts, num_zero_experts, seed);
+    DeviceTensor dids = upload(*gpu_, ids);
+    const size_t bytes = moe_layout_workspace_bytes(tokens, static_cast<int>(k), static_cast<int>(num_experts));
+    DeviceTensor workspace = poisoned(*gpu_, DType::u8, {static_cast<int64_t>(bytes)});
+    auto stream = static_cast<cudaStream_t>(gpu_->stream());
+    const MoeLayout layout = build_moe_layout(dids.view.data_as<const int32_t>(), tokens, static_cast<int>(k),
+                                              static_cast<int>(num_experts), workspace.buffer.get(), bytes, stream);
+    EXPECT_EQ(layout.num_experts, num_experts);
+    EXPECT_EQ(layout.top_k, k);
+    EXPECT_EQ(layout.num_tokens, tokens);
+    const int64_t pairs = tokens * k;
+    auto fetch = [&](const int32_t* pointer, int64_t count) {
+      return download(*gpu_, TensorView(const_cast<int32_t*>(pointer), DType::i32, {count}, Device::cuda));
+    };
+    const HostTensor offsets = fetch(layout.expert_offsets, num_experts + 1);
+    const HostTensor rows = fetch(layout.pair_rows, pairs);
+    const int32_t* offset = offsets.data_as<int32_t>();
+    const int32_t* pair_rows = rows.data_as<int32_t>();
+    const int32_t* id = ids.data_as<int32_t>();
+
+    // Reference: a stable counting sort on the host.
+    std::vector<int32_t> expected_offsets(static_cast<size_t>(num_experts + 1), 0);
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (id[p] < num_experts) ++expected_offsets[id[p] + 1];
+    }
+    std::partial_sum(expected_offsets.begin(), expected_offsets.end(), expected_offsets.begin());
+    for (int64_t e = 0; e <= num_experts; ++e) ASSERT_EQ(offset[e], expected_offsets[e]) << "expert_offsets[" << e << "]";
+    const int64_t real_pairs = offset[num_experts];
+    const HostTensor sorted = fetch(layout.sorted_pairs, std::max<int64_t>(real_pairs, 1));
+    const int32_t* sorted_pairs = sorted.data_as<int32_t>();
+    std::vector<int32_t> cursor(expected_offsets.begin(), expected_offsets.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (id[p] >= num_experts) {
+        EXPECT_EQ(pair_rows[p], -1) << "zero-expert pair " << p;
+        continue;
+      }
+      const int32_t row = cursor[id[p]]++;  // ascending pair order within the expert
+      ASSERT_EQ(pair_rows[p], row) << "pair_rows[" << p << "]";
+      ASSERT_EQ(sorted_pairs[row], p) << "sorted_pairs[" << row << "]";
+    }
+  }
+
+  std::unique_ptr<CudaBackend> gpu_;
+  std::unique_ptr<Backend> cpu_;
+};
+
+TEST_F(CudaExperts, layout_is_a_stable_counting_sort) {
+  check_layout(1, 16, 896, 0, 1);        // decode: the fused single-block path
+  check_layout(3, 8, 64, 5, 2);          // zero experts get no rows
+  check_layout(17, 6, 8, 0, 3);          // few experts, many pairs each
+  check_layout(133, 8, 256, 16, 4);      // 1064 pairs: two segments, the three-kernel path
+  check_layout(600, 16, 896, 0, 5);      // 9600 pairs: 10 segments
+  check_layout(64, 32, 1024, 64, 6);     // k = 32, E + Z = 1088
+  check_layout(5, 4, 1, 3, 7);           // a single real expert
+}
+
+struct ExpertCase {
+  int64_t num_experts, num_zero_experts, top_k, latent, intermediate;
+};
+
+void run_routed_experts_case(CudaBackend& gpu, Backend& cpu, const ExpertCase& c, Activation act, DType dtype,
+                             int64_t tokens, uint32_t seed) {
+  SCOPED_TRACE(std::string(to_string(act)) + ", " + name_of(dtype) + ", T = " + std::to_string(tokens) + ", E = " +
+               std::to_string(c.num_experts) + ", k = " + std::to_string(c.top_k) + ", l = " +
+               std::to_string(c.latent) + ", I = " + std::to_string(c.intermediate));
+  ActivationParams activation;
+  activation.activation = act;
+  const bool gated = act != Activation::relu2;
+  const int64_t e = c.num_experts, l = c.latent, i = c.intermediate;
+  const HostTensor z = random_tensor(dtype, {tokens, l}, seed + 1, -2.0f, 2.0f);
+  const HostTensor gate = random_tensor(dtype, {e, i, l}, seed + 2, -0.15f, 0.15f);
+  const HostTensor up = random_tensor(dtype, {e, i, l}, seed + 3, -0.15f, 0.15f);
+  const HostTensor down = random_tensor(dtype, {e, l, i}, seed + 4, -0.15f, 0.15f);
+  const HostTensor ids = random_ids(tokens, c.top_k, e, c.num_zero_experts, seed + 5);
+  const HostTensor weights = random_tensor(DType::f32, {tokens, c.top_k}, seed + 6, 0.05f, 1.0f);
+
+  HostTensor ref(dtype, {tokens, l});
+  cpu.routed_experts(activation, z.view(), ids.view(), weights.view(),
+                     MlpWeights{gated ? gate.view() : TensorView(), up.view(), down.view()}, ref.view());
+
+  DeviceTensor dz = upload(gpu, z), dgate = upload(gpu, gate), dup = upload(gpu, up), ddown = upload(gpu, down),
+               dids = upload(gpu, ids), dweights = upload(gpu, weights);
+  DeviceTensor dout = poisoned(gpu, dtype, {tokens, l});
+  gpu.routed_experts(activation, dz.view, dids.view, dweights.view,
+                     MlpWeights{gated ? dgate.view : TensorView(), dup.view, ddown.view}, dout.view);
+  const HostTensor out = download(gpu, dout.view);
+  EXPECT_EQ(count_non_finite(out), 0);
+  EXPECT_LT(relative_error(out, ref), tolerance(dtype));
+}
+
+TEST_F(CudaExperts, routed_experts_match_cpu_for_every_activation_and_dtype) {
+  const ExpertCase cases[] = {
+      {16, 3, 4, 192, 96},  // zero experts among the choices
+      {64, 0, 8, 192, 72},  // I not a multiple of 16
+  };
+  WorkspaceSpec spec;
+  spec.max_tokens = 133;
+  spec.num_experts = 64;
+  spec.top_k = 8;
+  spec.latent_size = 192;
+  spec.expert_intermediate = 96;
+  gpu_->prepare(spec);
+  uint32_t seed = 10;
+  for (const ExpertCase& c : cases) {
+    for (Activation act : {Activation::silu, Activation::situ, Activation::relu2}) {
+      for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+        for (int64_t tokens : {int64_t{1}, int64_t{3}, int64_t{17}, int64_t{133}}) {
+          run_routed_experts_case(*gpu_, *cpu_, c, act, dtype, tokens, seed += 10);
+        }
+      }
+    }
+  }
+}
+
+// A wider problem in bf16: k = 16 of 128 experts, l = 512, I = 384, enough rows per expert for the
+// larger tiles.
+TEST_F(CudaExperts, routed_experts_match_cpu_on_a_wider_bf16_problem) {
+  WorkspaceSpec spec;
+  spec.max_tokens = 64;
+  spec.num_experts = 128;
+  spec.top_k = 16;
+  spec.latent_size = 512;
+  spec.expert_intermediate = 384;
+  spec.element_size = 2;
+  gpu_->prepare(spec);
+  run_routed_experts_case(*gpu_, *cpu_, {128, 0, 16, 512, 384}, Activation::situ, DType::bf16, 64, 77);
+}
+
+TEST_F(CudaExperts, a_token_with_only_zero_experts_gets_zero) {
+  WorkspaceSpec spec;
+  spec.max_tokens = 4;
+  spec.num_experts = 4;
+  spec.top_k = 2;
+  spec.latent_size = 16;
+  spec.expert_intermediate = 8;
+  gpu_->prepare(spec);
+  HostTensor ids(DType::i32, {2, 2});
+  const int32_t values[] = {4, 5, 1, 6};  // token 0: zero experts only; token 1: expert 1 and a zero expert
+  std::copy(values, values + 4, ids.data_as<int32_t>());
+  const HostTensor weights = random_tensor(DType::f32, {2, 2}, 3, 0.5f, 1.0f);
+  const HostTensor z = random_tensor(DType::f32, {2, 16}, 4);
+  const HostTensor gate = random_tensor(DType::f32, {4, 8, 16}, 5);
+  const HostTensor up = random_tensor(DType::f32, {4, 8, 16}, 6);
+  const HostTensor down = random_tensor(DType::f32, {4, 16, 8}, 7);
+  HostTensor ref(DType::f32, {2, 16});
+  cpu_->routed_experts(ActivationParams{}, z.view(), ids.view(), weights.view(),
+                       MlpWeights{gate.view(), up.view(), down.view()}, ref.view());
+  DeviceTensor dz = upload(*gpu_, z), dgate = upload(*gpu_, gate), dup = upload(*gpu_, up),
+               ddown = upload(*gpu_, down), dids = upload(*gpu_, ids), dweights = upload(*gpu_, weights);
+  DeviceTensor dout = poisoned(*gpu_, DType::f32, {2, 16});
+  gpu_->routed_experts(ActivationParams{}, dz.view, dids.view, dweights.view,
+                       MlpWeights{dgate.view, dup.view, ddown.view}, dout.view);
+  const HostTensor out = download(*gpu_, dout.view);
+  for (int64_t c = 0; c < 16; ++c) EXPECT_EQ(out.data_as<float>()[c], 0.0f) << c;
+  EXPECT_LT(relative_error(out, ref), 1e-5);
+}
+
+TEST_F(CudaExperts, routed_experts_need_a_prepared_workspace) {
+  const HostTensor z = random_tensor(DType::bf16, {4, 16}, 1);
+  const HostTensor w = random_tensor(DType::bf16, {4, 8, 16}, 2);
+  const HostTensor wd = random_tensor(DType::bf16, {4, 16, 8}, 3);
+  const HostTensor ids = random_ids(4, 2, 4, 0, 4);
+  const HostTensor weights = random_tensor(DType::f32, {4, 2}, 5);
+  DeviceTensor dz = upload(*gpu_, z), dw = upload(*gpu_, w), dwd = upload(*gpu_, wd), dids = upload(*gpu_, ids),
+               dweights = upload(*gpu_, weights), dout = device_empty(*gpu_, DType::bf16, {4, 16});
+  const MlpWeights experts{dw.view, dw.view, dwd.view};
+  EXPECT_THROW(gpu_->routed_experts(ActivationParams{}, dz.view, dids.view, dweights.view, experts, dout.view), Error);
+  WorkspaceSpec spec;
+  spec.max_tokens = 2;  // too few
+  spec.num_experts = 4;
+  spec.top_k = 2;
+  spec.latent_size = 16;
+  spec.expert_intermediate = 8;
+  gpu_->prepare(spec);
+  try {
+    gpu_->routed_experts(ActivationParams{}, dz.view, dids.view, dweights.view, experts, dout.view);
+    ADD_FAILURE() << "expected an Error";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("prepare"), std::string::npos) << error.what();
+  }
+  spec.max_tokens = 4;
+  gpu_->prepare(spec);
+  EXPECT_NO_THROW(gpu_->routed_experts(ActivationParams{}, dz.view, dids.view, dweights.view, experts, dout.view));
+}
+
+}  // namespace
+}  // namespace latentmoe::cuda::testing
