@@ -1,0 +1,194 @@
+// The grouped expert GEMMs' entry points: argument checks, the choice of engine and tile variant,
+// and the launch. No host synchronisation and no allocation: safe inside CUDA-graph capture.
+#include "cuda/grouped_gemm.h"
+
+#include <array>
+#include <atomic>
+
+#include "cuda/grouped_gemm_launch.h"
+#include "latentmoe/error.h"
+
+namespace latentmoe::cuda {
+namespace gg {
+
+void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  LATENTMOE_CHECK(err == cudaSuccess, what, ": launch failed: ", cudaGetErrorString(err));
+}
+
+namespace {
+
+int current_device() {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  LATENTMOE_CHECK(err == cudaSuccess, "grouped GEMM: cudaGetDevice failed: ", cudaGetErrorString(err));
+  return device;
+}
+
+// Compute capability (major * 10 + minor) of the current device, read once per device.
+int compute_capability() {
+  static std::array<std::atomic<int>, 64> cache{};
+  const int device = current_device();
+  if (device < 0 || device >= static_cast<int>(cache.size())) return 0;
+  int cc = cache[device].load(std::memory_order_relaxed);
+  if (cc == 0) {
+    int major = 0;
+    int minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    cc = major * 10 + minor;
+    cache[device].store(cc, std::memory_order_relaxed);
+  }
+  return cc;
+}
+
+}  // namespace
+
+void ensure_smem_limit(const void* kernel, int bytes, std::atomic<uint64_t>* done_mask) {
+  const int device = current_device();
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (done_mask->load(std::memory_order_acquire) & bit) != 0) return;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  LATENTMOE_CHECK(err == cudaSuccess, "grouped GEMM: cannot give a kernel ", bytes,
+                  " bytes of shared memory: ", cudaGetErrorString(err));
+  done_mask->fetch_or(bit, std::memory_order_acq_rel);
+}
+
+}  // namespace gg
+
+namespace detail {
+
+std::string to_string(GemmVariant variant) {
+  switch (variant) {
+    case GemmVariant::automatic: return "automatic";
+    case GemmVariant::simt: return "simt";
+    case GemmVariant::mma_s: return "mma_s";
+    case GemmVariant::mma_s_wide: return "mma_s_wide";
+    case GemmVariant::mma_s_k128: return "mma_s_k128";
+    case GemmVariant::mma_m: return "mma_m";
+    case GemmVariant::mma_l: return "mma_l";
+    case GemmVariant::mma_xl: return "mma_xl";
+  }
+  return "unknown";
+}
+
+std::vector<GemmVariant> all_variants() {
+  return {GemmVariant::simt, GemmVariant::mma_s, GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
+          GemmVariant::mma_m, GemmVariant::mma_l,
+          GemmVariant::mma_xl};
+}
+
+GemmVariant choose_variant(DType dtype, bool down, int64_t num_tokens, int top_k, int num_experts,
+                           int64_t intermediate, int64_t latent) {
+  if (dtype == DType::f32 || gg::compute_capability() < 80) return GemmVariant::simt;
+  if (latent % 8 != 0 || intermediate % 8 != 0) return GemmVariant::simt;
+  // An expert gets at most one row per token (top-k picks distinct experts), so T bounds the rows of
+  // any expert.
+  if (num_tokens <= 16) return down ? GemmVariant::mma_s_wide : GemmVariant::mma_s;
+  if (num_tokens <= 128) return GemmVariant::mma_m;
+  return GemmVariant::mma_l;
+}
+
+namespace {
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+void check_common(DType dtype, const MoeLayout& layout, const ExpertGemmWeights& w, const char* what) {
+  LATENTMOE_CHECK(is_compute_dtype(dtype), what, ": dtype ", dtype_name(dtype),
+                  " is not a compute dtype (f32, bf16, f16)");
+  LATENTMOE_CHECK(w.num_experts > 0 && layout.num_experts == w.num_experts, what, ": the layout has ",
+                  layout.num_experts, " experts but the weights have ", w.num_experts);
+  LATENTMOE_CHECK(layout.top_k > 0 && layout.num_tokens >= 0, what, ": bad layout (top_k ", layout.top_k,
+                  ", num_tokens ", layout.num_tokens, ")");
+  LATENTMOE_CHECK(w.intermediate > 0 && w.latent > 0 && w.intermediate < (int64_t{1} << 30) &&
+                      w.latent < (int64_t{1} << 30),
+                  what, ": bad expert shape (intermediate ", w.intermediate, ", latent ", w.latent, ")");
+  LATENTMOE_CHECK(layout.num_tokens * layout.top_k < (int64_t{1} << 31), what, ": too many rows (",
+                  layout.num_tokens, " tokens x top_k ", layout.top_k, ")");
+  LATENTMOE_CHECK(layout.num_tokens == 0 || (layout.expert_offsets != nullptr && layout.sorted_pairs != nullptr),
+                  what, ": the layout's device arrays are missing");
+}
+
+void run(GemmVariant variant, DType dtype, gg::Mode mode, const gg::KernelArgs& args, int64_t num_tokens,
+         int64_t intermediate, int64_t latent, cudaStream_t stream) {
+  const bool down = mode == gg::Mode::plain;
+  if (variant == GemmVariant::automatic) {
+    variant = choose_variant(dtype, down, num_tokens, args.top_k, args.num_experts, intermediate, latent);
+  }
+  const bool tensor_core_ok = dtype != DType::f32 && gg::compute_capability() >= 80 && args.n % 8 == 0 &&
+                              args.k % 8 == 0 && aligned16(args.a) && aligned16(args.w0) &&
+                              (args.w1 == nullptr || aligned16(args.w1)) && aligned16(args.out);
+  const int64_t max_rows = num_tokens * args.top_k;
+  if (variant == GemmVariant::simt || !tensor_core_ok) {
+    gg::launch_simt(dtype, mode, args, max_rows, stream);
+  } else if (dtype == DType::bf16) {
+    gg::launch_mma_bf16(variant, mode, args, max_rows, stream);
+  } else {
+    gg::launch_mma_f16(variant, mode, args, max_rows, stream);
+  }
+}
+
+}  // namespace
+
+void grouped_gate_up_variant(GemmVariant variant, DType dtype, const latentmoe::detail::ActivationParams& act,
+                             const void* z, const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows,
+                             cudaStream_t stream) {
+  check_common(dtype, layout, w, "grouped_gate_up");
+  if (layout.num_tokens == 0) return;
+  const bool gated = act.activation != Activation::relu2;
+  LATENTMOE_CHECK(w.up != nullptr && (!gated || w.gate != nullptr), "grouped_gate_up: the ",
+                  gated ? "gate or up" : "up", " weights are missing");
+  LATENTMOE_CHECK(z != nullptr && act_rows != nullptr, "grouped_gate_up: z or act_rows is null");
+  gg::KernelArgs args;
+  args.a = z;
+  args.w0 = gated ? w.gate : w.up;
+  args.w1 = gated ? w.up : nullptr;
+  args.out = act_rows;
+  args.expert_offsets = layout.expert_offsets;
+  args.sorted_pairs = layout.sorted_pairs;
+  args.top_k = layout.top_k;
+  args.num_experts = layout.num_experts;
+  args.n = static_cast<int>(w.intermediate);
+  args.k = static_cast<int>(w.latent);
+  args.situ = act.activation == Activation::situ;
+  args.situ_beta = act.situ_beta;
+  args.situ_linear_beta = act.situ_linear_beta;
+  run(variant, dtype, gated ? gg::Mode::gated : gg::Mode::relu2, args, layout.num_tokens, w.intermediate, w.latent,
+      stream);
+}
+
+void grouped_down_variant(GemmVariant variant, DType dtype, const void* act_rows, const MoeLayout& layout,
+                          const ExpertGemmWeights& w, void* y_rows, cudaStream_t stream) {
+  check_common(dtype, layout, w, "grouped_down");
+  if (layout.num_tokens == 0) return;
+  LATENTMOE_CHECK(w.down != nullptr, "grouped_down: the down weights are missing");
+  LATENTMOE_CHECK(act_rows != nullptr && y_rows != nullptr, "grouped_down: act_rows or y_rows is null");
+  gg::KernelArgs args;
+  args.a = act_rows;
+  args.w0 = w.down;
+  args.out = y_rows;
+  args.expert_offsets = layout.expert_offsets;
+  args.sorted_pairs = nullptr;
+  args.top_k = layout.top_k;
+  args.num_experts = layout.num_experts;
+  args.n = static_cast<int>(w.latent);
+  args.k = static_cast<int>(w.intermediate);
+  run(variant, dtype, gg::Mode::plain, args, layout.num_tokens, w.intermediate, w.latent, stream);
+}
+
+}  // namespace detail
+
+void grouped_gate_up(DType dtype, const latentmoe::detail::ActivationParams& act, const void* z,
+                     const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows, void* workspace,
+                     size_t workspace_bytes, cudaStream_t stream) {
+  detail::grouped_gate_up_variant(detail::GemmVariant::automatic, dtype, act, z, layout, w, act_rows, stream);
+}
+
+void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, const ExpertGemmWeights& w,
+                  void* y_rows, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  detail::grouped_down_variant(detail::GemmVariant::automatic, dtype, act_rows, layout, w, y_rows, stream);
+}
+
+size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts) { return 0; }
+
+}  // namespace latentmoe::cuda

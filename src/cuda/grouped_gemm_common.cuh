@@ -1,0 +1,155 @@
+// Device pieces shared by the grouped GEMM kernels: the kernel arguments, the on-device tile finder
+// and the activations. Internal to src/cuda/grouped_gemm*.cu.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace latentmoe::cuda::gg {
+
+// What the kernel computes from its accumulators.
+//   gated: two weight matrices (gate w0, up w1), out = act(g, u) with act silu or situ (runtime);
+//   relu2: one matrix (up), out = relu(u)^2;
+//   plain: one matrix (down), out = acc.
+enum class Mode { gated, relu2, plain };
+
+struct KernelArgs {
+  const void* a = nullptr;   // rows of A: z [T, K] (gathered through sorted_pairs) or act_rows [R, K]
+  const void* w0 = nullptr;  // [E, N, K]: gate (gated), up (relu2) or down (plain)
+  const void* w1 = nullptr;  // [E, N, K]: up (gated only)
+  void* out = nullptr;       // [R, N]
+  const int32_t* expert_offsets = nullptr;
+  const int32_t* sorted_pairs = nullptr;  // nullptr: A row = grouped row (down)
+  int top_k = 1;
+  int num_experts = 0;
+  int n = 0;  // output columns (I_r for gate/up, l for down)
+  int k = 0;  // reduction length (l for gate/up, I_r for down)
+  bool situ = false;  // gated: situ instead of silu
+  float situ_beta = 4.0f;
+  float situ_linear_beta = 25.0f;
+};
+
+struct TileInfo {
+  int expert;
+  int row_begin;
+  int row_end;
+};
+
+// The m-tiles of all experts are numbered expert by expert: expert e owns ceil(rows_e / block_m) of
+// them. Finds which expert and rows the tile `entry` covers, block-wide (every thread must call it).
+// Returns false for entries past the last tile (the surplus of the host's upper-bound grid).
+// All loads of one round are issued before any is used, so the cost is about one L2 round trip plus a
+// block scan.
+template <int kThreads>
+__device__ __forceinline__ bool find_tile(const int32_t* __restrict__ offsets, int num_experts, int block_m,
+                                          int entry, TileInfo* s_tile, int* s_scan) {
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kPerThread = 8;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  if (tid == 0) s_tile->expert = -1;
+  int base = 0;
+  for (int round = 0; round < num_experts; round += kThreads * kPerThread) {
+    const int remaining = num_experts - round;
+    const int per = min(kPerThread, (remaining + kThreads - 1) / kThreads);
+    const int e0 = round + tid * per;
+    int off[kPerThread + 1];
+#pragma unroll
+    for (int i = 0; i <= kPerThread; ++i) {
+      off[i] = (i <= per && e0 + i <= num_experts) ? __ldg(offsets + e0 + i) : 0;
+    }
+    int local = 0;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      if (i < per && e0 + i < num_experts) local += (off[i + 1] - off[i] + block_m - 1) / block_m;
+    }
+    int inclusive = local;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += v;
+    }
+    if (lane == 31) s_scan[warp] = inclusive;
+    __syncthreads();
+    int warp_prefix = 0;
+    int total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      int v = s_scan[w];
+      if (w < warp) warp_prefix += v;
+      total += v;
+    }
+    const int exclusive = base + warp_prefix + inclusive - local;
+    if (entry >= exclusive && entry < exclusive + local) {
+      int p = exclusive;
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        if (i < per && e0 + i < num_experts) {
+          int count = (off[i + 1] - off[i] + block_m - 1) / block_m;
+          if (entry >= p && entry < p + count) {
+            s_tile->expert = e0 + i;
+            s_tile->row_begin = off[i] + (entry - p) * block_m;
+            s_tile->row_end = min(off[i + 1], s_tile->row_begin + block_m);
+          }
+          p += count;
+        }
+      }
+    }
+    base += total;
+    __syncthreads();  // s_scan is reused by the next round; s_tile is visible after this
+    if (entry < base) break;  // uniform: every thread has the same base
+  }
+  return s_tile->expert >= 0;
+}
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float gated_act(float g, float u, const KernelArgs& args) {
+  if (args.situ) {
+    const float b1 = args.situ_beta;
+    const float b2 = args.situ_linear_beta;
+    return (b1 * tanhf(g / b1) * sigmoid_f(g)) * (b2 * tanhf(u / b2));
+  }
+  return g * sigmoid_f(g) * u;
+}
+
+__device__ __forceinline__ float relu2_act(float u) {
+  const float r = fmaxf(u, 0.0f);
+  return r * r;
+}
+
+template <class T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) {
+  return __half2float(v);
+}
+
+template <class T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+}  // namespace latentmoe::cuda::gg

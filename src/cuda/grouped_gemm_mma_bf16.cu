@@ -1,0 +1,11 @@
+// The tensor-core grouped GEMM variants for bf16.
+#include "cuda/grouped_gemm_mma_impl.cuh"
+
+namespace latentmoe::cuda::gg {
+
+void launch_mma_bf16(detail::GemmVariant variant, Mode mode, const KernelArgs& args, int64_t max_rows,
+                     cudaStream_t stream) {
+  launch_mma<__nv_bfloat16>(variant, mode, args, max_rows, stream);
+}
+
+}  // namespace latentmoe::cuda::gg

@@ -1,0 +1,419 @@
+// The grouped expert GEMMs (src/cuda/grouped_gemm.h) against a host fp64 loop: every engine variant,
+// every activation and dtype, odd shapes, experts with no rows and one with many, zero-expert pairs,
+// poisoned outputs, and CUDA-graph capture replayed with a new layout.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/grouped_gemm.h"
+#include "latentmoe/error.h"
+
+namespace latentmoe::cuda {
+namespace {
+
+using detail::GemmVariant;
+using latentmoe::detail::ActivationParams;
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+bool has_gpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+class DeviceMem {
+ public:
+  explicit DeviceMem(size_t bytes) : bytes_(bytes) {
+    if (cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)) != cudaSuccess) ptr_ = nullptr;
+  }
+  ~DeviceMem() { cudaFree(ptr_); }
+  DeviceMem(const DeviceMem&) = delete;
+  DeviceMem& operator=(const DeviceMem&) = delete;
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_;
+};
+
+// Host values already rounded through the dtype, and their device encoding.
+struct HostArray {
+  std::vector<double> values;
+  std::vector<unsigned char> bytes;
+};
+
+HostArray random_array(DType dtype, size_t count, float scale, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-scale, scale);
+  HostArray out;
+  out.values.resize(count);
+  out.bytes.resize(count * dtype_size(dtype));
+  for (size_t i = 0; i < count; ++i) {
+    const float v = round_through(dtype, dist(rng));
+    out.values[i] = v;
+    store_from_float(out.bytes.data(), dtype, static_cast<int64_t>(i), v);
+  }
+  return out;
+}
+
+struct HostLayout {
+  std::vector<int32_t> topk_ids;        // [T, k]
+  std::vector<int32_t> expert_offsets;  // [E + 1]
+  std::vector<int32_t> sorted_pairs;    // [T * k] (tail unused)
+  std::vector<int32_t> pair_rows;       // [T * k]
+};
+
+// Distinct ids per token from [0, E + Z); `heavy` (if >= 0) is chosen by every token, so that one
+// expert gets T rows; with E large against T * k many experts get none.
+HostLayout random_layout(int64_t num_tokens, int num_experts, int num_zero, int top_k, int heavy, std::mt19937& rng) {
+  HostLayout layout;
+  const int total_ids = num_experts + num_zero;
+  layout.topk_ids.resize(num_tokens * top_k);
+  std::vector<int> ids(total_ids);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    if (heavy >= 0) {
+      auto it = std::find(ids.begin(), ids.end(), heavy);
+      std::iter_swap(ids.begin(), it);
+    }
+    for (int j = 0; j < top_k; ++j) layout.topk_ids[t * top_k + j] = ids[j];
+  }
+  const int64_t num_pairs = num_tokens * top_k;
+  layout.expert_offsets.assign(num_experts + 1, 0);
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    if (layout.topk_ids[p] < num_experts) ++layout.expert_offsets[layout.topk_ids[p] + 1];
+  }
+  for (int e = 0; e < num_experts; ++e) layout.expert_offsets[e + 1] += layout.expert_offsets[e];
+  layout.sorted_pairs.assign(std::max<int64_t>(num_pairs, 1), -7);
+  layout.pair_rows.assign(std::max<int64_t>(num_pairs, 1), -1);
+  std::vector<int32_t> fill(layout.expert_offsets.begin(), layout.expert_offsets.end() - 1);
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const int id = layout.topk_ids[p];
+    if (id >= num_experts) continue;
+    const int row = fill[id]++;
+    layout.sorted_pairs[row] = static_cast<int32_t>(p);
+    layout.pair_rows[p] = row;
+  }
+  return layout;
+}
+
+double activate(const ActivationParams& act, double g, double u) {
+  switch (act.activation) {
+    case Activation::silu: return g / (1.0 + std::exp(-g)) * u;
+    case Activation::situ: {
+      const double b1 = act.situ_beta;
+      const double b2 = act.situ_linear_beta;
+      return (b1 * std::tanh(g / b1) / (1.0 + std::exp(-g))) * (b2 * std::tanh(u / b2));
+    }
+    case Activation::relu2: {
+      const double r = std::max(u, 0.0);
+      return r * r;
+    }
+  }
+  return 0.0;
+}
+
+struct Case {
+  std::string name;
+  DType dtype;
+  Activation activation;
+  int64_t num_tokens;
+  int num_experts;
+  int num_zero;
+  int top_k;
+  int64_t intermediate;
+  int64_t latent;
+  int heavy;  // expert chosen by every token, or -1
+};
+
+std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+double tolerance(DType dtype) { return dtype == DType::f32 ? 1e-5 : 1e-2; }
+
+// Everything one problem needs on the host and the device.
+class Problem {
+ public:
+  Problem(const Case& c, uint32_t seed) : c_(c), rng_(seed) {
+    act_.activation = c.activation;
+    act_.situ_beta = 4.0f;
+    act_.situ_linear_beta = 25.0f;
+    const size_t el = dtype_size(c.dtype);
+    const int64_t E = c.num_experts;
+    const int64_t I = c.intermediate;
+    const int64_t l = c.latent;
+    const float w_scale = 1.0f / std::sqrt(static_cast<float>(l));
+    if (gated()) gate_ = random_array(c.dtype, E * I * l, 2.0f * w_scale, rng_);
+    up_ = random_array(c.dtype, E * I * l, 2.0f * w_scale, rng_);
+    down_ = random_array(c.dtype, E * l * I, 1.0f / std::sqrt(static_cast<float>(I)), rng_);
+    d_gate_ = std::make_unique<DeviceMem>(gate_.bytes.size());
+    d_up_ = std::make_unique<DeviceMem>(up_.bytes.size());
+    d_down_ = std::make_unique<DeviceMem>(down_.bytes.size());
+    cudaMemcpy(d_gate_->get(), gate_.bytes.data(), gate_.bytes.size(), cudaMemcpyHostToDevice);
+    cudaMemcpy(d_up_->get(), up_.bytes.data(), up_.bytes.size(), cudaMemcpyHostToDevice);
+    cudaMemcpy(d_down_->get(), down_.bytes.data(), down_.bytes.size(), cudaMemcpyHostToDevice);
+    const int64_t rows = std::max<int64_t>(c.num_tokens * c.top_k, 1);
+    d_z_ = std::make_unique<DeviceMem>(std::max<int64_t>(c.num_tokens, 1) * l * el);
+    d_act_ = std::make_unique<DeviceMem>(rows * I * el);
+    d_y_ = std::make_unique<DeviceMem>(rows * l * el);
+    d_offsets_ = std::make_unique<DeviceMem>((E + 1) * sizeof(int32_t));
+    d_sorted_ = std::make_unique<DeviceMem>(rows * sizeof(int32_t));
+    d_pair_rows_ = std::make_unique<DeviceMem>(rows * sizeof(int32_t));
+    d_workspace_ = std::make_unique<DeviceMem>(grouped_gemm_workspace_bytes(c.num_tokens, c.top_k, c.num_experts));
+    new_inputs();
+  }
+
+  bool gated() const { return c_.activation != Activation::relu2; }
+
+  // Fresh routing and z, written into the same device buffers (what a graph replay sees).
+  void new_inputs() {
+    layout_ = random_layout(c_.num_tokens, c_.num_experts, c_.num_zero, c_.top_k, c_.heavy, rng_);
+    z_ = random_array(c_.dtype, c_.num_tokens * c_.latent, 1.0f, rng_);
+    cudaMemcpy(d_z_->get(), z_.bytes.data(), z_.bytes.size(), cudaMemcpyHostToDevice);
+    cudaMemcpy(d_offsets_->get(), layout_.expert_offsets.data(), layout_.expert_offsets.size() * 4,
+               cudaMemcpyHostToDevice);
+    cudaMemcpy(d_sorted_->get(), layout_.sorted_pairs.data(), layout_.sorted_pairs.size() * 4,
+               cudaMemcpyHostToDevice);
+    cudaMemcpy(d_pair_rows_->get(), layout_.pair_rows.data(), layout_.pair_rows.size() * 4,
+               cudaMemcpyHostToDevice);
+  }
+
+  void poison() {
+    cudaMemset(d_act_->get(), 0xff, d_act_->bytes());
+    cudaMemset(d_y_->get(), 0xff, d_y_->bytes());
+  }
+
+  MoeLayout layout() const {
+    MoeLayout l;
+    l.expert_offsets = static_cast<const int32_t*>(d_offsets_->get());
+    l.sorted_pairs = static_cast<const int32_t*>(d_sorted_->get());
+    l.pair_rows = static_cast<const int32_t*>(d_pair_rows_->get());
+    l.num_experts = c_.num_experts;
+    l.top_k = c_.top_k;
+    l.num_tokens = c_.num_tokens;
+    return l;
+  }
+
+  ExpertGemmWeights weights() const {
+    ExpertGemmWeights w;
+    w.gate = gated() ? d_gate_->get() : nullptr;
+    w.up = d_up_->get();
+    w.down = d_down_->get();
+    w.intermediate = c_.intermediate;
+    w.latent = c_.latent;
+    w.num_experts = c_.num_experts;
+    return w;
+  }
+
+  void run(GemmVariant variant, cudaStream_t stream) {
+    detail::grouped_gate_up_variant(variant, c_.dtype, act_, d_z_->get(), layout(), weights(), d_act_->get(), stream);
+    detail::grouped_down_variant(variant, c_.dtype, d_act_->get(), layout(), weights(), d_y_->get(), stream);
+  }
+
+  // The workspace is allocated before, so that this can run inside graph capture.
+  void run_public(cudaStream_t stream) {
+    const size_t ws = d_workspace_->bytes();
+    grouped_gate_up(c_.dtype, act_, d_z_->get(), layout(), weights(), d_act_->get(), d_workspace_->get(), ws,
+                    stream);
+    grouped_down(c_.dtype, d_act_->get(), layout(), weights(), d_y_->get(), d_workspace_->get(), ws, stream);
+  }
+
+  // Compares both outputs with the fp64 reference (down from the device's act rows, so errors do not
+  // compound) and checks that every valid row was written and no row past them was.
+  void check(const std::string& what) {
+    const size_t el = dtype_size(c_.dtype);
+    const int64_t I = c_.intermediate;
+    const int64_t l = c_.latent;
+    const int64_t E = c_.num_experts;
+    const int64_t rows_bound = c_.num_tokens * c_.top_k;
+    const int64_t rows = layout_.expert_offsets[E];
+    std::vector<unsigned char> act_bytes(std::max<int64_t>(rows_bound, 1) * I * el);
+    std::vector<unsigned char> y_bytes(std::max<int64_t>(rows_bound, 1) * l * el);
+    ASSERT_EQ(cudaMemcpy(act_bytes.data(), d_act_->get(), act_bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(y_bytes.data(), d_y_->get(), y_bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+
+    double act_err = 0, act_norm = 0, y_err = 0, y_norm = 0;
+    int64_t unwritten = 0;
+    std::vector<double> a(I);
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t r = layout_.expert_offsets[e]; r < layout_.expert_offsets[e + 1]; ++r) {
+        const int64_t token = layout_.sorted_pairs[r] / c_.top_k;
+        const double* u = &z_.values[token * l];
+        for (int64_t i = 0; i < I; ++i) {
+          const double* wu = &up_.values[(e * I + i) * l];
+          double g = 0, v = 0;
+          if (gated()) {
+            const double* wg = &gate_.values[(e * I + i) * l];
+            for (int64_t x = 0; x < l; ++x) g += u[x] * wg[x];
+          }
+          for (int64_t x = 0; x < l; ++x) v += u[x] * wu[x];
+          const double ref = activate(act_, g, v);
+          const double got = load_as_float(act_bytes.data(), c_.dtype, r * I + i);
+          if (std::isnan(got)) ++unwritten;
+          act_err += (got - ref) * (got - ref);
+          act_norm += ref * ref;
+          a[i] = got;
+        }
+        for (int64_t o = 0; o < l; ++o) {
+          const double* wd = &down_.values[(e * l + o) * I];
+          double ref = 0;
+          for (int64_t i = 0; i < I; ++i) ref += a[i] * wd[i];
+          const double got = load_as_float(y_bytes.data(), c_.dtype, r * l + o);
+          if (std::isnan(got)) ++unwritten;
+          y_err += (got - ref) * (got - ref);
+          y_norm += ref * ref;
+        }
+      }
+    }
+    EXPECT_EQ(unwritten, 0) << what << ": valid elements left unwritten (NaN poison)";
+    if (rows > 0) {
+      const double act_rel = std::sqrt(act_err / std::max(act_norm, 1e-300));
+      const double y_rel = std::sqrt(y_err / std::max(y_norm, 1e-300));
+      EXPECT_LT(act_rel, tolerance(c_.dtype)) << what << ": gate/up relative error";
+      EXPECT_LT(y_rel, tolerance(c_.dtype)) << what << ": down relative error";
+      EXPECT_GT(act_norm, 0.0) << what;
+    }
+    // Rows past expert_offsets[E] keep their poison.
+    int64_t written_past = 0;
+    for (int64_t r = rows; r < rows_bound; ++r) {
+      for (int64_t i = 0; i < I; ++i) written_past += !std::isnan(load_as_float(act_bytes.data(), c_.dtype, r * I + i));
+      for (int64_t o = 0; o < l; ++o) written_past += !std::isnan(load_as_float(y_bytes.data(), c_.dtype, r * l + o));
+    }
+    EXPECT_EQ(written_past, 0) << what << ": rows past the last expert's were written";
+  }
+
+  const HostLayout& host_layout() const { return layout_; }
+
+ private:
+  Case c_;
+  std::mt19937 rng_;
+  ActivationParams act_;
+  HostArray gate_, up_, down_, z_;
+  HostLayout layout_;
+  std::unique_ptr<DeviceMem> d_gate_, d_up_, d_down_, d_z_, d_act_, d_y_, d_offsets_, d_sorted_, d_pair_rows_,
+      d_workspace_;
+};
+
+class GroupedGemmCase : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GroupedGemmCase, every_variant_matches_fp64_reference) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Case& c = GetParam();
+  Problem problem(c, 1234u + static_cast<uint32_t>(c.num_tokens));
+  std::vector<GemmVariant> variants = {GemmVariant::automatic};
+  for (GemmVariant v : detail::all_variants()) variants.push_back(v);
+  for (GemmVariant v : variants) {
+    problem.poison();
+    problem.run(v, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << detail::to_string(v);
+    problem.check(c.name + " / " + detail::to_string(v));
+  }
+  // The public entry points (automatic choice, workspace as sized).
+  problem.poison();
+  problem.run_public(nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  problem.check(c.name + " / public");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda_GroupedGemm, GroupedGemmCase,
+    ::testing::Values(
+        // name, dtype, act, T, E, Z, k, I_r, l, heavy
+        Case{"bf16_situ_t17_i192_l1024", DType::bf16, Activation::situ, 17, 8, 1, 3, 192, 1024, -1},
+        Case{"bf16_silu_t133_i336_l200", DType::bf16, Activation::silu, 133, 16, 0, 4, 336, 200, 5},
+        Case{"f16_relu2_t3_i336_l1024", DType::f16, Activation::relu2, 3, 32, 2, 2, 336, 1024, -1},
+        Case{"bf16_relu2_t133_i192_l200_heavy", DType::bf16, Activation::relu2, 133, 8, 2, 2, 192, 200, 3},
+        Case{"f16_situ_t1_i384_l1024", DType::f16, Activation::situ, 1, 64, 0, 8, 384, 1024, -1},
+        Case{"bf16_silu_t17_i100_l200_odd", DType::bf16, Activation::silu, 17, 6, 0, 2, 100, 200, -1},
+        Case{"bf16_situ_t3_i192_l60_odd", DType::bf16, Activation::situ, 3, 5, 1, 2, 192, 60, -1},
+        Case{"f32_situ_t17_i192_l200", DType::f32, Activation::situ, 17, 8, 1, 2, 192, 200, 2},
+        Case{"f32_relu2_t1_i336_l1024", DType::f32, Activation::relu2, 1, 4, 0, 2, 336, 1024, -1},
+        Case{"f32_silu_t133_i336_l200", DType::f32, Activation::silu, 133, 12, 1, 3, 336, 200, -1}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(Cuda_GroupedGemm, graph_replay_with_new_layout) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Case c{"graph", DType::bf16, Activation::situ, 64, 24, 1, 4, 192, 1024, 7};
+  Problem problem(c, 99u);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  problem.run_public(stream);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    if (replay > 0) problem.new_inputs();
+    problem.poison();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    problem.check("graph replay " + std::to_string(replay));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(Cuda_GroupedGemm, no_tokens_launches_nothing) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  MoeLayout layout;
+  layout.num_experts = 4;
+  layout.top_k = 2;
+  layout.num_tokens = 0;
+  ExpertGemmWeights w;
+  w.num_experts = 4;
+  w.intermediate = 64;
+  w.latent = 64;
+  latentmoe::detail::ActivationParams act;
+  EXPECT_NO_THROW(grouped_gate_up(DType::bf16, act, nullptr, layout, w, nullptr, nullptr, 0, nullptr));
+  EXPECT_NO_THROW(grouped_down(DType::bf16, nullptr, layout, w, nullptr, nullptr, 0, nullptr));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// Argument checks run before any CUDA call, so these run without a GPU too.
+TEST(Cuda_GroupedGemm, rejects_bad_arguments) {
+  MoeLayout layout;
+  layout.num_experts = 4;
+  layout.top_k = 2;
+  layout.num_tokens = 3;
+  int32_t dummy = 0;
+  layout.expert_offsets = &dummy;
+  layout.sorted_pairs = &dummy;
+  ExpertGemmWeights w;
+  w.num_experts = 5;  // disagrees with the layout
+  w.intermediate = 64;
+  w.latent = 64;
+  w.up = &dummy;
+  w.gate = &dummy;
+  w.down = &dummy;
+  latentmoe::detail::ActivationParams act;
+  EXPECT_THROW(grouped_gate_up(DType::bf16, act, &dummy, layout, w, &dummy, nullptr, 0, nullptr), Error);
+  w.num_experts = 4;
+  EXPECT_THROW(grouped_down(DType::i32, &dummy, layout, w, &dummy, nullptr, 0, nullptr), Error);
+  w.gate = nullptr;  // a gated activation needs the gate weights
+  EXPECT_THROW(grouped_gate_up(DType::bf16, act, &dummy, layout, w, &dummy, nullptr, 0, nullptr), Error);
+  w.down = nullptr;
+  EXPECT_THROW(grouped_down(DType::bf16, &dummy, layout, w, &dummy, nullptr, 0, nullptr), Error);
+}
+
+TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  EXPECT_EQ(detail::choose_variant(DType::f32, false, 64, 16, 896, 384, 3584), GemmVariant::simt);
+  EXPECT_EQ(detail::choose_variant(DType::bf16, false, 64, 16, 896, 100, 3584), GemmVariant::simt);
+  if (major >= 8) EXPECT_NE(detail::choose_variant(DType::bf16, false, 64, 16, 896, 384, 3584), GemmVariant::simt);
+}
+
+}  // namespace
+}  // namespace latentmoe::cuda
