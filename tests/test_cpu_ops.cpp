@@ -9,6 +9,7 @@
 
 #include "core/backend.h"
 #include "cpu/activation.h"
+#include "cpu/matmul.h"
 #include "cpu/numeric.h"
 #include "latentmoe/error.h"
 #include "latentmoe/tensor.h"
@@ -187,6 +188,43 @@ TEST(CpuLinear, rounds_once_from_double) {
   HostTensor y(DType::bf16, {1, 1});
   backend->linear(x.view(), w.view(), y.view(), false);
   EXPECT_EQ(values_of(y.view())[0], 1.0078125f);
+}
+
+TEST(CpuLinear, blocks_tiles_and_batch_invariance) {
+  // k = 5003 (not a multiple of 8) makes the GEMM convert w in blocks of 6 rows (3 blocks for 13 outputs)
+  // and x in tiles of 4 rows (7 rows: a 4-row kernel pass and 3 single rows). Every result must match a
+  // naive double dot product, and each row computed alone must give bit-identical values.
+  auto backend = detail::make_cpu_backend();
+  const int64_t rows = 7, outputs = 13, depth = 5003;
+  std::mt19937 rng(21);
+  std::vector<float> x = random_values(rows * depth, 1.0f, rng), w = random_values(outputs * depth, 1.0f, rng);
+  HostTensor xt = make(DType::f32, {rows, depth}, x), wt = make(DType::f32, {outputs, depth}, w);
+  HostTensor y(DType::f32, {rows, outputs});
+  backend->linear(xt.view(), wt.view(), y.view(), false);
+  std::vector<float> expected(rows * outputs);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < outputs; ++c) {
+      double sum = 0.0;
+      for (int64_t i = 0; i < depth; ++i) sum += static_cast<double>(x[r * depth + i]) * w[c * depth + i];
+      expected[r * outputs + c] = static_cast<float>(sum);
+    }
+  }
+  const std::vector<float> batched = values_of(y.view());
+  expect_close(batched, expected, DType::f32);
+  // The double accumulators themselves (before rounding) are batch invariant.
+  const detail::cpu::Matrix w_matrix = detail::cpu::as_matrix(wt.view(), "w");
+  std::vector<double> all(rows * outputs), one(outputs);
+  detail::cpu::matmul_nt(x.data(), rows, w_matrix, all.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    detail::cpu::matmul_nt(x.data() + r * depth, 1, w_matrix, one.data());
+    for (int64_t c = 0; c < outputs; ++c) ASSERT_EQ(one[c], all[r * outputs + c]) << r << ", " << c;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    HostTensor single(DType::f32, {1, outputs});
+    backend->linear(xt.view().slice_rows(r, r + 1), wt.view(), single.view(), false);
+    const std::vector<float> alone = values_of(single.view());
+    for (int64_t c = 0; c < outputs; ++c) ASSERT_EQ(alone[c], batched[r * outputs + c]) << r << ", " << c;
+  }
 }
 
 TEST(CpuRouterLogits, hand_computed_fp32_output) {

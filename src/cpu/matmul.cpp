@@ -108,8 +108,8 @@ void matmul_nt(const float* x, int64_t rows, const Matrix& w, double* y) {
   const int64_t n = w.rows;
   if (rows == 0 || n == 0) return;
   const int64_t block_rows = std::clamp<int64_t>(kBlockDoubles / std::max<int64_t>(k, 1), 1, n);
-  const int64_t tile_rows = std::clamp<int64_t>(
-      kTileDoubles / std::max<int64_t>(k, 1) / kRowsPerKernel * kRowsPerKernel, kRowsPerKernel, rows);
+  const int64_t tile_rows = std::min(
+      rows, std::max(kRowsPerKernel, kTileDoubles / std::max<int64_t>(k, 1) / kRowsPerKernel * kRowsPerKernel));
   std::vector<float> block_floats(static_cast<size_t>(block_rows * k));
   std::vector<double> block(block_floats.size());
   std::vector<double> tile(static_cast<size_t>(tile_rows * k));
