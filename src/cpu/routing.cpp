@@ -27,11 +27,12 @@ struct Scratch {
   std::vector<float> group_score;
   std::vector<int64_t> groups;
   std::vector<int64_t> candidates;
+  std::vector<double> exps;  // softmax numerators
 };
 
 // Scores of one token, each computed in double and rounded once to fp32 (the value an fp32 kernel
 // holds). NaN logits count as -inf: score 0, never preferred over a real score.
-void compute_scores(ScoringFunc scoring, const float* logits, int64_t count, float* scores) {
+void compute_scores(ScoringFunc scoring, const float* logits, int64_t count, float* scores, std::vector<double>& exps) {
   if (scoring == ScoringFunc::sigmoid) {
     for (int64_t i = 0; i < count; ++i) {
       const double x = std::isnan(logits[i]) ? -std::numeric_limits<double>::infinity() : logits[i];
@@ -52,7 +53,7 @@ void compute_scores(ScoringFunc scoring, const float* logits, int64_t count, flo
     for (int64_t i = 0; i < count; ++i) scores[i] = logits[i] == largest ? 1.0f / static_cast<float>(num_inf) : 0.0f;
     return;
   }
-  std::vector<double> exps(static_cast<size_t>(count));
+  exps.resize(static_cast<size_t>(count));
   double sum = 0.0;
   for (int64_t i = 0; i < count; ++i) {
     exps[i] = std::isnan(logits[i]) ? 0.0 : std::exp(static_cast<double>(logits[i]) - largest);
@@ -150,7 +151,7 @@ void route(const RoutingParams& params, const TensorView& logits, const TensorVi
 
   for (int64_t t = 0; t < num_tokens; ++t) {
     const auto* row = static_cast<const float*>(logit_rows.row(t));
-    compute_scores(params.scoring, row, num_outputs, scratch.scores.data());
+    compute_scores(params.scoring, row, num_outputs, scratch.scores.data(), scratch.exps);
     for (int64_t i = 0; i < num_outputs; ++i) {
       const float biased = bias_data ? scratch.scores[i] + bias_data[i] : scratch.scores[i];
       scratch.biased[i] = finite_order(biased);
