@@ -36,11 +36,15 @@ struct TailCase {
   int64_t num_tokens;
 };
 
-std::string case_name(const ::testing::TestParamInfo<TailCase>& info) {
-  const TailCase& c = info.param;
+std::string describe(const TailCase& c) {
   return c.family + "_" + std::string(dtype_name(c.dtype)) + "_" + std::string(to_string(c.tier)) + "_tp" +
          std::to_string(c.tp_size) + "_t" + std::to_string(c.num_tokens);
 }
+
+std::string case_name(const ::testing::TestParamInfo<TailCase>& info) { return describe(info.param); }
+
+// GoogleTest prints parameters with this (instead of their bytes).
+void PrintTo(const TailCase& c, std::ostream* os) { *os << describe(c); }
 
 LayerConfig config_for(const std::string& family) {
   return family == "kimi" ? kimi_like_config() : nemotron_like_config();
