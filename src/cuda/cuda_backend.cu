@@ -90,6 +90,8 @@ struct CudaBackend::State {
   size_t layout_bytes = 0, act_bytes = 0, y_bytes = 0, grouped_bytes = 0;
   DeviceBuffer dense_workspace;   // gate rows | up rows
   size_t dense_half_bytes = 0;
+  DeviceBuffer router_workspace;  // x widened to f32 [max_tokens, d]
+  size_t router_bytes = 0;
 
   // The dtype of the largest compute-dtype tensor copied host -> device (the weights).
   size_t largest_copy_bytes = 0;
@@ -97,7 +99,7 @@ struct CudaBackend::State {
 
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
   bool overlapping = false;
-  unsigned routed_slots = 0, dense_slots = 0;
+  unsigned routed_slots = 0, dense_slots = 0, router_slots = 0;
 
   bool on_aux() const { return current == aux_stream; }
   void* blas_buffer() const { return blas_workspace[on_aux() ? 1 : 0].get(); }
@@ -149,6 +151,7 @@ CudaBackend::~CudaBackend() {
   if (s.aux_stream != nullptr) (void)cudaStreamSynchronize(s.aux_stream);
   s.routed_workspace = {};
   s.dense_workspace = {};
+  s.router_workspace = {};
   for (auto& buffer : s.blas_workspace) buffer = {};
   s.blas.reset();
   if (s.join != nullptr) (void)cudaEventDestroy(s.join);
@@ -209,6 +212,7 @@ void CudaBackend::prepare(const LayerConfig& config, int64_t max_tokens, int tp_
   WorkspaceSpec spec;
   spec.max_tokens = max_tokens;
   spec.element_size = state_->largest_copy_element;
+  spec.hidden_size = config.hidden_size;
   spec.num_experts = config.num_experts;
   spec.top_k = config.top_k;
   spec.latent_size = config.latent_size;
@@ -226,9 +230,10 @@ void CudaBackend::prepare(const WorkspaceSpec& spec) {
   // Release the old workspaces first (cudaFree waits for the work that may still use them).
   s.routed_workspace = {};
   s.dense_workspace = {};
+  s.router_workspace = {};
   s.prepared = false;
   s.spec = spec;
-  s.layout_bytes = s.act_bytes = s.y_bytes = s.grouped_bytes = s.dense_half_bytes = 0;
+  s.layout_bytes = s.act_bytes = s.y_bytes = s.grouped_bytes = s.dense_half_bytes = s.router_bytes = 0;
 
   if (spec.num_experts > 0 && spec.top_k > 0 && spec.max_tokens > 0) {
     const int64_t num_pairs = spec.max_tokens * spec.top_k;
@@ -243,6 +248,10 @@ void CudaBackend::prepare(const WorkspaceSpec& spec) {
   if (spec.dense_intermediate > 0 && spec.max_tokens > 0) {
     s.dense_half_bytes = align_up(static_cast<size_t>(spec.max_tokens * spec.dense_intermediate) * spec.element_size);
     s.dense_workspace = s.device_alloc(2 * s.dense_half_bytes);
+  }
+  if (spec.hidden_size > 0 && spec.max_tokens > 0) {
+    s.router_bytes = align_up(static_cast<size_t>(spec.max_tokens * spec.hidden_size) * sizeof(float));
+    s.router_workspace = s.device_alloc(s.router_bytes);
   }
   s.prepared = true;
 }
@@ -260,6 +269,17 @@ void CudaBackend::router_logits(const TensorView& x, const TensorView& gate, con
                   x.shape_string(), " and gate ", gate.shape_string(), " do not give logits ", logits.shape_string());
   GemmProblem problem{in.dtype, w.dtype, DType::f32, in.rows, w.rows, in.cols, in.data, in.ld, w.data, w.ld,
                       out.data, out.ld, false};
+  // A 16-bit x with an f32 gate (the reference casts x to fp32): widen x into the workspace and run
+  // a true-fp32 cuBLASLt GEMM; without a prepared workspace the fp32 fallback kernel runs it.
+  const size_t widened_bytes = static_cast<size_t>(in.rows * in.cols) * sizeof(float);
+  if (w.dtype == DType::f32 && in.dtype != DType::f32 && widened_bytes <= s.router_bytes) {
+    s.mark_slot(s.router_slots, "router_logits");
+    const RowMatrix widened{s.router_workspace.get(), DType::f32, in.rows, in.cols, in.cols};
+    launch_convert(in, widened, s.current);
+    problem.x_dtype = DType::f32;
+    problem.x = widened.data;
+    problem.ldx = widened.ld;
+  }
   s.blas->gemm(problem, s.blas_buffer(), kBlasWorkspaceBytes, s.current);
 }
 
@@ -506,7 +526,7 @@ void CudaBackend::run_overlapped(const std::function<void()>& main, const std::f
     LATENTMOE_CUDA_CHECK(cudaStreamWaitEvent(s.aux_stream, s.fork, 0));
   }
   s.overlapping = true;
-  s.routed_slots = s.dense_slots = 0;
+  s.routed_slots = s.dense_slots = s.router_slots = 0;
   // The join is enqueued even when a function throws, so the aux stream never dangles (an open
   // fork would also invalidate a graph capture in progress).
   auto finish = [&s] {

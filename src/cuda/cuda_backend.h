@@ -5,9 +5,10 @@
 //      its events, the cuBLASLt handle and 2 x 32 MiB of cuBLASLt workspace (one per stream).
 //   2. allocate()/copy(): the runner places the weights.
 //   3. prepare(config, max_tokens, tp_size): called once by the runner, after the weights are placed;
-//      sizes the internal workspaces of routed_experts (MoE layout, grouped-GEMM rows) and dense_mlp
-//      (the shared expert's intermediate) for up to max_tokens tokens. linear, route, rms_norm, add
-//      and add_scaled_rows need no prepare.
+//      sizes the internal workspaces of routed_experts (MoE layout, grouped-GEMM rows), dense_mlp
+//      (the shared expert's intermediate) and router_logits (x widened to f32 for an f32 gate) for
+//      up to max_tokens tokens. linear, route, rms_norm, add and add_scaled_rows need no prepare;
+//      router_logits without it runs a slower fp32 kernel for a 16-bit x with an f32 gate.
 //   4. forward: every operation only enqueues work on stream(): no allocation, no host
 //      synchronisation (except copy() into or out of host memory), so a whole forward can be captured
 //      into a CUDA graph and replayed. An operation whose workspace prepare() did not size throws.
@@ -31,6 +32,7 @@ int cuda_device_count() noexcept;
 struct WorkspaceSpec {
   int64_t max_tokens = 0;
   size_t element_size = 4;           // bytes per element of the compute dtype (4 fits every dtype)
+  int64_t hidden_size = 0;           // d; > 0: room to widen x to f32 for an f32 router gate
   int64_t num_experts = 0;           // E; 0: no routed experts
   int64_t top_k = 0;                 // k
   int64_t latent_size = 0;           // l

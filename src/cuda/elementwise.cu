@@ -42,6 +42,19 @@ __global__ void add_mixed_kernel(RowMatrix a, RowMatrix b, RowMatrix out) {
   }
 }
 
+// --- convert ------------------------------------------------------------------------------------
+
+template <class Tin, class To>
+__global__ void convert_kernel(const Tin* in, int64_t ldi, To* out, int64_t ldo, int64_t rows, int64_t cols) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols;
+    const int64_t c = i - r * cols;
+    out[r * ldo + c] = from_float<To>(to_float(in[r * ldi + c]));
+  }
+}
+
 // --- add_scaled_rows ----------------------------------------------------------------------------
 
 template <class Tx, class To>
@@ -162,6 +175,19 @@ void launch_add(const RowMatrix& a, const RowMatrix& b, const RowMatrix& out, cu
                                                                                           out.ld, out.rows, out.cols);
     }
     LATENTMOE_CUDA_CHECK_LAUNCH("add_kernel");
+  });
+}
+
+void launch_convert(const RowMatrix& in, const RowMatrix& out, cudaStream_t stream) {
+  if (out.rows == 0 || out.cols == 0) return;
+  dispatch_compute_dtype(in.dtype, "convert input", [&](auto in_tag) {
+    using Tin = decltype(in_tag);
+    dispatch_compute_dtype(out.dtype, "convert output", [&](auto out_tag) {
+      using To = decltype(out_tag);
+      convert_kernel<Tin, To><<<grid_for(out.rows * out.cols, kThreads), kThreads, 0, stream>>>(
+          static_cast<const Tin*>(in.data), in.ld, static_cast<To*>(out.data), out.ld, out.rows, out.cols);
+      LATENTMOE_CUDA_CHECK_LAUNCH("convert_kernel");
+    });
   });
 }
 

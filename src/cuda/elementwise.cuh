@@ -27,6 +27,9 @@ struct RowMatrix {
 // out = a + b (fp32 math, one rounding); out may alias a or b. Any compute dtypes.
 void launch_add(const RowMatrix& a, const RowMatrix& b, const RowMatrix& out, cudaStream_t stream);
 
+// out = in converted to out's dtype (rounded to nearest even). Any compute dtypes.
+void launch_convert(const RowMatrix& in, const RowMatrix& out, cudaStream_t stream);
+
 // out[r, :] += scale[r] · x[r, :] (fp32 math, one rounding); rows with scale 0 are left untouched.
 void launch_add_scaled_rows(const RowMatrix& x, const float* scale, const RowMatrix& out, cudaStream_t stream);
 

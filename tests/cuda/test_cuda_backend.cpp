@@ -74,26 +74,35 @@ TEST_F(CudaOps, copy_round_trips_contiguous_and_strided) {
   EXPECT_THROW(gpu_->copy(device.view, wide.view), Error);  // shape mismatch
 }
 
-TEST_F(CudaOps, router_logits_match_cpu_in_fp32) {
+void check_router_logits(CudaBackend& gpu, Backend& cpu, DType x_dtype, DType w_dtype, uint32_t seed) {
   const int64_t d = 336, outputs = 1056;
+  for (int64_t tokens : kTokenCounts) {
+    const HostTensor x = random_tensor(x_dtype, {tokens, d}, ++seed);
+    const HostTensor gate = random_tensor(w_dtype, {outputs, d}, ++seed);
+    HostTensor ref(DType::f32, {tokens, outputs});
+    cpu.router_logits(x.view(), gate.view(), ref.view());
+    DeviceTensor dx = upload(gpu, x), dgate = upload(gpu, gate);
+    DeviceTensor dout = poisoned(gpu, DType::f32, {tokens, outputs});
+    gpu.router_logits(dx.view, dgate.view, dout.view);
+    const HostTensor out = download(gpu, dout.view);
+    SCOPED_TRACE(name_of(x_dtype) + " x " + name_of(w_dtype) + ", T = " + std::to_string(tokens));
+    EXPECT_EQ(count_non_finite(out), 0);
+    EXPECT_LT(relative_error(out, ref), 1e-5);
+  }
+}
+
+TEST_F(CudaOps, router_logits_match_cpu_in_fp32) {
   const std::pair<DType, DType> dtype_pairs[] = {
       {DType::f32, DType::f32}, {DType::bf16, DType::bf16}, {DType::f16, DType::f16}, {DType::bf16, DType::f32}};
   uint32_t seed = 10;
-  for (auto [x_dtype, w_dtype] : dtype_pairs) {
-    for (int64_t tokens : kTokenCounts) {
-      const HostTensor x = random_tensor(x_dtype, {tokens, d}, ++seed);
-      const HostTensor gate = random_tensor(w_dtype, {outputs, d}, ++seed);
-      HostTensor ref(DType::f32, {tokens, outputs});
-      cpu_->router_logits(x.view(), gate.view(), ref.view());
-      DeviceTensor dx = upload(*gpu_, x), dgate = upload(*gpu_, gate);
-      DeviceTensor dout = poisoned(*gpu_, DType::f32, {tokens, outputs});
-      gpu_->router_logits(dx.view, dgate.view, dout.view);
-      const HostTensor out = download(*gpu_, dout.view);
-      SCOPED_TRACE(name_of(x_dtype) + " x " + name_of(w_dtype) + ", T = " + std::to_string(tokens));
-      EXPECT_EQ(count_non_finite(out), 0);
-      EXPECT_LT(relative_error(out, ref), 1e-5);
-    }
-  }
+  for (auto [x_dtype, w_dtype] : dtype_pairs) check_router_logits(*gpu_, *cpu_, x_dtype, w_dtype, seed += 100);
+  // Prepared with d: a 16-bit x with an f32 gate is widened to f32 for cuBLASLt (no fallback kernel).
+  WorkspaceSpec spec;
+  spec.max_tokens = 133;
+  spec.hidden_size = 336;
+  gpu_->prepare(spec);
+  check_router_logits(*gpu_, *cpu_, DType::bf16, DType::f32, seed += 100);
+  check_router_logits(*gpu_, *cpu_, DType::f16, DType::f32, seed += 100);
 }
 
 // --- routing --------------------------------------------------------------------------------------

@@ -201,20 +201,22 @@ TEST_F(CudaExperts, a_token_with_only_zero_experts_gets_zero) {
 }
 
 TEST_F(CudaExperts, routed_experts_need_a_prepared_workspace) {
-  const HostTensor z = random_tensor(DType::bf16, {4, 16}, 1);
-  const HostTensor w = random_tensor(DType::bf16, {4, 8, 16}, 2);
-  const HostTensor wd = random_tensor(DType::bf16, {4, 16, 8}, 3);
+  const int64_t latent = 256;
+  const HostTensor z = random_tensor(DType::bf16, {4, latent}, 1);
+  const HostTensor w = random_tensor(DType::bf16, {4, 8, latent}, 2);
+  const HostTensor wd = random_tensor(DType::bf16, {4, latent, 8}, 3);
   const HostTensor ids = random_ids(4, 2, 4, 0, 4);
   const HostTensor weights = random_tensor(DType::f32, {4, 2}, 5);
   DeviceTensor dz = upload(*gpu_, z), dw = upload(*gpu_, w), dwd = upload(*gpu_, wd), dids = upload(*gpu_, ids),
-               dweights = upload(*gpu_, weights), dout = device_empty(*gpu_, DType::bf16, {4, 16});
+               dweights = upload(*gpu_, weights), dout = device_empty(*gpu_, DType::bf16, {4, latent});
   const MlpWeights experts{dw.view, dw.view, dwd.view};
   EXPECT_THROW(gpu_->routed_experts(ActivationParams{}, dz.view, dids.view, dweights.view, experts, dout.view), Error);
   WorkspaceSpec spec;
-  spec.max_tokens = 2;  // too few
+  spec.max_tokens = 2;  // too few: the 4 tokens' expert output rows need twice the bytes
+  spec.element_size = 2;
   spec.num_experts = 4;
   spec.top_k = 2;
-  spec.latent_size = 16;
+  spec.latent_size = latent;
   spec.expert_intermediate = 8;
   gpu_->prepare(spec);
   try {
