@@ -8,62 +8,28 @@
 
 #include "latentmoe/config.h"
 #include "latentmoe/local_group.h"
+#include "latentmoe/presets.h"
+#include "latentmoe/random.h"
 #include "latentmoe/tensor.h"
 #include "latentmoe/weights.h"
 
 namespace latentmoe::testing {
 
-// Kimi-K3-like: situ, latent norm, biased sigmoid routing, shared expert. Every size divisible by 8
+// Kimi-K3-like (situ, latent norm, biased sigmoid routing, shared expert). Every size divisible by 8
 // (so tp 1/2/4/8 all work) but otherwise odd: I/8 = 3, Is/8 = 5.
-inline LayerConfig kimi_like_config() {
-  LayerConfig config;
-  config.hidden_size = 40;
-  config.latent_size = 24;
-  config.num_experts = 12;
-  config.top_k = 3;
-  config.intermediate_size = 24;
-  config.num_shared_experts = 1;
-  config.shared_intermediate_size = 40;
-  config.activation = Activation::situ;
-  config.scoring = ScoringFunc::sigmoid;
-  config.use_latent_norm = true;
-  config.routed_scaling_factor = 1.0;
-  return config;
-}
+inline LayerConfig kimi_like_config() { return resized(kimi_k3_config(), {40, 24, 12, 3, 24, 40}); }
 
-// Nemotron-3-like: relu2, no latent norm, scaling 5, plus 2 zero experts and softmax scoring so
-// the identity experts and the other score function take part in every tail test.
+// Nemotron-3-like (relu2, no latent norm, scaling 5), plus 2 zero experts and softmax scoring so
+// that the identity experts and the other score function take part in every tail test.
 inline LayerConfig nemotron_like_config() {
-  LayerConfig config;
-  config.hidden_size = 48;
-  config.latent_size = 16;
-  config.num_experts = 10;
+  LayerConfig config = nemotron3_super_config();
   config.zero_expert_num = 2;
-  config.top_k = 4;
-  config.intermediate_size = 56;
-  config.num_shared_experts = 1;
-  config.shared_intermediate_size = 72;
-  config.activation = Activation::relu2;
   config.scoring = ScoringFunc::softmax;
-  config.use_latent_norm = false;
-  config.routed_scaling_factor = 5.0;
-  return config;
-}
-
-inline float uniform_from(uint64_t& state) {  // splitmix64 -> [-1, 1)
-  state += 0x9e3779b97f4a7c15ull;
-  uint64_t z = state;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<float>(static_cast<double>(z >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+  return resized(config, {48, 16, 10, 4, 56, 72});
 }
 
 inline HostTensor random_host_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, float scale = 1.0f) {
-  HostTensor tensor(dtype, std::move(shape));
-  uint64_t state = seed;
-  for (int64_t i = 0; i < tensor.numel(); ++i) store_from_float(tensor.data(), dtype, i, scale * uniform_from(state));
-  return tensor;
+  return random_uniform_tensor(dtype, std::move(shape), seed, scale);
 }
 
 inline LocalGroupInputs random_inputs(const LayerConfig& config, int64_t num_tokens, DType dtype, uint64_t seed) {

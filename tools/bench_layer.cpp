@@ -20,6 +20,7 @@
 
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
+#include "latentmoe/presets.h"
 
 #ifdef LATENTMOE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -31,42 +32,6 @@
 #endif
 
 namespace latentmoe::tools {
-
-namespace {
-
-LayerConfig preset_config(const std::string& name) {
-  LayerConfig config;
-  if (name == "kimi-k3") {
-    config.hidden_size = 7168;
-    config.latent_size = 3584;
-    config.num_experts = 896;
-    config.top_k = 16;
-    config.intermediate_size = 3072;
-    config.num_shared_experts = 1;
-    config.shared_intermediate_size = 6144;
-    config.activation = Activation::situ;
-    config.use_latent_norm = true;
-    config.routed_scaling_factor = 1.0;
-  } else if (name == "nemotron3-super") {
-    config.hidden_size = 4096;
-    config.latent_size = 1024;
-    config.num_experts = 512;
-    config.top_k = 22;
-    config.intermediate_size = 2688;
-    config.num_shared_experts = 1;
-    config.shared_intermediate_size = 5376;
-    config.activation = Activation::relu2;
-    config.use_latent_norm = false;
-    config.routed_scaling_factor = 5.0;
-  } else {
-    detail::throw_error("unknown preset '", name, "' (expected kimi-k3 or nemotron3-super)");
-  }
-  config.scoring = ScoringFunc::sigmoid;
-  config.validate();
-  return config;
-}
-
-}  // namespace
 
 #ifndef LATENTMOE_WITH_CUDA
 

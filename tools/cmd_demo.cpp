@@ -11,6 +11,8 @@
 #include "latentmoe/compare.h"
 #include "latentmoe/error.h"
 #include "latentmoe/local_group.h"
+#include "latentmoe/presets.h"
+#include "latentmoe/random.h"
 #include "latentmoe/weights.h"
 
 namespace latentmoe::tools {
@@ -21,57 +23,18 @@ struct DemoModel {
   LayerConfig config;
 };
 
+// The reference families' structure (activation, routing, norm, scaling) at small sizes that every
+// tp in 1/2/4/8 divides.
 std::vector<DemoModel> demo_models() {
-  LayerConfig kimi;  // Kimi K3's structure (situ, latent norm, biased sigmoid routing), scaled down
-  kimi.hidden_size = 256;
-  kimi.latent_size = 128;
-  kimi.num_experts = 64;
-  kimi.top_k = 8;
-  kimi.intermediate_size = 96;
-  kimi.num_shared_experts = 1;
-  kimi.shared_intermediate_size = 192;
-  kimi.activation = Activation::situ;
-  kimi.scoring = ScoringFunc::sigmoid;
-  kimi.norm_topk_prob = true;
-  kimi.routed_scaling_factor = 1.0;
-  kimi.use_latent_norm = true;
-
-  LayerConfig nemotron;  // Nemotron 3 Super's structure (relu2, no latent norm, scaling 5), scaled down
-  nemotron.hidden_size = 256;
-  nemotron.latent_size = 64;
-  nemotron.num_experts = 48;
-  nemotron.top_k = 6;
-  nemotron.intermediate_size = 112;
-  nemotron.num_shared_experts = 1;
-  nemotron.shared_intermediate_size = 224;
-  nemotron.activation = Activation::relu2;
-  nemotron.scoring = ScoringFunc::sigmoid;
-  nemotron.norm_topk_prob = true;
-  nemotron.routed_scaling_factor = 5.0;
-  nemotron.use_latent_norm = false;
-  return {{"kimi-k3-mini", kimi}, {"nemotron3-mini", nemotron}};
+  return {{"kimi-k3-mini", resized(kimi_k3_config(), {256, 128, 64, 8, 96, 192})},
+          {"nemotron3-mini", resized(nemotron3_super_config(), {256, 64, 48, 6, 112, 224})}};
 }
 
-// Deterministic inputs in `dtype` (values rounded to it) and f32 router logits.
+// Seeded inputs: hidden_states in `dtype`, router logits in f32.
 LocalGroupInputs demo_inputs(const LayerConfig& config, int64_t num_tokens, DType dtype, uint64_t seed) {
   LocalGroupInputs inputs;
-  inputs.hidden_states = HostTensor(dtype, {num_tokens, config.hidden_size});
-  inputs.router_logits = HostTensor(DType::f32, {num_tokens, config.num_router_outputs()});
-  uint64_t state = seed;
-  auto next_uniform = [&state] {  // splitmix64 -> [-1, 1)
-    state += 0x9e3779b97f4a7c15ull;
-    uint64_t z = state;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return static_cast<float>(static_cast<double>(z >> 11) * 0x1.0p-53 * 2.0 - 1.0);
-  };
-  for (int64_t i = 0; i < inputs.hidden_states.numel(); ++i) {
-    store_from_float(inputs.hidden_states.data(), dtype, i, next_uniform());
-  }
-  for (int64_t i = 0; i < inputs.router_logits.numel(); ++i) {
-    inputs.router_logits.data_as<float>()[i] = 2.0f * next_uniform();
-  }
+  inputs.hidden_states = random_uniform_tensor(dtype, {num_tokens, config.hidden_size}, seed);
+  inputs.router_logits = random_uniform_tensor(DType::f32, {num_tokens, config.num_router_outputs()}, seed + 1, 2.0f);
   return inputs;
 }
 

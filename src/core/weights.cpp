@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "latentmoe/error.h"
+#include "latentmoe/random.h"
 
 namespace latentmoe {
 namespace {
@@ -203,42 +204,12 @@ void check_field(const char* field, const HostTensor& tensor, Presence presence,
 
 // --- random weights ---------------------------------------------------------------------------
 
-// splitmix64 (Steele, Lea, Flood 2014): the same bits on every compiler and standard library.
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t seed) : state_(seed) {}
-  uint64_t next() {
-    state_ += 0x9e3779b97f4a7c15ull;
-    uint64_t z = state_;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  // Uniform on [-1, 1) in steps of 2^-23: an exact float, so no rounding mode or FMA can change it.
-  float uniform_pm1() {
-    const int32_t k = static_cast<int32_t>(next() >> 40);  // 24 bits
-    return static_cast<float>(k - (int32_t{1} << 23)) * 0x1p-23f;
-  }
-
- private:
-  uint64_t state_;
-};
-
 // One independent stream per field, so that e.g. with_gate does not shift the other fields' values.
-SplitMix64 field_stream(uint64_t seed, uint64_t field) {
-  return SplitMix64(SplitMix64(seed ^ (0xd1b54a32d192ed03ull * (field + 1))).next());
-}
+uint64_t field_seed(uint64_t seed, uint64_t field) { return SplitMix64(seed ^ (0xd1b54a32d192ed03ull * (field + 1))).next(); }
 
 HostTensor random_tensor(uint64_t seed, uint64_t field, DType dtype, std::vector<int64_t> shape, float scale,
                          float offset) {
-  HostTensor result(dtype, std::move(shape));
-  SplitMix64 rng = field_stream(seed, field);
-  const int64_t count = result.numel();
-  for (int64_t i = 0; i < count; ++i) {
-    const float value = rng.uniform_pm1() * scale;  // one rounding
-    store_from_float(result.data(), dtype, i, offset + value);
-  }
-  return result;
+  return random_uniform_tensor(dtype, std::move(shape), field_seed(seed, field), scale, offset);
 }
 
 float inverse_sqrt(int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(fan_in)); }
