@@ -379,6 +379,25 @@ int main(int argc, char** argv) {
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::vector<Row> rows;
+  // Rewritten after every row, so that a run cut short still leaves its rows.
+  const auto write_json = [&]() {
+    if (json_path.empty()) return;
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "cannot write %s\n", json_path.c_str());
+      std::exit(1);
+    }
+    std::fprintf(f,
+                 "{\"bench\": \"grouped_gemm_bench\", \"commit\": \"%s\", \"device\": \"%s\", \"sm_count\": %d, "
+                 "\"copy_bandwidth_tb_per_s\": %.4f, \"gemm_bf16_tflop_per_s\": %.2f, \"layouts_rotated\": %d,\n"
+                 " \"rows\": [\n",
+                 commit.c_str(), prop.name, prop.multiProcessorCount, copy_bw / 1e12, gemm_rate / 1e12, kNumLayouts);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::fprintf(f, "  %s%s\n", json_row(rows[i]).c_str(), i + 1 < rows.size() ? "," : "");
+    }
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  };
   for (const std::string& preset_name : split(presets_arg)) {
     const Preset* preset = nullptr;
     for (const Preset& p : kPresets) {
@@ -454,6 +473,7 @@ int main(int argc, char** argv) {
           r.down_ms = timed(Phase::down, "down");
           r.both_ms = timed(Phase::both, "both");
           rows.push_back(r);
+          write_json();
           std::printf("  %-16s %3d %6lld %-10s %-10s %7.1f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %7.3f\n",
                       r.preset.c_str(), tp, static_cast<long long>(tokens), r.gu_variant.c_str(),
                       r.down_variant.c_str(), r.touched, r.gu_ms * 1e3, r.down_ms * 1e3, r.both_ms * 1e3,
@@ -472,23 +492,6 @@ int main(int argc, char** argv) {
       CK(cudaFree(up));
       CK(cudaFree(down));
     }
-  }
-  if (!json_path.empty()) {
-    FILE* f = std::fopen(json_path.c_str(), "w");
-    if (f == nullptr) {
-      std::fprintf(stderr, "cannot write %s\n", json_path.c_str());
-      return 1;
-    }
-    std::fprintf(f,
-                 "{\"bench\": \"grouped_gemm_bench\", \"commit\": \"%s\", \"device\": \"%s\", \"sm_count\": %d, "
-                 "\"copy_bandwidth_tb_per_s\": %.4f, \"gemm_bf16_tflop_per_s\": %.2f, \"layouts_rotated\": %d,\n"
-                 " \"rows\": [\n",
-                 commit.c_str(), prop.name, prop.multiProcessorCount, copy_bw / 1e12, gemm_rate / 1e12, kNumLayouts);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      std::fprintf(f, "  %s%s\n", json_row(rows[i]).c_str(), i + 1 < rows.size() ? "," : "");
-    }
-    std::fprintf(f, "]}\n");
-    std::fclose(f);
   }
   std::printf("# done: %zu rows\n", rows.size());
   return 0;

@@ -150,6 +150,16 @@ def run_row(preset_name, p, tp, tokens, weights, copy_bw, gemm_rate, gen):
     return result
 
 
+def write_json(path, copy_bw, gemm_rate, rows):
+    """Rewritten after every row, so that a run cut short still leaves its rows."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        json.dump(dict(bench="torch_grouped_mm", torch=torch.__version__, device=torch.cuda.get_device_name(),
+                       copy_bandwidth_tb_per_s=copy_bw / 1e12, gemm_bf16_tflop_per_s=gemm_rate / 1e12,
+                       rows=rows), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="kimi-k3,nemotron3-super")
@@ -179,6 +189,7 @@ def main():
             for tokens in [int(t) for t in args.tokens.split(",")]:
                 r = run_row(preset_name, p, tp, tokens, (w_gu, w_d), copy_bw, gemm_rate, gen)
                 rows.append(r)
+                write_json(args.json, copy_bw, gemm_rate, rows)
                 g = r["gate_up"].get("time_us", float("nan"))
                 d = r["down"].get("time_us", float("nan"))
                 c = r["chain"].get("time_us", float("nan"))
@@ -188,11 +199,6 @@ def main():
                 torch.cuda.empty_cache()
             del w_gu, w_d
             torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(bench="torch_grouped_mm", torch=torch.__version__, device=torch.cuda.get_device_name(),
-                           copy_bandwidth_tb_per_s=copy_bw / 1e12, gemm_bf16_tflop_per_s=gemm_rate / 1e12,
-                           rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
