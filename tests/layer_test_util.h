@@ -54,9 +54,12 @@ inline std::vector<double> naive_layer(const LayerConfig& config, const LayerWei
   auto sigmoid = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
   auto act = [&](double g, double u) {
     switch (config.activation) {
-      case Activation::silu: return g * sigmoid(g) * u;
-      case Activation::situ: return (b1 * std::tanh(g / b1) * sigmoid(g)) * (b2 * std::tanh(u / b2));
-      case Activation::relu2: return u > 0 ? u * u : 0.0;
+      case Activation::silu:
+        return g * sigmoid(g) * u;
+      case Activation::situ:
+        return (b1 * std::tanh(g / b1) * sigmoid(g)) * (b2 * std::tanh(u / b2));
+      case Activation::relu2:
+        return u > 0 ? u * u : 0.0;
     }
     return 0.0;
   };
@@ -112,7 +115,8 @@ inline std::vector<double> naive_layer(const LayerConfig& config, const LayerWei
     for (int64_t j = 0; j < d; ++j) {
       double routed = 0.0, shared = 0.0;
       for (int64_t i = 0; i < l; ++i) routed += value_at(weights.up_proj, j * l + i) * latent[i];
-      for (int64_t n = 0; n < shared_inter; ++n) shared += value_at(weights.shared_down, j * shared_inter + n) * shared_a[n];
+      for (int64_t n = 0; n < shared_inter; ++n)
+        shared += value_at(weights.shared_down, j * shared_inter + n) * shared_a[n];
       out[t * d + j] = routed + shared + zero_weight * value_at(x, t * d + j);
     }
   }

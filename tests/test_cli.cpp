@@ -1,6 +1,7 @@
 // End-to-end tests of the built `latentmoe` command: `run` on files for every tier, tp and dtype,
 // and the error contract (one line on stderr, non-zero exit, no output file) for bad inputs.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <array>
 #include <cstdio>
@@ -8,7 +9,6 @@
 #include <fstream>
 #include <sstream>
 #include <string>
-#include <sys/wait.h>
 
 #include "latentmoe/compare.h"
 #include "latentmoe/local_group.h"
@@ -47,8 +47,8 @@ class CliTest : public ::testing::Test {
 
   CommandResult latentmoe(const std::string& arguments) {
     const fs::path out_path = dir / "stdout.txt", err_path = dir / "stderr.txt";
-    const std::string command = std::string(LATENTMOE_CLI_PATH) + " " + arguments + " >" + out_path.string() +
-                                " 2>" + err_path.string();
+    const std::string command =
+        std::string(LATENTMOE_CLI_PATH) + " " + arguments + " >" + out_path.string() + " 2>" + err_path.string();
     const int status = std::system(command.c_str());
     CommandResult result;
     result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;

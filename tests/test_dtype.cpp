@@ -32,22 +32,23 @@ TEST(DType, Bf16HandComputed) {
   EXPECT_EQ(float_to_bf16(1.0f + 3.0f / 256), 0x3f82);
   EXPECT_EQ(bf16_to_float(0x4049), 3.140625f);
   EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
-  EXPECT_EQ(bf16_to_float(float_to_bf16(std::numeric_limits<float>::infinity())), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(bf16_to_float(float_to_bf16(std::numeric_limits<float>::infinity())),
+            std::numeric_limits<float>::infinity());
 }
 
 TEST(DType, F16HandComputed) {
   EXPECT_EQ(float_to_f16(1.0f), 0x3c00);
   EXPECT_EQ(float_to_f16(-2.5f), 0xc100);
   EXPECT_EQ(float_to_f16(65504.0f), 0x7bff);
-  EXPECT_EQ(float_to_f16(65520.0f), 0x7c00);  // half way to the next binade rounds to inf
+  EXPECT_EQ(float_to_f16(65520.0f), 0x7c00);               // half way to the next binade rounds to inf
   EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
   EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -25)), 0x0000);  // tie to even: zero
   EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -25)), 0x0002);  // 1.5 ulp: ties to even 2
   EXPECT_EQ(f16_to_float(0x0001), std::ldexp(1.0f, -24));
   EXPECT_EQ(f16_to_float(0x03ff), std::ldexp(1023.0f, -24));
   EXPECT_EQ(f16_to_float(0x3555), 0.333251953125f);
-  EXPECT_EQ(float_to_f16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);        // tie to even
-  EXPECT_EQ(float_to_f16(1.0f + std::ldexp(3.0f, -11)), 0x3c02);        // tie to even, up
+  EXPECT_EQ(float_to_f16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);  // tie to even
+  EXPECT_EQ(float_to_f16(1.0f + std::ldexp(3.0f, -11)), 0x3c02);  // tie to even, up
   EXPECT_TRUE(std::isnan(f16_to_float(float_to_f16(std::nanf("")))));
 }
 

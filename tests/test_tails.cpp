@@ -96,8 +96,8 @@ std::vector<TailCase> all_tail_cases() {
       for (int64_t tokens : {1, 3, 17, 133}) {
         cases.push_back({family, dtype, 1, TailTier::native, tokens});
         for (int tp : {2, 4, 8}) {
-          for (TailTier tier : {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
-                                TailTier::column_parallel}) {
+          for (TailTier tier :
+               {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap, TailTier::column_parallel}) {
             cases.push_back({family, dtype, tp, tier, tokens});
           }
         }
@@ -127,11 +127,13 @@ TEST(Runner, automatic_tier_follows_the_policy) {
   options.tp_size = 2;
   options.policy.tail_fusion_max_tokens = 2;
   options.policy.shared_stream_token_threshold = 5;
-  for (auto [tokens, expected] : std::vector<std::pair<int64_t, TailTier>>{
-           {1, TailTier::tail_fusion}, {2, TailTier::tail_fusion}, {3, TailTier::allreduce_overlap},
-           {5, TailTier::allreduce_overlap}, {6, TailTier::column_parallel}}) {
-    const auto results = run_local_group(config, sharder(config, full), random_inputs(config, tokens, DType::f32, 1),
-                                         options);
+  for (auto [tokens, expected] : std::vector<std::pair<int64_t, TailTier>>{{1, TailTier::tail_fusion},
+                                                                           {2, TailTier::tail_fusion},
+                                                                           {3, TailTier::allreduce_overlap},
+                                                                           {5, TailTier::allreduce_overlap},
+                                                                           {6, TailTier::column_parallel}}) {
+    const auto results =
+        run_local_group(config, sharder(config, full), random_inputs(config, tokens, DType::f32, 1), options);
     EXPECT_EQ(results[0].tier, expected) << tokens << " tokens";
   }
   options.tp_size = 1;  // the fused path needs tp > 1
@@ -186,7 +188,8 @@ TEST(Runner, router_logits_computed_from_the_gate_when_absent) {
     for (int64_t e = 0; e < width; ++e) {
       double sum = 0.0;
       for (int64_t j = 0; j < d; ++j) {
-        sum += static_cast<double>(full.gate.data_as<float>()[e * d + j]) * inputs.hidden_states.data_as<float>()[t * d + j];
+        sum += static_cast<double>(full.gate.data_as<float>()[e * d + j]) *
+               inputs.hidden_states.data_as<float>()[t * d + j];
       }
       inputs.router_logits.data_as<float>()[t * width + e] = static_cast<float>(sum);
     }

@@ -14,9 +14,8 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
@@ -117,7 +116,8 @@ DeviceTensorOwner make_tensor(detail::Backend& backend, DType dtype, std::vector
   for (int64_t extent : shape) count *= extent;
   tensor.buffer = backend.allocate(static_cast<size_t>(std::max<int64_t>(count, 1)) * dtype_size(dtype));
   tensor.view = TensorView(tensor.buffer.get(), dtype, shape, Device::cuda);
-  if (is_compute_dtype(dtype) && scale != 0) cuda::fill_uniform(tensor.buffer.get(), dtype, count, seed, scale, offset, stream);
+  if (is_compute_dtype(dtype) && scale != 0)
+    cuda::fill_uniform(tensor.buffer.get(), dtype, count, seed, scale, offset, stream);
   return tensor;
 }
 
@@ -158,8 +158,8 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   config.intermediate_size /= tp_shard;
   config.shared_intermediate_size /= tp_shard;
 
-  const int64_t d = config.hidden_size, l = config.latent_size, num_experts = config.num_experts,
-                k = config.top_k, inter = config.intermediate_size, shared_inter = config.shared_intermediate_size;
+  const int64_t d = config.hidden_size, l = config.latent_size, num_experts = config.num_experts, k = config.top_k,
+                inter = config.intermediate_size, shared_inter = config.shared_intermediate_size;
   const int64_t width = config.num_router_outputs();
   const int64_t max_tokens = *std::max_element(options.tokens.begin(), options.tokens.end());
   const double element = static_cast<double>(dtype_size(dtype));
@@ -223,8 +223,8 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     // Route once to learn which experts this token set touches (the experts' byte floor).
     backend.route(routing, logits, bias.view, ids, weights, zero);
     std::vector<int32_t> host_ids(static_cast<size_t>(tokens * k));
-    LATENTMOE_CUDA_CHECK(cudaMemcpyAsync(host_ids.data(), ids.data(), host_ids.size() * 4, cudaMemcpyDeviceToHost,
-                                         stream));
+    LATENTMOE_CUDA_CHECK(
+        cudaMemcpyAsync(host_ids.data(), ids.data(), host_ids.size() * 4, cudaMemcpyDeviceToHost, stream));
     LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     std::set<int32_t> touched;
     int64_t num_pairs = 0;
@@ -243,7 +243,8 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     };
     phase("route", t * width * 4 + width * 4 + t * k * 8 + t * 4, 0,
           [&] { backend.route(routing, logits, bias.view, ids, weights, zero); });
-    phase("down_proj", (l * d + t * d + t * l) * element, 2 * t * d * l, [&] { backend.linear(x, down_proj.view, z, false); });
+    phase("down_proj", (l * d + t * d + t * l) * element, 2 * t * d * l,
+          [&] { backend.linear(x, down_proj.view, z, false); });
     phase("experts",
           static_cast<double>(touched.size()) * num_matrices * inter * l * element + 2 * t * l * element + t * k * 8,
           2.0 * num_pairs * l * inter * num_matrices,
@@ -254,7 +255,8 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
       phase("norm", 2 * t * l * element + l * 4, 0, [&] { backend.rms_norm(latent, gamma.view, 1e-5f, normed); });
     }
     const TensorView up_in = config.use_latent_norm ? normed : latent;
-    phase("up_proj", (d * l + t * l + t * d) * element, 2 * t * d * l, [&] { backend.linear(up_in, up_proj.view, out, false); });
+    phase("up_proj", (d * l + t * l + t * d) * element, 2 * t * d * l,
+          [&] { backend.linear(up_in, up_proj.view, out, false); });
     phase("add", 3 * t * d * element, 0, [&] { backend.add(out, shared_out, out); });
 
     PhaseResult total{"total", 0, 0, 0, 0};
@@ -277,9 +279,9 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     for (const auto& p : phases) by_name[p.name] = &p;
     auto time_of = [&](const char* name) { return by_name.count(name) ? by_name[name]->time_us : 0.0; };
     const PhaseResult& expert_phase = *by_name["experts"];
-    std::printf("  %6lld %9.1f %9.1f %10.1f %9.1f %8.1f %8.1f %10.1f %10.1f %7.1f%% %8.1f%% %8zu\n",
-                (long long)tokens, time_of("route"), time_of("down_proj"), time_of("experts"), time_of("shared"),
-                time_of("norm"), time_of("up_proj"), total.time_us, total.floor_us, 100 * total.fraction_of_floor(),
+    std::printf("  %6lld %9.1f %9.1f %10.1f %9.1f %8.1f %8.1f %10.1f %10.1f %7.1f%% %8.1f%% %8zu\n", (long long)tokens,
+                time_of("route"), time_of("down_proj"), time_of("experts"), time_of("shared"), time_of("norm"),
+                time_of("up_proj"), total.time_us, total.floor_us, 100 * total.fraction_of_floor(),
                 100 * expert_phase.fraction_of_floor(), touched.size());
 
     nlohmann::json row;
@@ -346,8 +348,9 @@ void run_bench_layer(const BenchLayerOptions& options) {
   report["commit"] = options.commit;
   report["ceilings"] = {{"copy_tb_per_s", ceilings.copy_bytes_per_s / 1e12},
                         {"gemm_bf16_tflop_per_s", ceilings.gemm_flops_per_s / 1e12}};
-  report["method"] = "median of CUDA-event timings after warm-up, L2 flushed before each run; floor = max(bytes / copy "
-                     "bandwidth, flops / dense GEMM rate), both measured in this run";
+  report["method"] =
+      "median of CUDA-event timings after warm-up, L2 flushed before each run; floor = max(bytes / copy "
+      "bandwidth, flops / dense GEMM rate), both measured in this run";
   report["rows"] = nlohmann::json::array();
   for (const auto& preset : options.presets) {
     for (int tp_shard : options.tp_shards) {

@@ -59,9 +59,7 @@ int run_demo(int64_t num_tokens, int num_timed_runs) {
     for (const Tolerance& tolerance : kTolerances) {
       const LayerWeights full = make_random_layer_weights(model.config, tolerance.dtype, /*seed=*/1234, false);
       const LocalGroupInputs inputs = demo_inputs(model.config, num_tokens, tolerance.dtype, /*seed=*/99);
-      auto shard_of = [&](const ParallelConfig& parallel) {
-        return shard_layer_weights(full, model.config, parallel);
-      };
+      auto shard_of = [&](const ParallelConfig& parallel) { return shard_layer_weights(full, model.config, parallel); };
       auto run = [&](int tp_size, TailTier tier) {
         LocalGroupOptions options;
         options.tp_size = tp_size;
@@ -95,10 +93,11 @@ int run_demo(int64_t num_tokens, int num_timed_runs) {
     }
   }
 
-  std::printf("\n# automatic tier by token count at tp 8 (policy: tail fusion up to %lld tokens, shared-stream "
-              "threshold %lld)\n",
-              static_cast<long long>(TierPolicy::from_environment().tail_fusion_max_tokens),
-              static_cast<long long>(TierPolicy::from_environment().shared_stream_token_threshold));
+  std::printf(
+      "\n# automatic tier by token count at tp 8 (policy: tail fusion up to %lld tokens, shared-stream "
+      "threshold %lld)\n",
+      static_cast<long long>(TierPolicy::from_environment().tail_fusion_max_tokens),
+      static_cast<long long>(TierPolicy::from_environment().shared_stream_token_threshold));
   FusedPathConditions conditions;
   conditions.tp_size = 8;
   conditions.has_shared_expert = true;

@@ -28,8 +28,7 @@ void register_inspect_command(CLI::App& app) {
       const uint64_t bytes = entry.end - entry.begin;
       total_bytes += bytes;
       std::printf("%-*s  %-7s  %-24s  %llu\n", static_cast<int>(name_width), entry.name.c_str(),
-                  std::string(dtype_name(entry.dtype)).c_str(), shape.c_str(),
-                  static_cast<unsigned long long>(bytes));
+                  std::string(dtype_name(entry.dtype)).c_str(), shape.c_str(), static_cast<unsigned long long>(bytes));
     }
     std::printf("# %zu tensors, %llu bytes\n", file.entries().size(), static_cast<unsigned long long>(total_bytes));
     for (const auto& [key, value] : file.metadata()) std::printf("# metadata %s = %s\n", key.c_str(), value.c_str());

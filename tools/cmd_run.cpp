@@ -34,10 +34,10 @@ void check_input(const HostTensor& tensor, const std::string& file, const char* 
   std::string expected = "[";
   for (size_t dim = 0; dim < shape.size(); ++dim) expected += (dim ? ", " : "") + std::to_string(shape[dim]);
   expected += "]";
-  LATENTMOE_CHECK(tensor.shape() == shape, file, ": ", name, " has shape ", tensor.view().shape_string(),
-                  ", expected ", expected);
-  LATENTMOE_CHECK(tensor.dtype() == dtype, file, ": ", name, " has dtype ", dtype_name(tensor.dtype()),
-                  ", expected ", dtype_name(dtype));
+  LATENTMOE_CHECK(tensor.shape() == shape, file, ": ", name, " has shape ", tensor.view().shape_string(), ", expected ",
+                  expected);
+  LATENTMOE_CHECK(tensor.dtype() == dtype, file, ": ", name, " has dtype ", dtype_name(tensor.dtype()), ", expected ",
+                  dtype_name(dtype));
 }
 
 void run_command(const RunArguments& args) {
@@ -105,10 +105,9 @@ void run_command(const RunArguments& args) {
                      {"tier", std::string(to_string(result.tier))},
                      {"tp", std::to_string(args.tp_size)},
                      {"backend", std::string(to_string(backend))}});
-  std::printf("latentmoe run: %lld tokens, tp %d, tier %s, backend %s, %s -> %s\n",
-              static_cast<long long>(num_tokens), args.tp_size, std::string(to_string(result.tier)).c_str(),
-              std::string(to_string(backend)).c_str(), std::string(dtype_name(dtype)).c_str(),
-              args.output_path.c_str());
+  std::printf("latentmoe run: %lld tokens, tp %d, tier %s, backend %s, %s -> %s\n", static_cast<long long>(num_tokens),
+              args.tp_size, std::string(to_string(result.tier)).c_str(), std::string(to_string(backend)).c_str(),
+              std::string(dtype_name(dtype)).c_str(), args.output_path.c_str());
 }
 
 }  // namespace
@@ -118,9 +117,10 @@ void register_run_command(CLI::App& app) {
   CLI::App* command = app.add_subcommand("run", "Run the layer on files (DESIGN section 3)");
   command->add_option("--config", args->config_path, "Layer config (JSON, Hugging Face keys)")->required();
   command->add_option("--weights", args->weights_path, "Weights (safetensors)")->required();
-  command->add_option("--input", args->input_path,
-                      "Inputs (safetensors): hidden_states [T, d], optional router_logits [T, E+Z] F32, "
-                      "optional latent_states [T, l]")
+  command
+      ->add_option("--input", args->input_path,
+                   "Inputs (safetensors): hidden_states [T, d], optional router_logits [T, E+Z] F32, "
+                   "optional latent_states [T, l]")
       ->required();
   command->add_option("--output", args->output_path, "Output (safetensors): output, topk_ids, topk_weights")
       ->required();

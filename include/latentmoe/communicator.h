@@ -29,8 +29,7 @@ class Communicator {
   // In place: every rank's `buffer` becomes the sum of all ranks' buffers.
   virtual void all_reduce_sum(const TensorView& buffer, StreamHandle stream = nullptr) = 0;
   // `input` [rows, cols]; `output` [rows, cols/tp] receives this rank's column shard of the sum.
-  virtual void reduce_scatter_sum(const TensorView& input, const TensorView& output,
-                                  StreamHandle stream = nullptr) = 0;
+  virtual void reduce_scatter_sum(const TensorView& input, const TensorView& output, StreamHandle stream = nullptr) = 0;
   // `input` [rows, cols/tp] is this rank's shard; `output` [rows, cols] receives all shards.
   virtual void all_gather(const TensorView& input, const TensorView& output, StreamHandle stream = nullptr) = 0;
   virtual void barrier(StreamHandle stream = nullptr) = 0;

@@ -44,28 +44,42 @@ uint16_t float_to_f16(float value);
 // Loads element i of a buffer of compute dtype `dtype` as float / stores a float rounded to it.
 inline float load_as_float(const void* data, DType dtype, int64_t index) {
   switch (dtype) {
-    case DType::f32: return static_cast<const float*>(data)[index];
-    case DType::bf16: return bf16_to_float(static_cast<const uint16_t*>(data)[index]);
-    case DType::f16: return f16_to_float(static_cast<const uint16_t*>(data)[index]);
-    default: return 0.0f;  // callers validate the dtype before the loop
+    case DType::f32:
+      return static_cast<const float*>(data)[index];
+    case DType::bf16:
+      return bf16_to_float(static_cast<const uint16_t*>(data)[index]);
+    case DType::f16:
+      return f16_to_float(static_cast<const uint16_t*>(data)[index]);
+    default:
+      return 0.0f;  // callers validate the dtype before the loop
   }
 }
 
 inline void store_from_float(void* data, DType dtype, int64_t index, float value) {
   switch (dtype) {
-    case DType::f32: static_cast<float*>(data)[index] = value; break;
-    case DType::bf16: static_cast<uint16_t*>(data)[index] = float_to_bf16(value); break;
-    case DType::f16: static_cast<uint16_t*>(data)[index] = float_to_f16(value); break;
-    default: break;
+    case DType::f32:
+      static_cast<float*>(data)[index] = value;
+      break;
+    case DType::bf16:
+      static_cast<uint16_t*>(data)[index] = float_to_bf16(value);
+      break;
+    case DType::f16:
+      static_cast<uint16_t*>(data)[index] = float_to_f16(value);
+      break;
+    default:
+      break;
   }
 }
 
 // Rounds a float through `dtype` and back (identity for f32).
 inline float round_through(DType dtype, float value) {
   switch (dtype) {
-    case DType::bf16: return bf16_to_float(float_to_bf16(value));
-    case DType::f16: return f16_to_float(float_to_f16(value));
-    default: return value;
+    case DType::bf16:
+      return bf16_to_float(float_to_bf16(value));
+    case DType::f16:
+      return f16_to_float(float_to_f16(value));
+    default:
+      return value;
   }
 }
 

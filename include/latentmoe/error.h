@@ -28,7 +28,7 @@ template <class... Parts>
 
 // LATENTMOE_CHECK(condition, parts...) throws latentmoe::Error built from the streamed parts when the
 // condition is false. Use it for input validation, never for conditions that cannot be false.
-#define LATENTMOE_CHECK(condition, ...)                    \
-  do {                                                     \
+#define LATENTMOE_CHECK(condition, ...)                              \
+  do {                                                               \
     if (!(condition)) ::latentmoe::detail::throw_error(__VA_ARGS__); \
   } while (false)

@@ -33,7 +33,7 @@ struct LocalGroupOptions {
   BackendKind backend = BackendKind::cpu;
   std::optional<TailTier> tier;  // nullopt: the policy picks
   TierPolicy policy = {};
-  int num_timed_runs = 1;        // forward is run this many times; the last run's outputs are kept
+  int num_timed_runs = 1;  // forward is run this many times; the last run's outputs are kept
 };
 
 // `rank_weights(parallel)` returns rank parallel.rank's shard (e.g. load_layer_weights from a file

@@ -43,9 +43,9 @@ struct RunnerOptions {
 BackendKind resolve_backend_kind(BackendKind kind);
 
 struct ForwardInputs {
-  TensorView hidden_states;   // [T, d], the compute dtype
-  TensorView router_logits;   // [T, E+Z] f32; undefined: computed from the gate weight in fp32
-  TensorView latent_states;   // [T, l], optional: a down-projection the caller already ran
+  TensorView hidden_states;      // [T, d], the compute dtype
+  TensorView router_logits;      // [T, E+Z] f32; undefined: computed from the gate weight in fp32
+  TensorView latent_states;      // [T, l], optional: a down-projection the caller already ran
   std::optional<TailTier> tier;  // forced tier; nullopt selects by the policy
 };
 

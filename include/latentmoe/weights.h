@@ -16,17 +16,17 @@ namespace latentmoe {
 // (`dtype`), the router and norm vectors in f32. I_r = I / tp and Is_r = Is / tp.
 struct LayerWeights {
   DType dtype = DType::f32;
-  HostTensor gate;           // [E+Z, d] f32; optional (undefined when router logits are supplied)
-  HostTensor score_bias;     // [E+Z] f32; optional (e_score_correction_bias)
-  HostTensor down_proj;      // [l, d]   W_down (replicated)
-  HostTensor latent_norm;    // [l] f32; present iff config.use_latent_norm (replicated)
-  HostTensor up_proj;        // [d, l]   W_up (replicated)
-  HostTensor expert_gate;    // [E, I_r, l]; present iff gated
-  HostTensor expert_up;      // [E, I_r, l]
-  HostTensor expert_down;    // [E, l, I_r]
-  HostTensor shared_gate;    // [Is_r, d]; present iff shared expert and gated
-  HostTensor shared_up;      // [Is_r, d]; present iff shared expert
-  HostTensor shared_down;    // [d, Is_r]; present iff shared expert
+  HostTensor gate;         // [E+Z, d] f32; optional (undefined when router logits are supplied)
+  HostTensor score_bias;   // [E+Z] f32; optional (e_score_correction_bias)
+  HostTensor down_proj;    // [l, d]   W_down (replicated)
+  HostTensor latent_norm;  // [l] f32; present iff config.use_latent_norm (replicated)
+  HostTensor up_proj;      // [d, l]   W_up (replicated)
+  HostTensor expert_gate;  // [E, I_r, l]; present iff gated
+  HostTensor expert_up;    // [E, I_r, l]
+  HostTensor expert_down;  // [E, l, I_r]
+  HostTensor shared_gate;  // [Is_r, d]; present iff shared expert and gated
+  HostTensor shared_up;    // [Is_r, d]; present iff shared expert
+  HostTensor shared_down;  // [d, Is_r]; present iff shared expert
 };
 
 // Throws Error naming the first tensor whose presence, dtype or shape does not match `config`

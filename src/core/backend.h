@@ -51,8 +51,8 @@ class DeviceBuffer {
 
 struct RoutingParams {
   ScoringFunc scoring = ScoringFunc::sigmoid;
-  int64_t num_experts = 0;      // E (real experts); ids >= E are zero experts
-  int64_t num_zero_experts = 0; // Z
+  int64_t num_experts = 0;       // E (real experts); ids >= E are zero experts
+  int64_t num_zero_experts = 0;  // Z
   int64_t top_k = 0;
   int64_t n_group = 1;
   int64_t topk_group = 1;
@@ -103,8 +103,7 @@ class Backend {
   // Writes topk_ids [T, k] i32 (ordered by descending biased score, ties to the lower id),
   // topk_weights [T, k] f32 and zero_weight_sum [T] f32 (the summed weights of ids >= E).
   virtual void route(const RoutingParams& params, const TensorView& logits, const TensorView& bias,
-                     const TensorView& topk_ids, const TensorView& topk_weights,
-                     const TensorView& zero_weight_sum) = 0;
+                     const TensorView& topk_ids, const TensorView& topk_weights, const TensorView& zero_weight_sum) = 0;
 
   // y [T, n] = x [T, m] · w [n, m]^T, plus the previous y when `accumulate`. y may be a strided
   // column block of a wider matrix (its last dimension is contiguous).

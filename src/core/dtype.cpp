@@ -80,12 +80,12 @@ uint16_t float_to_f16(float value) {
   std::memcpy(&bits, &value, sizeof(bits));
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (magnitude > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (magnitude >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
   if (magnitude < 0x38800000u) {
     // Result is subnormal (or zero): round magnitude * 2^24 to an integer, ties to even.
     float scaled = std::fabs(value) * 16777216.0f;  // exact: multiplies by a power of two
-    float rounded = std::nearbyint(scaled);          // default rounding mode: to nearest even
+    float rounded = std::nearbyint(scaled);         // default rounding mode: to nearest even
     return static_cast<uint16_t>(sign | static_cast<uint16_t>(rounded));
   }
   // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.

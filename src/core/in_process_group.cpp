@@ -65,8 +65,8 @@ struct GroupState {
 void check_host_matrix(const TensorView& tensor, const char* what) {
   LATENTMOE_CHECK(tensor.defined() && tensor.device() == Device::cpu, what, ": needs a host tensor");
   LATENTMOE_CHECK(is_compute_dtype(tensor.dtype()), what, ": unsupported dtype ", dtype_name(tensor.dtype()));
-  LATENTMOE_CHECK(tensor.rank() == 2 && tensor.stride(1) == 1, what, ": needs a rank-2 tensor with contiguous rows, got ",
-                  tensor.shape_string());
+  LATENTMOE_CHECK(tensor.rank() == 2 && tensor.stride(1) == 1, what,
+                  ": needs a rank-2 tensor with contiguous rows, got ", tensor.shape_string());
 }
 
 class InProcessCommunicator final : public Communicator {
@@ -98,10 +98,10 @@ class InProcessCommunicator final : public Communicator {
     check_host_matrix(input, "all_gather input");
     check_host_matrix(output, "all_gather output");
     const int64_t shard = input.size(1);
-    LATENTMOE_CHECK(output.size(0) == input.size(0) && output.size(1) == shard * size() &&
-                        input.dtype() == output.dtype(),
-                    "all_gather: input ", input.shape_string(), " and output ", output.shape_string(),
-                    " do not match a group of ", size());
+    LATENTMOE_CHECK(
+        output.size(0) == input.size(0) && output.size(1) == shard * size() && input.dtype() == output.dtype(),
+        "all_gather: input ", input.shape_string(), " and output ", output.shape_string(), " do not match a group of ",
+        size());
     publish(input, "all_gather");
     for (int peer = 0; peer < size(); ++peer) {
       copy_convert(state_->slots[peer], output.slice_cols(peer * shard, (peer + 1) * shard));
@@ -123,8 +123,8 @@ class InProcessCommunicator final : public Communicator {
     for (int peer = 0; peer < size(); ++peer) {
       const TensorView& other = state_->slots[peer];
       LATENTMOE_CHECK(other.shape() == tensor.shape() && other.dtype() == tensor.dtype(), what, ": rank ", peer,
-                      " passed ", other.shape_string(), " ", dtype_name(other.dtype()), " but rank ", rank_,
-                      " passed ", tensor.shape_string(), " ", dtype_name(tensor.dtype()));
+                      " passed ", other.shape_string(), " ", dtype_name(other.dtype()), " but rank ", rank_, " passed ",
+                      tensor.shape_string(), " ", dtype_name(tensor.dtype()));
     }
   }
 
@@ -138,7 +138,8 @@ class InProcessCommunicator final : public Communicator {
       for (int64_t row = 0; row < rows; ++row) {
         const int64_t base = row * source.stride(0) + first_col;
         double* sum = scratch_.data() + row * num_cols;
-        for (int64_t col = 0; col < num_cols; ++col) sum[col] += load_as_float(source.data(), source.dtype(), base + col);
+        for (int64_t col = 0; col < num_cols; ++col)
+          sum[col] += load_as_float(source.data(), source.dtype(), base + col);
       }
     }
     // Peers may overwrite their tensors only after everybody has read them.

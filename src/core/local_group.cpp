@@ -17,8 +17,8 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
                   "hidden_states must be a rank-2 tensor [tokens, hidden_size]");
   validate_parallel(config, ParallelConfig{options.tp_size, 0, false});
   const BackendKind backend = resolve_backend_kind(options.backend);
-  LATENTMOE_CHECK(backend == BackendKind::cpu || options.tp_size == 1, "tp ", options.tp_size,
-                  " on the ", to_string(backend), " backend needs a device communicator, which is not built yet; ",
+  LATENTMOE_CHECK(backend == BackendKind::cpu || options.tp_size == 1, "tp ", options.tp_size, " on the ",
+                  to_string(backend), " backend needs a device communicator, which is not built yet; ",
                   "use --backend cpu or --tp 1");
   const int64_t num_tokens = inputs.hidden_states.size(0);
   const DType dtype = inputs.hidden_states.dtype();

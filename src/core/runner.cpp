@@ -16,9 +16,12 @@ namespace latentmoe {
 
 std::string_view to_string(BackendKind kind) {
   switch (kind) {
-    case BackendKind::automatic: return "auto";
-    case BackendKind::cpu: return "cpu";
-    case BackendKind::cuda: return "cuda";
+    case BackendKind::automatic:
+      return "auto";
+    case BackendKind::cpu:
+      return "cpu";
+    case BackendKind::cuda:
+      return "cuda";
   }
   return "?";
 }
@@ -55,7 +58,8 @@ namespace {
 
 std::unique_ptr<Backend> make_backend(BackendKind kind, const ParallelConfig& parallel, int device_ordinal) {
   switch (resolve_backend_kind(kind)) {
-    case BackendKind::cpu: return make_cpu_backend();
+    case BackendKind::cpu:
+      return make_cpu_backend();
     case BackendKind::cuda:
 #ifdef LATENTMOE_WITH_CUDA
     {
@@ -65,7 +69,8 @@ std::unique_ptr<Backend> make_backend(BackendKind kind, const ParallelConfig& pa
       return cuda::make_cuda_backend(device);
     }
 #endif
-    case BackendKind::automatic: break;
+    case BackendKind::automatic:
+      break;
   }
   throw_error("internal: unresolved backend kind");
 }

@@ -18,7 +18,8 @@ struct DeviceTensor {
 };
 
 struct RunnerState {
-  RunnerState(const LayerConfig& config, const ParallelConfig& parallel, Communicator& comm, const RunnerOptions& options)
+  RunnerState(const LayerConfig& config, const ParallelConfig& parallel, Communicator& comm,
+              const RunnerOptions& options)
       : config(config), parallel(parallel), comm(comm), options(options) {}
 
   FusedPathConditions fused_path_conditions() const {
@@ -46,15 +47,15 @@ struct RunnerState {
   DeviceTensor shared_gate, shared_up, shared_down;
 
   // Workspaces sized for max_tokens rows; forward uses their first T rows.
-  DeviceTensor logits;          // [max_T, E+Z] f32
-  DeviceTensor topk_ids;        // [max_T, k] i32
-  DeviceTensor topk_weights;    // [max_T, k] f32
-  DeviceTensor zero_weight_sum; // [max_T] f32
-  DeviceTensor latent_in;       // [max_T, l]   z = x W_down^T
-  DeviceTensor latent_partial;  // [max_T, l]   L_r
-  DeviceTensor latent_reduced;  // [max_T, l]   Lhat = norm(AR(L_r))
-  DeviceTensor shared_partial;  // [max_T, d]   S_r
-  DeviceTensor hidden_shard;    // [max_T, d/tp] tier 0's reduce-scattered shared shard
+  DeviceTensor logits;           // [max_T, E+Z] f32
+  DeviceTensor topk_ids;         // [max_T, k] i32
+  DeviceTensor topk_weights;     // [max_T, k] f32
+  DeviceTensor zero_weight_sum;  // [max_T] f32
+  DeviceTensor latent_in;        // [max_T, l]   z = x W_down^T
+  DeviceTensor latent_partial;   // [max_T, l]   L_r
+  DeviceTensor latent_reduced;   // [max_T, l]   Lhat = norm(AR(L_r))
+  DeviceTensor shared_partial;   // [max_T, d]   S_r
+  DeviceTensor hidden_shard;     // [max_T, d/tp] tier 0's reduce-scattered shared shard
 
   // forward_host's staging buffers (device backends only; allocated on first use).
   struct Staging {

@@ -133,10 +133,18 @@ void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOut
 
   // 5 + 8. The tail.
   switch (tier) {
-    case TailTier::native: native_tail(state, t); break;
-    case TailTier::tail_fusion: tail_fusion_tail(state, t); break;
-    case TailTier::allreduce_overlap: allreduce_overlap_tail(state, t); break;
-    case TailTier::column_parallel: column_parallel_tail(state, t); break;
+    case TailTier::native:
+      native_tail(state, t);
+      break;
+    case TailTier::tail_fusion:
+      tail_fusion_tail(state, t);
+      break;
+    case TailTier::allreduce_overlap:
+      allreduce_overlap_tail(state, t);
+      break;
+    case TailTier::column_parallel:
+      column_parallel_tail(state, t);
+      break;
   }
 
   // 7. Zero experts: identity experts weighted by their routing weights, on the replicated output.

@@ -205,7 +205,9 @@ void check_field(const char* field, const HostTensor& tensor, Presence presence,
 // --- random weights ---------------------------------------------------------------------------
 
 // One independent stream per field, so that e.g. with_gate does not shift the other fields' values.
-uint64_t field_seed(uint64_t seed, uint64_t field) { return SplitMix64(seed ^ (0xd1b54a32d192ed03ull * (field + 1))).next(); }
+uint64_t field_seed(uint64_t seed, uint64_t field) {
+  return SplitMix64(seed ^ (0xd1b54a32d192ed03ull * (field + 1))).next();
+}
 
 HostTensor random_tensor(uint64_t seed, uint64_t field, DType dtype, std::vector<int64_t> shape, float scale,
                          float offset) {
