@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "cuda/cuda_check.h"
@@ -111,37 +112,53 @@ __global__ void gated_activation_kernel(const T* gate, const T* up, T* out, int6
 // --- combine ------------------------------------------------------------------------------------
 
 constexpr int kMaxTopK = 32;
+// Rows loaded before they are accumulated: up to kCombineBatch 16-byte loads in flight per thread.
+constexpr int kCombineBatch = 8;
+constexpr int kCombineThreads = 64;
 
+// A block covers kCombineThreads column vectors of one token (blocks of one token are consecutive),
+// so a one-token combine of l = 3584 bf16 columns runs on 7 blocks. Each thread loads a batch of its
+// token's rows before accumulating them in j order (fp32 fmaf, the same order as the reference).
 template <class Ty, class To, int kVec>
-__global__ void combine_kernel(const Ty* y_rows, const int32_t* pair_rows, const float* weights, int top_k, To* out,
-                               int64_t ldo, int64_t cols) {
-  __shared__ int32_t rows_s[kMaxTopK];
-  __shared__ float weights_s[kMaxTopK];
-  const int64_t t = blockIdx.x;
-  if (threadIdx.x < top_k) {
-    rows_s[threadIdx.x] = pair_rows[t * top_k + threadIdx.x];
-    weights_s[threadIdx.x] = weights[t * top_k + threadIdx.x];
-  }
-  __syncthreads();
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const Ty* y_rows, const int32_t* pair_rows,
+                                                                  const float* weights, int top_k, To* out,
+                                                                  int64_t ldo, int64_t cols, int64_t vectors,
+                                                                  int blocks_per_token) {
+  const int64_t t = blockIdx.x / blocks_per_token;
+  const int64_t vector = static_cast<int64_t>(blockIdx.x % blocks_per_token) * kCombineThreads + threadIdx.x;
+  if (vector >= vectors) return;
+  const int64_t c = vector * kVec;
   using VIn = Vec<Ty, kVec>;
   using VOut = Vec<To, kVec>;
-  for (int64_t c = static_cast<int64_t>(threadIdx.x) * kVec; c < cols; c += static_cast<int64_t>(blockDim.x) * kVec) {
-    float acc[kVec];
+  const int32_t* rows = pair_rows + t * top_k;
+  const float* w = weights + t * top_k;
+  float acc[kVec];
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) acc[v] = 0.0f;
-    for (int j = 0; j < top_k; ++j) {
-      const int32_t row = rows_s[j];
-      if (row < 0) continue;
-      const float w = weights_s[j];
-      const VIn y = *reinterpret_cast<const VIn*>(y_rows + static_cast<int64_t>(row) * cols + c);
+  for (int v = 0; v < kVec; ++v) acc[v] = 0.0f;
+  for (int j0 = 0; j0 < top_k; j0 += kCombineBatch) {
+    int32_t row[kCombineBatch];
+    float weight[kCombineBatch];
 #pragma unroll
-      for (int v = 0; v < kVec; ++v) acc[v] = fmaf(w, to_float(y.values[v]), acc[v]);
+    for (int b = 0; b < kCombineBatch; ++b) {
+      row[b] = j0 + b < top_k ? __ldg(rows + j0 + b) : -1;
+      weight[b] = j0 + b < top_k ? __ldg(w + j0 + b) : 0.0f;
     }
-    VOut o;
+    VIn y[kCombineBatch];
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) o.values[v] = from_float<To>(acc[v]);
-    *reinterpret_cast<VOut*>(out + t * ldo + c) = o;
+    for (int b = 0; b < kCombineBatch; ++b) {
+      if (row[b] >= 0) y[b] = *reinterpret_cast<const VIn*>(y_rows + static_cast<int64_t>(row[b]) * cols + c);
+    }
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) {
+      if (row[b] < 0) continue;
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc[v] = fmaf(weight[b], to_float(y[b].values[v]), acc[v]);
+    }
   }
+  VOut o;
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) o.values[v] = from_float<To>(acc[v]);
+  *reinterpret_cast<VOut*>(out + t * ldo + c) = o;
 }
 
 }  // namespace
@@ -258,15 +275,20 @@ void launch_combine(DType y_dtype, const void* y_rows, const int32_t* pair_rows,
       const bool vectorised = out.cols % kVec == 0 && rows_aligned(y_rows, out.cols, sizeof(Ty), sizeof(Ty) * kVec) &&
                               rows_aligned(out.data, out.ld, sizeof(To), sizeof(To) * kVec);
       const int vec = vectorised ? kVec : 1;
-      const int64_t lanes = (out.cols + vec - 1) / vec;
-      const int threads = static_cast<int>(std::clamp<int64_t>((lanes + 31) / 32 * 32, 32, 256));
-      const auto grid = static_cast<unsigned>(out.rows);
+      const int64_t vectors = out.cols / vec;
+      const int64_t blocks_per_token = (vectors + kCombineThreads - 1) / kCombineThreads;
+      const int64_t blocks = blocks_per_token * out.rows;
+      LATENTMOE_CHECK(blocks <= INT_MAX, "CUDA combine: ", out.rows, " x ", out.cols, " outputs need too many blocks");
       const auto* y = static_cast<const Ty*>(y_rows);
       auto* o = static_cast<To*>(out.data);
+      const auto grid = static_cast<unsigned>(blocks);
+      const auto per_token = static_cast<int>(blocks_per_token);
       if (vectorised) {
-        combine_kernel<Ty, To, kVec><<<grid, threads, 0, stream>>>(y, pair_rows, weights, top_k, o, out.ld, out.cols);
+        combine_kernel<Ty, To, kVec><<<grid, kCombineThreads, 0, stream>>>(y, pair_rows, weights, top_k, o, out.ld,
+                                                                          out.cols, vectors, per_token);
       } else {
-        combine_kernel<Ty, To, 1><<<grid, threads, 0, stream>>>(y, pair_rows, weights, top_k, o, out.ld, out.cols);
+        combine_kernel<Ty, To, 1><<<grid, kCombineThreads, 0, stream>>>(y, pair_rows, weights, top_k, o, out.ld,
+                                                                       out.cols, vectors, per_token);
       }
       LATENTMOE_CUDA_CHECK_LAUNCH("combine_kernel");
     });
