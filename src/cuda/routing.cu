@@ -647,7 +647,7 @@ constexpr int64_t kLayoutSharedInts = static_cast<int64_t>(kDefaultSharedBytes /
 constexpr int kLayoutThreads = 256;
 constexpr int kLayoutMaxWalkers = kLayoutThreads / 32;
 // The scatter kernel needs at least one walker's histogram next to a whole segment of ids.
-constexpr int kMaxLayoutExperts = static_cast<int>(kLayoutSharedInts - kLayoutSegment);
+static_assert(kMaxLayoutExperts == kLayoutSharedInts - kLayoutSegment);
 
 // Walking warps for `count` pairs when `fixed_ints` of the shared memory are taken and each walker
 // needs E ints; 0 when not even one fits.

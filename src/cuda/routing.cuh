@@ -31,6 +31,9 @@ namespace latentmoe::cuda {
 
 inline constexpr int kMaxRouteTopK = 32;
 inline constexpr int64_t kLayoutSegment = 2048;
+// The layout kernels keep per-warp expert histograms and a segment of ids in the default 48 KB of
+// shared memory, so E is at most 48 KB / 4 - kLayoutSegment.
+inline constexpr int kMaxLayoutExperts = static_cast<int>(48 * 1024 / 4 - kLayoutSegment);
 // The block-per-token route kernel takes up to this many router outputs (4 per thread) ...
 inline constexpr int64_t kRouteBlockMaxOutputs = 4096;
 // ... and runs up to this many tokens; above, the warp-per-token kernel (less synchronisation per

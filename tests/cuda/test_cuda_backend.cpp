@@ -10,6 +10,7 @@
 
 #include "cuda/cuda_backend.h"
 #include "cuda/device.h"
+#include "cuda/routing.cuh"
 #include "cuda_test_util.h"
 #include "latentmoe/error.h"
 
@@ -250,13 +251,14 @@ TEST_F(CudaOps, route_orders_nan_and_inf_like_the_reference) {
     HostTensor logits = normal_logits(4, 44, 7);
     float* row = logits.data_as<float>();
     const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
-    row[3] = nan;  // token 0: a NaN never wins over a real score
+    row[3] = nan;       // token 0: a NaN never wins over a real score
     row[44 + 5] = inf;  // token 1: +inf logits
     row[44 + 9] = inf;
     for (int64_t e = 0; e < 44; ++e) row[88 + e] = -inf;  // token 2: every logit -inf
     for (int64_t e = 0; e < 44; ++e) row[132 + e] = nan;  // token 3: every logit NaN
     SCOPED_TRACE(std::string(to_string(scoring)));
-    expect_same_routing(route_on(*gpu_, true, params, logits, nullptr), route_on(*cpu_, false, params, logits, nullptr));
+    expect_same_routing(route_on(*gpu_, true, params, logits, nullptr),
+                        route_on(*cpu_, false, params, logits, nullptr));
   }
 }
 
@@ -269,6 +271,132 @@ TEST_F(CudaOps, route_rejects_impossible_parameters) {
   params.top_k = 4;
   params.n_group = 5;  // does not divide 64
   EXPECT_THROW(route_on(*gpu_, true, params, logits, nullptr), Error);
+}
+
+// Both route kernels (forced), and the automatic choice, against the reference.
+RouteResult route_with_path(CudaBackend& backend, RoutePath path, const RoutingParams& params, const HostTensor& logits,
+                            const HostTensor* bias) {
+  const int64_t tokens = logits.size(0);
+  DeviceTensor dlogits = upload(backend, logits);
+  DeviceTensor dbias;
+  if (bias) dbias = upload(backend, *bias);
+  DeviceTensor ids = poisoned(backend, DType::i32, {tokens, params.top_k});
+  DeviceTensor weights = poisoned(backend, DType::f32, {tokens, params.top_k});
+  DeviceTensor zero_sum = poisoned(backend, DType::f32, {tokens});
+  RouteArgs args;
+  args.logits = dlogits.view.data_as<const float>();
+  args.ld_logits = logits.size(1);
+  args.bias = bias ? dbias.view.data_as<const float>() : nullptr;
+  args.topk_ids = ids.view.data_as<int32_t>();
+  args.topk_weights = weights.view.data_as<float>();
+  args.zero_weight_sum = zero_sum.view.data_as<float>();
+  args.num_tokens = tokens;
+  launch_route(params, args, device_info(0).shared_memory_per_block_optin, static_cast<cudaStream_t>(backend.stream()),
+               path);
+  RouteResult result;
+  result.ids = download(backend, ids.view);
+  result.weights = download(backend, weights.view);
+  result.zero_sum = download(backend, zero_sum.view);
+  return result;
+}
+
+// Logits drawn from a few integer values: many exact ties in scores, biased scores and groups.
+HostTensor tied_logits(int64_t tokens, int64_t outputs, uint32_t seed) {
+  HostTensor logits(DType::f32, {tokens, outputs});
+  std::mt19937 generator(seed);
+  std::uniform_int_distribution<int> distribution(-2, 2);
+  for (int64_t i = 0; i < logits.numel(); ++i) logits.data_as<float>()[i] = static_cast<float>(distribution(generator));
+  return logits;
+}
+
+TEST_F(CudaOps, route_block_and_warp_kernels_match_cpu) {
+  // E+Z = 896 (Kimi), 512 (Nemotron), odd 37, 1056 and 2500 (2 and 3 outputs per thread), 4096 (4).
+  const RouteCase cases[] = {
+      {"kimi_896_k16", ScoringFunc::sigmoid, true, 896, 0, 16, 1, 1, true, 2.827f},
+      {"nemotron_512_k22", ScoringFunc::sigmoid, true, 512, 0, 22, 1, 1, true, 5.0f},
+      {"odd_37_k1", ScoringFunc::sigmoid, false, 37, 0, 1, 1, 1, true, 1.0f},
+      {"odd_37_zero_k16", ScoringFunc::softmax, true, 30, 7, 16, 1, 1, false, 1.0f},
+      {"softmax_1056_zero_k12", ScoringFunc::softmax, false, 768, 288, 12, 1, 1, true, 6.0f},
+      {"groups_896_k16", ScoringFunc::sigmoid, true, 896, 0, 16, 8, 4, true, 1.0f},
+      {"groups_size1_64", ScoringFunc::sigmoid, true, 64, 0, 8, 64, 8, true, 1.0f},
+      {"groups_2500_k32", ScoringFunc::softmax, true, 2400, 100, 32, 20, 3, true, 1.0f},
+      {"wide_4096_k22", ScoringFunc::sigmoid, true, 4000, 96, 22, 1, 1, true, 1.0f},
+  };
+  uint32_t seed = 900;
+  for (const RouteCase& c : cases) {
+    const RoutingParams params = params_of(c);
+    const int64_t outputs = c.num_experts + c.num_zero_experts;
+    const HostTensor bias = random_tensor(DType::f32, {outputs}, ++seed, -0.2f, 0.2f);
+    for (int64_t tokens : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{64}}) {
+      for (bool ties : {false, true}) {
+        SCOPED_TRACE(std::string(c.name) + ", T = " + std::to_string(tokens) + (ties ? ", tied logits" : ""));
+        const HostTensor logits = ties ? tied_logits(tokens, outputs, ++seed) : normal_logits(tokens, outputs, ++seed);
+        const HostTensor* b = c.bias ? &bias : nullptr;
+        const RouteResult ref = route_on(*cpu_, false, params, logits, b);
+        {
+          SCOPED_TRACE("block kernel");
+          expect_same_routing(route_with_path(*gpu_, RoutePath::block, params, logits, b), ref);
+        }
+        {
+          SCOPED_TRACE("warp kernel");
+          expect_same_routing(route_with_path(*gpu_, RoutePath::warp, params, logits, b), ref);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaOps, route_automatic_path_crosses_its_thresholds) {
+  // Around kRouteBlockMaxTokens (block below, warp above) and above kRouteBlockMaxOutputs (warp only).
+  RoutingParams params;
+  params.num_experts = 33;
+  params.num_zero_experts = 4;
+  params.top_k = 16;
+  const HostTensor bias = random_tensor(DType::f32, {37}, 11, -0.2f, 0.2f);
+  for (int64_t tokens : {kRouteBlockMaxTokens, kRouteBlockMaxTokens + 1}) {
+    SCOPED_TRACE("T = " + std::to_string(tokens));
+    const HostTensor logits = tied_logits(tokens, 37, 12 + static_cast<uint32_t>(tokens));
+    expect_same_routing(route_with_path(*gpu_, RoutePath::automatic, params, logits, &bias),
+                        route_on(*cpu_, false, params, logits, &bias));
+  }
+  params.num_experts = kRouteBlockMaxOutputs + 1;
+  params.num_zero_experts = 0;
+  params.top_k = 8;
+  const HostTensor logits = normal_logits(3, kRouteBlockMaxOutputs + 1, 13);
+  expect_same_routing(route_with_path(*gpu_, RoutePath::automatic, params, logits, nullptr),
+                      route_on(*cpu_, false, params, logits, nullptr));
+  EXPECT_THROW(route_with_path(*gpu_, RoutePath::block, params, logits, nullptr), Error);
+}
+
+TEST_F(CudaOps, route_block_kernel_breaks_ties_at_the_threshold_by_index) {
+  // Nearly all 896 biased scores are equal, so the k-th key is shared by hundreds of entries and
+  // the lowest-index cut decides.
+  RoutingParams params;
+  params.num_experts = 896;
+  params.top_k = 16;
+  HostTensor logits(DType::f32, {3, 896});
+  float* row = logits.data_as<float>();
+  for (int64_t i = 0; i < 2 * 896; ++i) row[i] = 0.0f;
+  row[700] = 3.0f;  // token 0: 5 and 700 tie first, then ids 0..4, 6..14
+  row[5] = 3.0f;
+  row[896 + 895] = 1.0f;  // token 1: 895, then 0..14
+  for (int64_t i = 0; i < 896; ++i) row[2 * 896 + i] = -std::numeric_limits<float>::infinity();  // scores 0
+  HostTensor bias(DType::f32, {896});
+  for (int64_t i = 0; i < 896; ++i) bias.data_as<float>()[i] = -0.5f;
+  bias.data_as<float>()[3] = -0.0f;  // token 2: id 3's biased score 0 beats -0.5; then 0, 1, 2, 4, ...
+  for (RoutePath path : {RoutePath::block, RoutePath::warp}) {
+    SCOPED_TRACE(path == RoutePath::block ? "block kernel" : "warp kernel");
+    const RouteResult got = route_with_path(*gpu_, path, params, logits, &bias);
+    expect_same_routing(got, route_on(*cpu_, false, params, logits, &bias));
+    const int32_t* ids = got.ids.data_as<int32_t>();
+    EXPECT_EQ(ids[0], 5);
+    EXPECT_EQ(ids[1], 700);
+    for (int j = 2; j < 16; ++j) EXPECT_EQ(ids[j], j - 2 + (j - 2 >= 5 ? 1 : 0)) << j;
+    EXPECT_EQ(ids[16], 895);
+    for (int j = 1; j < 16; ++j) EXPECT_EQ(ids[16 + j], j - 1) << j;
+    EXPECT_EQ(ids[32], 3);
+    for (int j = 1; j < 16; ++j) EXPECT_EQ(ids[32 + j], j - 1 + (j - 1 >= 3 ? 1 : 0)) << j;
+  }
 }
 
 // --- linear ---------------------------------------------------------------------------------------
