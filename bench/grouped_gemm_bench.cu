@@ -34,6 +34,7 @@ using latentmoe::Activation;
 using latentmoe::DType;
 using latentmoe::cuda::ExpertGemmWeights;
 using latentmoe::cuda::MoeLayout;
+using latentmoe::cuda::detail::GemmChoice;
 using latentmoe::cuda::detail::GemmVariant;
 
 constexpr int kNumLayouts = 16;
@@ -215,7 +216,7 @@ LayoutSet make_layouts(int64_t tokens, int num_experts, int top_k, uint64_t seed
 enum class Phase { gate_up, down, both };
 
 // Median time of one iteration (ms) of `phase`, from replays of a graph of kNumLayouts iterations.
-double time_phase(Phase phase, GemmVariant gu_variant, GemmVariant down_variant, const Preset& p,
+double time_phase(Phase phase, GemmChoice gu_variant, GemmChoice down_variant, const Preset& p,
                   const ExpertGemmWeights& w, const LayoutSet& layouts, int64_t tokens, const void* z_all, void* act,
                   void* y, cudaStream_t stream) {
   latentmoe::detail::ActivationParams act_params;
@@ -313,12 +314,17 @@ std::string json_row(const Row& r) {
   return s;
 }
 
-GemmVariant parse_variant(const std::string& name) {
-  if (name == "automatic") return GemmVariant::automatic;
+// "mma_l" or "mma_l:ng4" (4 n-tiles per CTA); "automatic".
+GemmChoice parse_choice(const std::string& spec) {
+  const size_t colon = spec.find(':');
+  const std::string name = spec.substr(0, colon);
+  int per_cta = 0;
+  if (colon != std::string::npos) per_cta = std::stoi(spec.substr(colon + 3));
+  if (name == "automatic") return GemmChoice(GemmVariant::automatic, per_cta);
   for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
-    if (latentmoe::cuda::detail::to_string(v) == name) return v;
+    if (latentmoe::cuda::detail::to_string(v) == name) return GemmChoice(v, per_cta);
   }
-  std::fprintf(stderr, "unknown variant %s\n", name.c_str());
+  std::fprintf(stderr, "unknown variant %s\n", spec.c_str());
   std::exit(2);
 }
 
@@ -354,13 +360,13 @@ int main(int argc, char** argv) {
     }
   }
   // Variants swept: "automatic" (the library's choice), "all" (every tensor-core variant), or a list.
-  std::vector<GemmVariant> variants;
+  std::vector<GemmChoice> variants;
   if (variants_arg == "all") {
     for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
-      if (v != GemmVariant::simt) variants.push_back(v);
+      if (v != GemmVariant::simt) variants.emplace_back(v);
     }
   } else {
-    for (const std::string& v : split(variants_arg)) variants.push_back(parse_variant(v));
+    for (const std::string& v : split(variants_arg)) variants.push_back(parse_choice(v));
   }
 
   int device = 0;
@@ -373,7 +379,7 @@ int main(int argc, char** argv) {
   const double gemm_rate = measure_gemm_rate();
   std::printf("# ceilings: copy %.3f TB/s (read+write), dense bf16 GEMM 8192^3 %.1f TFLOP/s\n", copy_bw / 1e12,
               gemm_rate / 1e12);
-  std::printf("# %-16s %3s %6s %-10s %-10s %7s %10s %10s %10s %10s %7s %7s %7s\n", "preset", "tp", "tokens", "gu_var",
+  std::printf("# %-16s %3s %6s %-14s %-14s %7s %10s %10s %10s %10s %7s %7s %7s\n", "preset", "tp", "tokens", "gu_var",
               "down_var", "touched", "gu_us", "down_us", "both_us", "floor_us", "gu_frac", "dn_frac", "frac");
 
   cudaStream_t stream;
@@ -455,15 +461,19 @@ int main(int argc, char** argv) {
         r.down_floor_ms = std::max(r.down_byte_floor_ms, r.down_flop_floor_ms);
         r.experts_floor_ms = std::max((r.gu_bytes + r.down_bytes) / copy_bw, (r.gu_flops + r.down_flops) / gemm_rate) * 1e3;
 
-        for (GemmVariant v : variants) {
+        for (const GemmChoice& v : variants) {
           const auto resolve = [&](bool is_down) {
-            return v == GemmVariant::automatic
-                       ? latentmoe::cuda::detail::choose_variant(DType::bf16, is_down, tokens, p.top_k, p.num_experts,
-                                                                 ir, l)
-                       : v;
+            const GemmVariant resolved =
+                v.variant == GemmVariant::automatic
+                    ? latentmoe::cuda::detail::choose_variant(DType::bf16, is_down, tokens, p.top_k, p.num_experts,
+                                                              ir, l)
+                    : v.variant;
+            std::string name = latentmoe::cuda::detail::to_string(resolved);
+            if (v.n_tiles_per_cta > 0) name += ":ng" + std::to_string(v.n_tiles_per_cta);
+            return name;
           };
-          r.gu_variant = latentmoe::cuda::detail::to_string(resolve(false));
-          r.down_variant = latentmoe::cuda::detail::to_string(resolve(true));
+          r.gu_variant = resolve(false);
+          r.down_variant = resolve(true);
           const auto timed = [&](Phase phase, const char* name) {
             return phases_arg.find(name) == std::string::npos
                        ? std::nan("")
@@ -474,7 +484,7 @@ int main(int argc, char** argv) {
           r.both_ms = timed(Phase::both, "both");
           rows.push_back(r);
           write_json();
-          std::printf("  %-16s %3d %6lld %-10s %-10s %7.1f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %7.3f\n",
+          std::printf("  %-16s %3d %6lld %-14s %-14s %7.1f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %7.3f\n",
                       r.preset.c_str(), tp, static_cast<long long>(tokens), r.gu_variant.c_str(),
                       r.down_variant.c_str(), r.touched, r.gu_ms * 1e3, r.down_ms * 1e3, r.both_ms * 1e3,
                       r.experts_floor_ms * 1e3, r.gu_floor_ms / r.gu_ms, r.down_floor_ms / r.down_ms,

@@ -2,6 +2,7 @@
 // and the launch. No host synchronisation and no allocation: safe inside CUDA-graph capture.
 #include "cuda/grouped_gemm.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 
@@ -54,6 +55,33 @@ void ensure_smem_limit(const void* kernel, int bytes, std::atomic<uint64_t>* don
   done_mask->fetch_or(bit, std::memory_order_acq_rel);
 }
 
+int sm_count() {
+  static std::array<std::atomic<int>, 64> cache{};
+  const int device = current_device();
+  if (device < 0 || device >= static_cast<int>(cache.size())) return 1;
+  int count = cache[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    count = count > 0 ? count : 1;
+    cache[device].store(count, std::memory_order_relaxed);
+  }
+  return count;
+}
+
+int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,
+                         int num_experts, int ctas_per_sm) {
+  // Expected m-tiles: touched experts (at most T*k) times the m-tiles of an average expert.
+  const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, launch.max_rows));
+  const int64_t mean_rows = (launch.max_rows + touched - 1) / touched;
+  const int64_t entries = touched * ((mean_rows + block_m - 1) / block_m);
+  const int64_t slots = static_cast<int64_t>(launch.sm_count) * ctas_per_sm;
+  const int target_steps = 2 * stages;
+  int per_cta = num_k_tiles >= target_steps ? 1 : (target_steps + num_k_tiles - 1) / num_k_tiles;
+  per_cta = std::min(per_cta, n_tiles);
+  while (per_cta > 1 && entries * ((n_tiles + per_cta - 1) / per_cta) < slots) --per_cta;
+  return std::max(per_cta, 1);
+}
+
 }  // namespace gg
 
 namespace detail {
@@ -82,10 +110,15 @@ GemmVariant choose_variant(DType dtype, bool down, int64_t num_tokens, int top_k
                            int64_t intermediate, int64_t latent) {
   if (dtype == DType::f32 || gg::compute_capability() < 80) return GemmVariant::simt;
   if (latent % 8 != 0 || intermediate % 8 != 0) return GemmVariant::simt;
-  // An expert gets at most one row per token (top-k picks distinct experts), so T bounds the rows of
-  // any expert.
-  if (num_tokens <= 16) return down ? GemmVariant::mma_s_wide : GemmVariant::mma_s;
-  if (num_tokens <= 128) return GemmVariant::mma_m;
+  // Measured on an H200 (docs/GROUPED_GEMM.md): decode-sized batches want many small CTAs with deep
+  // copy pipelines; larger ones want tiles that cover an expert's rows (mean rows per touched expert).
+  // An expert gets at most one row per token (top-k picks distinct experts), so T bounds its rows.
+  const int64_t pairs = num_tokens * top_k;
+  const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, pairs));
+  const int64_t mean_rows = pairs / touched;
+  if (num_tokens <= 16) return down ? GemmVariant::mma_s_wide : GemmVariant::mma_s_k128;
+  if (mean_rows <= 8) return GemmVariant::mma_s_wide;
+  if (mean_rows <= 48) return GemmVariant::mma_m;
   return GemmVariant::mma_l;
 }
 
@@ -109,9 +142,10 @@ void check_common(DType dtype, const MoeLayout& layout, const ExpertGemmWeights&
                   what, ": the layout's device arrays are missing");
 }
 
-void run(GemmVariant variant, DType dtype, gg::Mode mode, const gg::KernelArgs& args, int64_t num_tokens,
+void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& args, int64_t num_tokens,
          int64_t intermediate, int64_t latent, cudaStream_t stream) {
   const bool down = mode == gg::Mode::plain;
+  GemmVariant variant = choice.variant;
   if (variant == GemmVariant::automatic) {
     variant = choose_variant(dtype, down, num_tokens, args.top_k, args.num_experts, intermediate, latent);
   }
@@ -121,16 +155,26 @@ void run(GemmVariant variant, DType dtype, gg::Mode mode, const gg::KernelArgs& 
   const int64_t max_rows = num_tokens * args.top_k;
   if (variant == GemmVariant::simt || !tensor_core_ok) {
     gg::launch_simt(dtype, mode, args, max_rows, stream);
-  } else if (dtype == DType::bf16) {
-    gg::launch_mma_bf16(variant, mode, args, max_rows, stream);
+    return;
+  }
+  gg::MmaLaunch launch;
+  launch.max_rows = max_rows;
+  launch.num_tokens = num_tokens;
+  launch.n_tiles_per_cta = choice.n_tiles_per_cta;
+  const bool hopper = gg::compute_capability() >= 90;
+  launch.programmatic = hopper && down;
+  launch.trigger = hopper && !down;
+  launch.sm_count = gg::sm_count();
+  if (dtype == DType::bf16) {
+    gg::launch_mma_bf16(variant, mode, args, launch, stream);
   } else {
-    gg::launch_mma_f16(variant, mode, args, max_rows, stream);
+    gg::launch_mma_f16(variant, mode, args, launch, stream);
   }
 }
 
 }  // namespace
 
-void grouped_gate_up_variant(GemmVariant variant, DType dtype, const latentmoe::detail::ActivationParams& act,
+void grouped_gate_up_variant(GemmChoice choice, DType dtype, const latentmoe::detail::ActivationParams& act,
                              const void* z, const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows,
                              cudaStream_t stream) {
   check_common(dtype, layout, w, "grouped_gate_up");
@@ -153,11 +197,11 @@ void grouped_gate_up_variant(GemmVariant variant, DType dtype, const latentmoe::
   args.situ = act.activation == Activation::situ;
   args.situ_beta = act.situ_beta;
   args.situ_linear_beta = act.situ_linear_beta;
-  run(variant, dtype, gated ? gg::Mode::gated : gg::Mode::relu2, args, layout.num_tokens, w.intermediate, w.latent,
+  run(choice, dtype, gated ? gg::Mode::gated : gg::Mode::relu2, args, layout.num_tokens, w.intermediate, w.latent,
       stream);
 }
 
-void grouped_down_variant(GemmVariant variant, DType dtype, const void* act_rows, const MoeLayout& layout,
+void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, const MoeLayout& layout,
                           const ExpertGemmWeights& w, void* y_rows, cudaStream_t stream) {
   check_common(dtype, layout, w, "grouped_down");
   if (layout.num_tokens == 0) return;
@@ -173,7 +217,7 @@ void grouped_down_variant(GemmVariant variant, DType dtype, const void* act_rows
   args.num_experts = layout.num_experts;
   args.n = static_cast<int>(w.latent);
   args.k = static_cast<int>(w.intermediate);
-  run(variant, dtype, gg::Mode::plain, args, layout.num_tokens, w.intermediate, w.latent, stream);
+  run(choice, dtype, gg::Mode::plain, args, layout.num_tokens, w.intermediate, w.latent, stream);
 }
 
 }  // namespace detail

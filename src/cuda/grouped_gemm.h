@@ -45,6 +45,10 @@ void grouped_gate_up(DType dtype, const latentmoe::detail::ActivationParams& act
 
 // y_rows [T*k, l]: y[i] = a[i]·Wd_e^T, fp32 accumulation, stored in dtype. Rows past expert_offsets[E]
 // are not written.
+// Ordering: call it on the stream right after grouped_gate_up of the same layout. On sm_90 it is
+// launched as a programmatic dependent of the kernel before it: it reads expert_offsets and streams
+// its weights while that kernel finishes, and waits for it before reading act_rows or writing y_rows.
+// So nothing enqueued between the two calls may write the layout or the weights.
 void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, const ExpertGemmWeights& w,
                   void* y_rows, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
@@ -66,16 +70,24 @@ enum class GemmVariant {
   mma_xl,     // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
 };
 
+// A variant and how many n-tiles one CTA computes (0: chosen from the shape and the occupancy).
+struct GemmChoice {
+  GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0)
+      : variant(v), n_tiles_per_cta(tiles_per_cta) {}
+  GemmVariant variant;
+  int n_tiles_per_cta;
+};
+
 std::string to_string(GemmVariant variant);
 std::vector<GemmVariant> all_variants();
 // The variant `automatic` resolves to for this problem on the current device.
 GemmVariant choose_variant(DType dtype, bool down, int64_t num_tokens, int top_k, int num_experts,
                            int64_t intermediate, int64_t latent);
 
-void grouped_gate_up_variant(GemmVariant variant, DType dtype, const latentmoe::detail::ActivationParams& act,
+void grouped_gate_up_variant(GemmChoice choice, DType dtype, const latentmoe::detail::ActivationParams& act,
                              const void* z, const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows,
                              cudaStream_t stream);
-void grouped_down_variant(GemmVariant variant, DType dtype, const void* act_rows, const MoeLayout& layout,
+void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, const MoeLayout& layout,
                           const ExpertGemmWeights& w, void* y_rows, cudaStream_t stream);
 
 }  // namespace detail

@@ -30,6 +30,12 @@ struct KernelArgs {
   bool situ = false;  // gated: situ instead of silu
   float situ_beta = 4.0f;
   float situ_linear_beta = 25.0f;
+  // Tensor-core kernel only (set by its launcher): n-tiles of the output, n-tiles per CTA, CTAs per
+  // m-tile (ceil(n_tiles / n_tiles_per_cta)), and whether to let the next kernel launch early.
+  int n_tiles = 1;
+  int n_tiles_per_cta = 1;
+  int n_groups = 1;
+  bool trigger_dependents = false;
 };
 
 struct TileInfo {
@@ -108,13 +114,30 @@ __device__ __forceinline__ bool find_tile(const int32_t* __restrict__ offsets, i
 
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// tanh.approx.f32 (sm_75+): relative error about 2^-11, far below the bf16/f16 rounding of the output.
+__device__ __forceinline__ float tanh_fast(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return tanhf(x);
+#endif
+}
+
+// kFast: hardware approximations of exp and tanh, for outputs rounded to bf16/f16 (the tensor-core
+// kernels); the fp32 path keeps the accurate functions.
+template <bool kFast = false>
 __device__ __forceinline__ float gated_act(float g, float u, const KernelArgs& args) {
+  const float sig = kFast ? 1.0f / (1.0f + __expf(-g)) : sigmoid_f(g);
   if (args.situ) {
     const float b1 = args.situ_beta;
     const float b2 = args.situ_linear_beta;
-    return (b1 * tanhf(g / b1) * sigmoid_f(g)) * (b2 * tanhf(u / b2));
+    const float t1 = kFast ? tanh_fast(g / b1) : tanhf(g / b1);
+    const float t2 = kFast ? tanh_fast(u / b2) : tanhf(u / b2);
+    return (b1 * t1 * sig) * (b2 * t2);
   }
-  return g * sigmoid_f(g) * u;
+  return g * sig * u;
 }
 
 __device__ __forceinline__ float relu2_act(float u) {

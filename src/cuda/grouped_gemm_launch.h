@@ -11,12 +11,25 @@
 
 namespace latentmoe::cuda::gg {
 
-// max_rows: the host-known bound on grouped rows (T * top_k); the grid covers every tile that many
-// rows can make, and CTAs without a tile exit.
-void launch_mma_bf16(detail::GemmVariant variant, Mode mode, const KernelArgs& args, int64_t max_rows,
+struct MmaLaunch {
+  int64_t max_rows = 0;      // host-known bound on grouped rows (T * top_k): the grid covers every tile
+                             // that many rows can make, and CTAs without a tile exit
+  int64_t num_tokens = 0;    // T (an expert has at most T rows when top-k ids are distinct)
+  int n_tiles_per_cta = 0;   // 0: chosen from the shape and the occupancy
+  bool programmatic = false; // launch with programmatic stream serialization (sm_90, down kernel)
+  bool trigger = false;      // let the next kernel launch early (sm_90, gate/up kernel)
+  int sm_count = 0;
+};
+
+void launch_mma_bf16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
                      cudaStream_t stream);
-void launch_mma_f16(detail::GemmVariant variant, Mode mode, const KernelArgs& args, int64_t max_rows,
+void launch_mma_f16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
                     cudaStream_t stream);
+
+// n-tiles per CTA: enough (n-tile, k-tile) steps to fill the pipeline twice when k is short, but no fewer
+// CTAs than the device holds at once.
+int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,
+                         int num_experts, int ctas_per_sm);
 void launch_simt(DType dtype, Mode mode, const KernelArgs& args, int64_t max_rows, cudaStream_t stream);
 
 // Throws latentmoe::Error naming `what` if the last launch failed.

@@ -2,22 +2,30 @@
 // staged through a cp.async pipeline of kStages shared-memory buffers (16-byte copies, zero-filled past
 // the edges), XOR-swizzled so that ldmatrix reads are free of bank conflicts.
 //
-// One CTA computes one (expert m-tile, n-tile): rows [row_begin, row_end) of one expert (at most kBlockM)
-// and kBlockN output columns. blockIdx.x numbers the m-tiles (found on the device by find_tile),
-// blockIdx.y the n-tiles; the grid is the host's upper bound and surplus CTAs exit. The m-tiles of one
-// expert are adjacent in x, so CTAs that stream the same weights run together and share them in L2.
+// Tiles. An m-tile is up to kBlockM rows of one expert (found on the device by find_tile); an n-tile is
+// kBlockN weight rows (gated: kBlockN/2 gate rows and the kBlockN/2 up rows of the same output columns).
+// One CTA computes one m-tile against args.n_tiles_per_cta consecutive n-tiles, as one pipeline over
+// (n-tile, k-tile) steps: with a short k (the down projection) the copies of the next n-tile are in flight
+// while the current one is finished. The grid is 1-D, n-tile groups fastest: the CTAs that read the same
+// activation rows run together and find them in L2, and so do those that read the same expert's weights
+// for its several m-tiles. The grid is the host's upper bound; CTAs without a tile exit.
 //
 // Warps tile the CTA kWarpsM x kWarpsN. Each warp skips the 16-row sub-tiles that hold no valid row,
 // so a CTA with one row does 1/8 of the tensor work of a full one: small-M tiles stay weight-streaming.
-// Gated mode loads kBlockN/2 gate rows and kBlockN/2 up rows of the weights; every warp holds the gate
-// and up accumulators of the same output columns and applies the activation in registers.
+// Every warp holds the gate and up accumulators of the same output columns and applies the activation
+// in registers.
+//
+// Programmatic dependent launch (sm_90): the gate/up kernel lets the down kernel launch early; the down
+// kernel finds its tile and starts streaming its weights (which no earlier kernel writes) before
+// griddepcontrol.wait, and reads activation rows and writes its output only after it. Without the
+// launch attribute both instructions are no-ops.
 #pragma once
 
 #include "cuda/grouped_gemm_common.cuh"
 
 namespace latentmoe::cuda::gg {
 
-template <int kBlockM_, int kBlockN_, int kBlockK_, int kWarpsM_, int kWarpsN_, int kStages_>
+template <int kBlockM_, int kBlockN_, int kBlockK_, int kWarpsM_, int kWarpsN_, int kStages_, int kMinBlocks_>
 struct MmaConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;  // weight rows per CTA (gated: half gate, half up)
@@ -25,6 +33,7 @@ struct MmaConfig {
   static constexpr int kWarpsM = kWarpsM_;
   static constexpr int kWarpsN = kWarpsN_;
   static constexpr int kStages = kStages_;
+  static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the register budget must allow
   static constexpr int kThreads = kWarpsM * kWarpsN * 32;
   static constexpr int kSmemBytes = kStages * (kBlockM + kBlockN) * kBlockK * 2;
   static_assert(kBlockK % 64 == 0, "the swizzle needs rows of at least 8 16-byte chunks");
@@ -99,29 +108,45 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * kBlockK + ((chunk ^ (row & 7)) << 3);
 }
 
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 template <class T, class Cfg, Mode kMode>
-__global__ void __launch_bounds__(Cfg::kThreads) grouped_mma_kernel(const KernelArgs args) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_kernel(const KernelArgs args) {
   constexpr int kBM = Cfg::kBlockM;
   constexpr int kBN = Cfg::kBlockN;
   constexpr int kBK = Cfg::kBlockK;
   constexpr int kThreads = Cfg::kThreads;
   constexpr int kStages = Cfg::kStages;
   constexpr int kChunksK = kBK / 8;
-  constexpr int kWarpM = kBM / Cfg::kWarpsM;   // rows per warp
-  constexpr int kWarpN = kBN / Cfg::kWarpsN;   // weight rows per warp
-  constexpr int kMt = kWarpM / 16;             // 16-row sub-tiles per warp
-  constexpr int kNt = kWarpN / 8;              // 8-column tiles per warp (gated: first half gate, then up)
+  constexpr int kWarpM = kBM / Cfg::kWarpsM;  // rows per warp
+  constexpr int kWarpN = kBN / Cfg::kWarpsN;  // weight rows per warp
+  constexpr int kMt = kWarpM / 16;            // 16-row sub-tiles per warp
+  constexpr int kNt = kWarpN / 8;             // 8-column tiles per warp (gated: first half gate, then up)
   constexpr bool kGated = kMode == Mode::gated;
-  constexpr int kOutPerCta = kGated ? kBN / 2 : kBN;  // output columns per CTA
+  constexpr int kOutPerTile = kGated ? kBN / 2 : kBN;  // output columns per n-tile
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* s_a = reinterpret_cast<T*>(smem_raw);                  // [kStages][kBM][kBK]
-  T* s_b = s_a + kStages * kBM * kBK;                       // [kStages][kBN][kBK]
+  T* s_a = reinterpret_cast<T*>(smem_raw);  // [kStages][kBM][kBK]
+  T* s_b = s_a + kStages * kBM * kBK;       // [kStages][kBN][kBK]
   __shared__ TileInfo s_tile;
   __shared__ int s_scan[kThreads / 32];
   __shared__ int s_row_src[kBM];
 
-  if (!find_tile<kThreads>(args.expert_offsets, args.num_experts, kBM, blockIdx.x, &s_tile, s_scan)) return;
+  if (args.trigger_dependents) grid_launch_dependents();
+
+  const int groups = args.n_groups;
+  const int entry = blockIdx.x / groups;
+  const int group = blockIdx.x - entry * groups;
+  if (!find_tile<kThreads>(args.expert_offsets, args.num_experts, kBM, entry, &s_tile, s_scan)) return;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -134,57 +159,48 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_mma_kernel(const Kernel
   const int rows16 = (rows + 15) & ~15;
   const int n = args.n;
   const int k = args.k;
-  const int n0 = blockIdx.y * kOutPerCta;
+  const int nt_first = group * args.n_tiles_per_cta;
+  const int nt_count = min(args.n_tiles_per_cta, args.n_tiles - nt_first);
+  const int num_k_tiles = (k + kBK - 1) / kBK;
+  const int num_steps = nt_count * num_k_tiles;
 
   const T* a_base = static_cast<const T*>(args.a);
   const size_t expert_stride = static_cast<size_t>(n) * k;
   const T* w0 = static_cast<const T*>(args.w0) + expert * expert_stride;
   const T* w1 = kGated ? static_cast<const T*>(args.w1) + expert * expert_stride : nullptr;
 
-  // Per-thread B copies: the same rows and chunks in every k-tile, only the k offset moves.
+  // Per-thread B copies: a fixed 16-byte chunk of tile rows row0, row0 + kRowStep, ...; the n-tile
+  // moves the weight row, the k-tile the offset along it.
   constexpr int kBChunks = kBN * kChunksK;
-  static_assert(kBChunks % kThreads == 0, "B tile copies must divide evenly");
+  static_assert(kBChunks % kThreads == 0 && kThreads % kChunksK == 0, "B tile copies must divide evenly");
   constexpr int kBIters = kBChunks / kThreads;
-  const T* b_src[kBIters];
-  bool b_row_ok[kBIters];
-  uint32_t b_dst[kBIters];
-  int b_chunk[kBIters];
-#pragma unroll
-  for (int it = 0; it < kBIters; ++it) {
-    const int c = tid + it * kThreads;
-    const int row = c / kChunksK;
-    const int chunk = c % kChunksK;
-    int out_col;
-    const T* w;
-    if (kGated) {
-      const bool is_up = row >= kBN / 2;
-      out_col = n0 + (is_up ? row - kBN / 2 : row);
-      w = is_up ? w1 : w0;
-    } else {
-      out_col = n0 + row;
-      w = w0;
-    }
-    b_row_ok[it] = out_col < n;
-    b_src[it] = w + static_cast<size_t>(b_row_ok[it] ? out_col : 0) * k + chunk * 8;
-    b_dst[it] = smem_u32(s_b + swizzle<kBK>(row, chunk));
-    b_chunk[it] = chunk;
-  }
-
-  const int num_k_tiles = (k + kBK - 1) / kBK;
+  constexpr int kRowStep = kThreads / kChunksK;
+  const int b_row0 = tid / kChunksK;
+  const int b_chunk = tid % kChunksK;
+  const T* b_gate_or_w = w0 + b_chunk * 8;
+  const T* b_up = kGated ? w1 + b_chunk * 8 : nullptr;
+  const int b_k_offset = b_chunk * 8;
   const uint32_t s_a_u32 = smem_u32(s_a);
   const uint32_t s_b_u32 = smem_u32(s_b);
 
-  auto load_b = [&](int stage, int kt) {
-    const int k0 = kt * kBK;
+  auto load_b = [&](int stage, int step) {
+    const int nt = step / num_k_tiles;
+    const int k0 = (step - nt * num_k_tiles) * kBK;
+    const int n0 = (nt_first + nt) * kOutPerTile;
+    const bool k_ok = k0 + b_k_offset < k;
 #pragma unroll
     for (int it = 0; it < kBIters; ++it) {
-      const bool ok = b_row_ok[it] && k0 + b_chunk[it] * 8 < k;
-      cp_async_16_stream(b_dst[it] + stage * kBN * kBK * 2, ok ? b_src[it] + k0 : w0, ok);
+      const int row = b_row0 + it * kRowStep;
+      const bool is_up = kGated && row >= kBN / 2;
+      const int col = n0 + (is_up ? row - kBN / 2 : row);
+      const bool ok = k_ok && col < n;
+      const T* src = (is_up ? b_up : b_gate_or_w) + static_cast<size_t>(col) * k + k0;
+      cp_async_16_stream(s_b_u32 + (stage * kBN * kBK + swizzle<kBK>(row, b_chunk)) * 2, ok ? src : w0, ok);
     }
   };
   // A: only rows of 16-row sub-tiles that hold valid rows (the others are never read).
-  auto load_a = [&](int stage, int kt) {
-    const int k0 = kt * kBK;
+  auto load_a = [&](int stage, int step) {
+    const int k0 = (step % num_k_tiles) * kBK;
     for (int c = tid; c < rows16 * kChunksK; c += kThreads) {
       const int row = c / kChunksK;
       const int chunk = c % kChunksK;
@@ -196,13 +212,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_mma_kernel(const Kernel
     }
   };
 
-  // Prologue. The weights need only the expert, so their first stages are in flight before the row
-  // indices are read (one group per stage); then the row indices, then the A stages (one group).
+  // Prologue. The weights need only the expert, so their first stages go out before the row indices
+  // are read and before the wait on the previous kernel (one group per stage); then the rows and the
+  // A stages (one group).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_k_tiles) load_b(s, s);
+    if (s < num_steps) load_b(s, s);
     cp_async_commit();
   }
+  grid_dependency_wait();
   for (int i = tid; i < kBM; i += kThreads) {
     int src = -1;
     if (i < rows) {
@@ -214,7 +232,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_mma_kernel(const Kernel
   __syncthreads();
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_k_tiles) load_a(s, s);
+    if (s < num_steps) load_a(s, s);
   }
   cp_async_commit();
 
@@ -239,46 +257,54 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_mma_kernel(const Kernel
     return warp_n * kWarpN + j * 8;
   };
 
+  T* out = static_cast<T*>(args.out);
+  constexpr int kOutTiles = kGated ? kNt / 2 : kNt;
+  // Byte offsets of the smem rows this lane's ldmatrix addresses point at (before the column chunk).
+  const uint32_t a_lane_row = (warp_row0 + (lane & 15)) * kBK * 2;
+  uint32_t b_lane_row[kNt / 2];
+#pragma unroll
+  for (int j = 0; j < kNt; j += 2) b_lane_row[j / 2] = (b_tile_row(j + (lane >> 4)) + (lane & 7)) * kBK * 2;
+
+  for (int nt = 0; nt < nt_count; ++nt) {
   for (int kt = 0; kt < num_k_tiles; ++kt) {
-    // k-tile kt is complete when at most kStages - 2 later groups are pending; the first waits for the
-    // whole prologue (its A group was committed last).
-    if (kt == 0) {
+    const int step = nt * num_k_tiles + kt;
+    // Step `step` is complete when at most kStages - 2 later groups are pending; the first waits for
+    // the whole prologue (its A group was committed last).
+    if (step == 0) {
       cp_async_wait<0>();
     } else {
       cp_async_wait<kStages - 2>();
     }
     __syncthreads();
     {
-      const int next = kt + kStages - 1;
-      if (next < num_k_tiles) {
+      const int next = step + kStages - 1;
+      if (next < num_steps) {
         load_b(next % kStages, next);
         load_a(next % kStages, next);
       }
       cp_async_commit();
     }
     if (mt_valid > 0) {
-      const int stage = kt % kStages;
-      const uint32_t a_stage = s_a_u32 + stage * kBM * kBK * 2;
+      const int stage = step % kStages;
+      const uint32_t a_stage = s_a_u32 + stage * kBM * kBK * 2 + a_lane_row;
       const uint32_t b_stage = s_b_u32 + stage * kBN * kBK * 2;
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
+        // Every row a lane addresses is congruent to lane mod 8, so the swizzled chunk depends on kk and
+        // the lane only: one XOR per operand and k-step.
+        const uint32_t a_col = static_cast<uint32_t>(((kk * 2) | (lane >> 4)) ^ (lane & 7)) << 4;
+        const uint32_t b_col = static_cast<uint32_t>(((kk * 2) | ((lane >> 3) & 1)) ^ (lane & 7)) << 4;
         uint32_t bfrag[kNt][2];
 #pragma unroll
         for (int j = 0; j < kNt; j += 2) {
           // Two 8-column tiles: matrices (j, k0-7), (j, k8-15), (j+1, k0-7), (j+1, k8-15).
-          const int tile = j + (lane >> 4);
-          const int row = b_tile_row(tile) + (lane & 7);
-          const int chunk = kk * 2 + ((lane >> 3) & 1);
-          ldmatrix_x4(b_stage + swizzle<kBK>(row, chunk) * 2, bfrag[j][0], bfrag[j][1], bfrag[j + 1][0],
-                      bfrag[j + 1][1]);
+          ldmatrix_x4(b_stage + b_lane_row[j / 2] + b_col, bfrag[j][0], bfrag[j][1], bfrag[j + 1][0], bfrag[j + 1][1]);
         }
 #pragma unroll
         for (int i = 0; i < kMt; ++i) {
           if (i < mt_valid) {
             uint32_t afrag[4];
-            const int row = warp_row0 + i * 16 + (lane & 15);
-            const int chunk = kk * 2 + (lane >> 4);
-            ldmatrix_x4(a_stage + swizzle<kBK>(row, chunk) * 2, afrag[0], afrag[1], afrag[2], afrag[3]);
+            ldmatrix_x4(a_stage + i * 16 * kBK * 2 + a_col, afrag[0], afrag[1], afrag[2], afrag[3]);
 #pragma unroll
             for (int j = 0; j < kNt; ++j) mma_16816<T>(acc[i][j], afrag, bfrag[j][0], bfrag[j][1]);
           }
@@ -286,40 +312,44 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_mma_kernel(const Kernel
       }
     }
   }
-  cp_async_wait<0>();
-
-  // Epilogue: accumulator (i, j, q) is row warp_row0 + 16i + lane/4 (+8 for q >= 2), column
-  // 8j + 2(lane%4) (+1 for odd q) of the warp's tile.
-  T* out = static_cast<T*>(args.out);
-  constexpr int kOutTiles = kGated ? kNt / 2 : kNt;
-  const int out_col_warp = n0 + warp_n * (kGated ? kWarpN / 2 : kWarpN);
+    // After the last k-tile of n-tile nt: accumulator (i, j, q) is row warp_row0 + 16i + lane/4 (+8 for q >= 2),
+    // column 8j + 2(lane%4) (+1 for odd q) of the warp's tile. Stored while the next n-tile's copies fly.
+    const int out_col_warp = (nt_first + nt) * kOutPerTile + warp_n * (kGated ? kWarpN / 2 : kWarpN);
 #pragma unroll
-  for (int i = 0; i < kMt; ++i) {
-    if (i >= mt_valid) continue;
+    for (int i = 0; i < kMt; ++i) {
+      if (i >= mt_valid) continue;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_row0 + i * 16 + (lane >> 2) + half * 8;
-      if (row >= rows) continue;
-      T* out_row = out + static_cast<size_t>(row_begin + row) * n;
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp_row0 + i * 16 + (lane >> 2) + half * 8;
+        if (row >= rows) continue;
+        T* out_row = out + static_cast<size_t>(row_begin + row) * n;
 #pragma unroll
-      for (int j = 0; j < kOutTiles; ++j) {
-        const int col = out_col_warp + j * 8 + 2 * (lane & 3);
-        if (col >= n) continue;  // n is a multiple of 8 on this path, so col + 1 < n too
-        float v0, v1;
-        if (kMode == Mode::gated) {
-          v0 = gated_act(acc[i][j][half * 2 + 0], acc[i][j + kOutTiles][half * 2 + 0], args);
-          v1 = gated_act(acc[i][j][half * 2 + 1], acc[i][j + kOutTiles][half * 2 + 1], args);
-        } else if (kMode == Mode::relu2) {
-          v0 = relu2_act(acc[i][j][half * 2 + 0]);
-          v1 = relu2_act(acc[i][j][half * 2 + 1]);
-        } else {
-          v0 = acc[i][j][half * 2 + 0];
-          v1 = acc[i][j][half * 2 + 1];
+        for (int j = 0; j < kOutTiles; ++j) {
+          const int col = out_col_warp + j * 8 + 2 * (lane & 3);
+          if (col >= n) continue;  // n is a multiple of 8 on this path, so col + 1 < n too
+          float v0, v1;
+          if (kMode == Mode::gated) {
+            v0 = gated_act<true>(acc[i][j][half * 2 + 0], acc[i][j + kOutTiles][half * 2 + 0], args);
+            v1 = gated_act<true>(acc[i][j][half * 2 + 1], acc[i][j + kOutTiles][half * 2 + 1], args);
+          } else if (kMode == Mode::relu2) {
+            v0 = relu2_act(acc[i][j][half * 2 + 0]);
+            v1 = relu2_act(acc[i][j][half * 2 + 1]);
+          } else {
+            v0 = acc[i][j][half * 2 + 0];
+            v1 = acc[i][j][half * 2 + 1];
+          }
+          *reinterpret_cast<uint32_t*>(out_row + col) = pack2<T>(v0, v1);
         }
-        *reinterpret_cast<uint32_t*>(out_row + col) = pack2<T>(v0, v1);
       }
     }
+#pragma unroll
+    for (int i = 0; i < kMt; ++i)
+#pragma unroll
+      for (int j = 0; j < kNt; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
   }
+  cp_async_wait<0>();
 }
 
 }  // namespace latentmoe::cuda::gg

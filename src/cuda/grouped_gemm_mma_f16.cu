@@ -3,9 +3,9 @@
 
 namespace latentmoe::cuda::gg {
 
-void launch_mma_f16(detail::GemmVariant variant, Mode mode, const KernelArgs& args, int64_t max_rows,
+void launch_mma_f16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
                     cudaStream_t stream) {
-  launch_mma<__half>(variant, mode, args, max_rows, stream);
+  launch_mma<__half>(variant, mode, args, launch, stream);
 }
 
 }  // namespace latentmoe::cuda::gg

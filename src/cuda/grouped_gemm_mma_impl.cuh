@@ -1,6 +1,7 @@
 // Instantiates the tensor-core variants for one element type (grouped_gemm_mma_{bf16,f16}.cu).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 
 #include "cuda/grouped_gemm_launch.h"
@@ -11,47 +12,78 @@ namespace latentmoe::cuda::gg {
 
 // The variants (block M, weight rows N, block K, warps M x N, stages). Shared memory per CTA in
 // parentheses; docs/GROUPED_GEMM.md has the measurements that picked them.
-using CfgS = MmaConfig<16, 64, 64, 1, 4, 6>;       // 4 warps (60 KB, 3 CTAs/SM)
-using CfgSWide = MmaConfig<16, 128, 64, 1, 4, 4>;  // 4 warps (72 KB, 3 CTAs/SM)
-using CfgSK128 = MmaConfig<16, 64, 128, 1, 4, 4>;  // 4 warps (80 KB, 2 CTAs/SM)
-using CfgM = MmaConfig<64, 128, 64, 2, 4, 4>;      // 8 warps (96 KB, 2 CTAs/SM)
-using CfgL = MmaConfig<128, 128, 64, 2, 4, 3>;     // 8 warps (96 KB, 2 CTAs/SM)
-using CfgXL = MmaConfig<128, 256, 64, 2, 4, 3>;    // 8 warps (144 KB, 1 CTA/SM)
+using CfgS = MmaConfig<16, 64, 64, 1, 4, 6, 3>;       // 4 warps (60 KB, 3 CTAs/SM)
+using CfgSWide = MmaConfig<16, 128, 64, 1, 4, 4, 3>;  // 4 warps (72 KB, 3 CTAs/SM)
+using CfgSK128 = MmaConfig<16, 64, 128, 1, 4, 5, 2>;  // 4 warps (100 KB, 2 CTAs/SM)
+using CfgM = MmaConfig<64, 128, 64, 2, 4, 4, 2>;      // 8 warps (96 KB, 2 CTAs/SM)
+using CfgL = MmaConfig<128, 128, 64, 2, 4, 3, 2>;     // 8 warps (96 KB, 2 CTAs/SM)
+using CfgXL = MmaConfig<128, 256, 64, 2, 4, 3, 1>;    // 8 warps (144 KB, 1 CTA/SM)
 
 template <class T, class Cfg, Mode kMode>
-void launch_cfg(const KernelArgs& args, int64_t max_rows, cudaStream_t stream) {
+void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
   static std::atomic<uint64_t> done_mask{0};
+  static std::atomic<int> ctas_per_sm{0};
   auto kernel = grouped_mma_kernel<T, Cfg, kMode>;
   ensure_smem_limit(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, &done_mask);
-  const int out_per_cta = kMode == Mode::gated ? Cfg::kBlockN / 2 : Cfg::kBlockN;
-  const int64_t entries = tile_entries_bound(max_rows, args.num_experts, Cfg::kBlockM);
-  const dim3 grid(static_cast<unsigned>(entries), static_cast<unsigned>((args.n + out_per_cta - 1) / out_per_cta));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
+  if (ctas_per_sm.load(std::memory_order_relaxed) == 0) {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads, Cfg::kSmemBytes) != cudaSuccess) {
+      blocks = 1;
+    }
+    ctas_per_sm.store(std::max(blocks, 1), std::memory_order_relaxed);
+  }
+  const int out_per_tile = kMode == Mode::gated ? Cfg::kBlockN / 2 : Cfg::kBlockN;
+  args.n_tiles = (args.n + out_per_tile - 1) / out_per_tile;
+  const int num_k_tiles = (args.k + Cfg::kBlockK - 1) / Cfg::kBlockK;
+  args.n_tiles_per_cta =
+      launch.n_tiles_per_cta > 0
+          ? std::min(launch.n_tiles_per_cta, args.n_tiles)
+          : choose_tiles_per_cta(args.n_tiles, num_k_tiles, Cfg::kStages, Cfg::kBlockM, launch, args.num_experts,
+                                 ctas_per_sm.load(std::memory_order_relaxed));
+  args.n_groups = (args.n_tiles + args.n_tiles_per_cta - 1) / args.n_tiles_per_cta;
+  args.trigger_dependents = launch.trigger;
+  const int64_t entries = tile_entries_bound(launch.max_rows, args.num_experts, Cfg::kBlockM);
+  const int64_t blocks = entries * args.n_groups;
+  LATENTMOE_CHECK(blocks < (int64_t{1} << 31), "grouped GEMM: too many tiles (", blocks, ")");
+
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = Cfg::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = launch.programmatic ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args);
+  LATENTMOE_CHECK(err == cudaSuccess, "grouped GEMM (tensor-core kernel): launch failed: ", cudaGetErrorString(err));
   check_launch("grouped GEMM (tensor-core kernel)");
 }
 
 template <class T, Mode kMode>
-void launch_variant(detail::GemmVariant variant, const KernelArgs& args, int64_t max_rows, cudaStream_t stream) {
+void launch_variant(detail::GemmVariant variant, const KernelArgs& args, const MmaLaunch& launch,
+                    cudaStream_t stream) {
   using V = detail::GemmVariant;
   switch (variant) {
-    case V::mma_s: return launch_cfg<T, CfgS, kMode>(args, max_rows, stream);
-    case V::mma_s_wide: return launch_cfg<T, CfgSWide, kMode>(args, max_rows, stream);
-    case V::mma_s_k128: return launch_cfg<T, CfgSK128, kMode>(args, max_rows, stream);
-    case V::mma_m: return launch_cfg<T, CfgM, kMode>(args, max_rows, stream);
-    case V::mma_l: return launch_cfg<T, CfgL, kMode>(args, max_rows, stream);
-    case V::mma_xl: return launch_cfg<T, CfgXL, kMode>(args, max_rows, stream);
+    case V::mma_s: return launch_cfg<T, CfgS, kMode>(args, launch, stream);
+    case V::mma_s_wide: return launch_cfg<T, CfgSWide, kMode>(args, launch, stream);
+    case V::mma_s_k128: return launch_cfg<T, CfgSK128, kMode>(args, launch, stream);
+    case V::mma_m: return launch_cfg<T, CfgM, kMode>(args, launch, stream);
+    case V::mma_l: return launch_cfg<T, CfgL, kMode>(args, launch, stream);
+    case V::mma_xl: return launch_cfg<T, CfgXL, kMode>(args, launch, stream);
     default: break;
   }
   ::latentmoe::detail::throw_error("grouped GEMM: variant ", detail::to_string(variant), " is not a tensor-core variant");
 }
 
 template <class T>
-void launch_mma(detail::GemmVariant variant, Mode mode, const KernelArgs& args, int64_t max_rows,
+void launch_mma(detail::GemmVariant variant, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
                 cudaStream_t stream) {
   switch (mode) {
-    case Mode::gated: return launch_variant<T, Mode::gated>(variant, args, max_rows, stream);
-    case Mode::relu2: return launch_variant<T, Mode::relu2>(variant, args, max_rows, stream);
-    case Mode::plain: return launch_variant<T, Mode::plain>(variant, args, max_rows, stream);
+    case Mode::gated: return launch_variant<T, Mode::gated>(variant, args, launch, stream);
+    case Mode::relu2: return launch_variant<T, Mode::relu2>(variant, args, launch, stream);
+    case Mode::plain: return launch_variant<T, Mode::plain>(variant, args, launch, stream);
   }
 }
 

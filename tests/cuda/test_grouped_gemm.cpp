@@ -19,6 +19,7 @@
 namespace latentmoe::cuda {
 namespace {
 
+using detail::GemmChoice;
 using detail::GemmVariant;
 using latentmoe::detail::ActivationParams;
 
@@ -108,7 +109,8 @@ HostLayout random_layout(int64_t num_tokens, int num_experts, int num_zero, int 
 
 double activate(const ActivationParams& act, double g, double u) {
   switch (act.activation) {
-    case Activation::silu: return g / (1.0 + std::exp(-g)) * u;
+    case Activation::silu:
+      return g / (1.0 + std::exp(-g)) * u;
     case Activation::situ: {
       const double b1 = act.situ_beta;
       const double b2 = act.situ_linear_beta;
@@ -180,10 +182,8 @@ class Problem {
     cudaMemcpy(d_z_->get(), z_.bytes.data(), z_.bytes.size(), cudaMemcpyHostToDevice);
     cudaMemcpy(d_offsets_->get(), layout_.expert_offsets.data(), layout_.expert_offsets.size() * 4,
                cudaMemcpyHostToDevice);
-    cudaMemcpy(d_sorted_->get(), layout_.sorted_pairs.data(), layout_.sorted_pairs.size() * 4,
-               cudaMemcpyHostToDevice);
-    cudaMemcpy(d_pair_rows_->get(), layout_.pair_rows.data(), layout_.pair_rows.size() * 4,
-               cudaMemcpyHostToDevice);
+    cudaMemcpy(d_sorted_->get(), layout_.sorted_pairs.data(), layout_.sorted_pairs.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_pair_rows_->get(), layout_.pair_rows.data(), layout_.pair_rows.size() * 4, cudaMemcpyHostToDevice);
   }
 
   void poison() {
@@ -213,16 +213,15 @@ class Problem {
     return w;
   }
 
-  void run(GemmVariant variant, cudaStream_t stream) {
-    detail::grouped_gate_up_variant(variant, c_.dtype, act_, d_z_->get(), layout(), weights(), d_act_->get(), stream);
-    detail::grouped_down_variant(variant, c_.dtype, d_act_->get(), layout(), weights(), d_y_->get(), stream);
+  void run(GemmChoice choice, cudaStream_t stream) {
+    detail::grouped_gate_up_variant(choice, c_.dtype, act_, d_z_->get(), layout(), weights(), d_act_->get(), stream);
+    detail::grouped_down_variant(choice, c_.dtype, d_act_->get(), layout(), weights(), d_y_->get(), stream);
   }
 
   // The workspace is allocated before, so that this can run inside graph capture.
   void run_public(cudaStream_t stream) {
     const size_t ws = d_workspace_->bytes();
-    grouped_gate_up(c_.dtype, act_, d_z_->get(), layout(), weights(), d_act_->get(), d_workspace_->get(), ws,
-                    stream);
+    grouped_gate_up(c_.dtype, act_, d_z_->get(), layout(), weights(), d_act_->get(), d_workspace_->get(), ws, stream);
     grouped_down(c_.dtype, d_act_->get(), layout(), weights(), d_y_->get(), d_workspace_->get(), ws, stream);
   }
 
@@ -308,13 +307,20 @@ TEST_P(GroupedGemmCase, every_variant_matches_fp64_reference) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   const Case& c = GetParam();
   Problem problem(c, 1234u + static_cast<uint32_t>(c.num_tokens));
-  std::vector<GemmVariant> variants = {GemmVariant::automatic};
-  for (GemmVariant v : detail::all_variants()) variants.push_back(v);
-  for (GemmVariant v : variants) {
+  // Every variant with its own choice of n-tiles per CTA, and the tensor-core ones also with three
+  // n-tiles per CTA (a pipeline that runs across n-tile boundaries, the last group partial).
+  std::vector<GemmChoice> choices = {GemmChoice(GemmVariant::automatic)};
+  for (GemmVariant v : detail::all_variants()) {
+    choices.emplace_back(v);
+    if (v != GemmVariant::simt) choices.emplace_back(v, 3);
+  }
+  for (const GemmChoice& choice : choices) {
+    const std::string what = c.name + " / " + detail::to_string(choice.variant) + " x" +
+                             std::to_string(choice.n_tiles_per_cta);
     problem.poison();
-    problem.run(v, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << detail::to_string(v);
-    problem.check(c.name + " / " + detail::to_string(v));
+    problem.run(choice, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+    problem.check(what);
   }
   // The public entry points (automatic choice, workspace as sized).
   problem.poison();
