@@ -32,13 +32,11 @@ if has tests; then
   echo "tests rc=$?"
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|relative error|Which is|Expected" "$out/tests.log" | head -30
 fi
-if has sanitize; then
-  timeout 100 compute-sanitizer --tool memcheck "$bin/grouped_gemm_tests" \
-    --gtest_filter='*bf16_situ_t17*:*heavy*:*graph*' > "$out/memcheck.log" 2>&1
-  echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | head -5
-  timeout 80 compute-sanitizer --tool racecheck "$bin/grouped_gemm_tests" --gtest_filter='*f16_relu2_t3*' \
-    > "$out/racecheck.log" 2>&1
-  echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$out/racecheck.log" | head -5
+if has auto; then
+  timeout "${GG_AUTO_LIMIT:-100}" "$bin/grouped_gemm_bench" --commit "$commit" --json "$out/grouped_gemm.json" \
+    > "$out/bench.log" 2>&1
+  echo "auto rc=$?"
+  cat "$out/bench.log"
 fi
 if has sweep; then
   timeout "${GG_SWEEP_LIMIT:-130}" "$bin/grouped_gemm_bench" --commit "$commit" --variants all \
@@ -51,11 +49,13 @@ if has sweepdown; then
     --json "$out/sweep_down.json" > /tmp/gg_sweepdown.log 2>&1
   echo "sweepdown rc=$?"
 fi
-if has auto; then
-  timeout "${GG_AUTO_LIMIT:-100}" "$bin/grouped_gemm_bench" --commit "$commit" --json "$out/grouped_gemm.json" \
-    > "$out/bench.log" 2>&1
-  echo "auto rc=$?"
-  cat "$out/bench.log"
+if has sanitize; then
+  timeout 100 compute-sanitizer --tool memcheck "$bin/grouped_gemm_tests" \
+    --gtest_filter='*bf16_situ_t17*:*heavy*:*graph*' > "$out/memcheck.log" 2>&1
+  echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | head -5
+  timeout 80 compute-sanitizer --tool racecheck "$bin/grouped_gemm_tests" --gtest_filter='*f16_relu2_t3*' \
+    > "$out/racecheck.log" 2>&1
+  echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$out/racecheck.log" | head -5
 fi
 if has peer; then
   PYTHONUNBUFFERED=1 timeout "${GG_PEER_LIMIT:-120}" python3 bench/peers/torch_grouped_mm.py \
