@@ -38,7 +38,8 @@ __global__ void add_mixed_kernel(RowMatrix a, RowMatrix b, RowMatrix out) {
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / out.cols;
     const int64_t c = i - r * out.cols;
-    const float sum = load_as_float_dev(a.data, a.dtype, r * a.ld + c) + load_as_float_dev(b.data, b.dtype, r * b.ld + c);
+    const float sum =
+        load_as_float_dev(a.data, a.dtype, r * a.ld + c) + load_as_float_dev(b.data, b.dtype, r * b.ld + c);
     store_from_float_dev(out.data, out.dtype, r * out.ld + c, sum);
   }
 }
@@ -59,8 +60,8 @@ __global__ void convert_kernel(const Tin* in, int64_t ldi, To* out, int64_t ldo,
 // --- add_scaled_rows ----------------------------------------------------------------------------
 
 template <class Tx, class To>
-__global__ void add_scaled_rows_kernel(const Tx* x, int64_t ldx, const float* scale, To* out, int64_t ldo,
-                                       int64_t rows, int64_t cols) {
+__global__ void add_scaled_rows_kernel(const Tx* x, int64_t ldx, const float* scale, To* out, int64_t ldo, int64_t rows,
+                                       int64_t cols) {
   const int64_t total = rows * cols;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -120,10 +121,9 @@ constexpr int kCombineThreads = 64;
 // so a one-token combine of l = 3584 bf16 columns runs on 7 blocks. Each thread loads a batch of its
 // token's rows before accumulating them in j order (fp32 fmaf, the same order as the reference).
 template <class Ty, class To, int kVec>
-__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const Ty* y_rows, const int32_t* pair_rows,
-                                                                  const float* weights, int top_k, To* out,
-                                                                  int64_t ldo, int64_t cols, int64_t vectors,
-                                                                  int blocks_per_token) {
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(const Ty* y_rows, const int32_t* pair_rows, const float* weights, int top_k, To* out, int64_t ldo,
+                   int64_t cols, int64_t vectors, int blocks_per_token) {
   const int64_t t = blockIdx.x / blocks_per_token;
   const int64_t vector = static_cast<int64_t>(blockIdx.x % blocks_per_token) * kCombineThreads + threadIdx.x;
   if (vector >= vectors) return;
@@ -188,8 +188,8 @@ void launch_add(const RowMatrix& a, const RowMatrix& b, const RowMatrix& out, cu
       add_kernel<T, kVec><<<grid_for(out.rows * out.cols / kVec, kThreads), kThreads, 0, stream>>>(
           pa, a.ld, pb, b.ld, po, out.ld, out.rows, out.cols);
     } else {
-      add_kernel<T, 1><<<grid_for(out.rows * out.cols, kThreads), kThreads, 0, stream>>>(pa, a.ld, pb, b.ld, po,
-                                                                                          out.ld, out.rows, out.cols);
+      add_kernel<T, 1><<<grid_for(out.rows * out.cols, kThreads), kThreads, 0, stream>>>(pa, a.ld, pb, b.ld, po, out.ld,
+                                                                                         out.rows, out.cols);
     }
     LATENTMOE_CUDA_CHECK_LAUNCH("add_kernel");
   });
@@ -240,16 +240,16 @@ void launch_gated_activation(const ::latentmoe::detail::ActivationParams& activa
       const int grid = grid_for(count / kV, kThreads);
       switch (activation.activation) {
         case Activation::silu:
-          gated_activation_kernel<T, kV, Activation::silu><<<grid, kThreads, 0, stream>>>(g, u, o, count, beta,
-                                                                                          linear_beta);
+          gated_activation_kernel<T, kV, Activation::silu>
+              <<<grid, kThreads, 0, stream>>>(g, u, o, count, beta, linear_beta);
           break;
         case Activation::situ:
-          gated_activation_kernel<T, kV, Activation::situ><<<grid, kThreads, 0, stream>>>(g, u, o, count, beta,
-                                                                                          linear_beta);
+          gated_activation_kernel<T, kV, Activation::situ>
+              <<<grid, kThreads, 0, stream>>>(g, u, o, count, beta, linear_beta);
           break;
         case Activation::relu2:
-          gated_activation_kernel<T, kV, Activation::relu2><<<grid, kThreads, 0, stream>>>(g, u, o, count, beta,
-                                                                                           linear_beta);
+          gated_activation_kernel<T, kV, Activation::relu2>
+              <<<grid, kThreads, 0, stream>>>(g, u, o, count, beta, linear_beta);
           break;
       }
       LATENTMOE_CUDA_CHECK_LAUNCH("gated_activation_kernel");
@@ -285,10 +285,10 @@ void launch_combine(DType y_dtype, const void* y_rows, const int32_t* pair_rows,
       const auto per_token = static_cast<int>(blocks_per_token);
       if (vectorised) {
         combine_kernel<Ty, To, kVec><<<grid, kCombineThreads, 0, stream>>>(y, pair_rows, weights, top_k, o, out.ld,
-                                                                          out.cols, vectors, per_token);
+                                                                           out.cols, vectors, per_token);
       } else {
         combine_kernel<Ty, To, 1><<<grid, kCombineThreads, 0, stream>>>(y, pair_rows, weights, top_k, o, out.ld,
-                                                                       out.cols, vectors, per_token);
+                                                                        out.cols, vectors, per_token);
       }
       LATENTMOE_CUDA_CHECK_LAUNCH("combine_kernel");
     });

@@ -78,7 +78,8 @@ __global__ void route_kernel(RouteKernelParams p) {
   if (p.softmax) {
     float largest = -INFINITY;
     for (int i = lane; i < n; i += 32) largest = fmaxf(largest, finite_order(logits[i]));
-    for (int offset = 16; offset > 0; offset >>= 1) largest = fmaxf(largest, __shfl_xor_sync(kFullMask, largest, offset));
+    for (int offset = 16; offset > 0; offset >>= 1)
+      largest = fmaxf(largest, __shfl_xor_sync(kFullMask, largest, offset));
     if (largest == -INFINITY) {
       for (int i = lane; i < n; i += 32) score[i] = 0.0f;
     } else if (isinf(largest)) {
@@ -569,8 +570,7 @@ __global__ void layout_fused_kernel(const int32_t* ids, int num_pairs, int num_e
 }
 
 // Pass 1: segment_counts[s * E + e] = pairs of segment s routed to expert e.
-__global__ void layout_count_kernel(const int32_t* ids, int64_t num_pairs, int num_experts,
-                                    int32_t* segment_counts) {
+__global__ void layout_count_kernel(const int32_t* ids, int64_t num_pairs, int num_experts, int32_t* segment_counts) {
   extern __shared__ int32_t shared_ints[];
   int32_t* counts = shared_ints;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kLayoutSegment;
@@ -640,7 +640,9 @@ __global__ void layout_scatter_kernel(const int32_t* ids, int64_t num_pairs, int
 
 constexpr size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-int64_t num_segments_for(int64_t num_pairs) { return std::max<int64_t>(1, (num_pairs + kLayoutSegment - 1) / kLayoutSegment); }
+int64_t num_segments_for(int64_t num_pairs) {
+  return std::max<int64_t>(1, (num_pairs + kLayoutSegment - 1) / kLayoutSegment);
+}
 
 // Shared memory of the layout kernels, in int32: within the default 48 KB (no opt-in needed).
 constexpr int64_t kLayoutSharedInts = static_cast<int64_t>(kDefaultSharedBytes / sizeof(int32_t));
@@ -662,23 +664,29 @@ int layout_walkers(int64_t count, int num_experts, int64_t fixed_ints) {
 void launch_route(const ::latentmoe::detail::RoutingParams& params, const RouteArgs& args, size_t max_shared_bytes,
                   cudaStream_t stream, RoutePath path) {
   const int64_t num_outputs = params.num_experts + params.num_zero_experts;
-  LATENTMOE_CHECK(params.num_experts >= 0 && params.num_zero_experts >= 0 && num_outputs >= 1 &&
-                      num_outputs <= INT_MAX / 4,
-                  "CUDA routing: invalid expert counts E=", params.num_experts, " Z=", params.num_zero_experts);
+  LATENTMOE_CHECK(
+      params.num_experts >= 0 && params.num_zero_experts >= 0 && num_outputs >= 1 && num_outputs <= INT_MAX / 4,
+      "CUDA routing: invalid expert counts E=", params.num_experts, " Z=", params.num_zero_experts);
   LATENTMOE_CHECK(params.top_k >= 1 && params.top_k <= std::min<int64_t>(num_outputs, kMaxRouteTopK),
-                  "CUDA routing: top_k ", params.top_k, " is outside 1..", std::min<int64_t>(num_outputs, kMaxRouteTopK));
+                  "CUDA routing: top_k ", params.top_k, " is outside 1..",
+                  std::min<int64_t>(num_outputs, kMaxRouteTopK));
   const int64_t n_group = std::max<int64_t>(params.n_group, 1);
   if (n_group > 1) {
-    LATENTMOE_CHECK(num_outputs % n_group == 0, "CUDA routing: n_group ", n_group, " does not divide E+Z = ",
-                    num_outputs);
+    LATENTMOE_CHECK(num_outputs % n_group == 0, "CUDA routing: n_group ", n_group,
+                    " does not divide E+Z = ", num_outputs);
     LATENTMOE_CHECK(params.topk_group >= 1 && params.topk_group <= n_group, "CUDA routing: topk_group ",
                     params.topk_group, " is outside 1..", n_group);
     LATENTMOE_CHECK(params.top_k <= params.topk_group * (num_outputs / n_group), "CUDA routing: top_k ", params.top_k,
                     " exceeds the experts of ", params.topk_group, " groups");
   }
+  const bool group_limited = n_group > 1 && params.topk_group < n_group;
+  // The block kernel's dynamic shared memory (group-limited only: biased [n], group scores and kept
+  // flags [n_group] each), next to about 1.2 KB of static shared memory, within the default 48 KB.
+  const size_t block_shared_bytes = group_limited ? static_cast<size_t>(num_outputs + 2 * n_group) * sizeof(float) : 0;
+  const bool block_fits = num_outputs <= kRouteBlockMaxOutputs && block_shared_bytes + 2048 <= kDefaultSharedBytes;
   if (path == RoutePath::block) {
-    LATENTMOE_CHECK(num_outputs <= kRouteBlockMaxOutputs, "CUDA routing: the block path takes at most ",
-                    kRouteBlockMaxOutputs, " router outputs, not ", num_outputs);
+    LATENTMOE_CHECK(block_fits, "CUDA routing: the block kernel takes at most ", kRouteBlockMaxOutputs,
+                    " router outputs (and fewer with many groups), not ", num_outputs, " in ", n_group, " groups");
   }
   if (args.num_tokens == 0) return;
 
@@ -692,22 +700,27 @@ void launch_route(const ::latentmoe::detail::RoutingParams& params, const RouteA
   p.softmax = params.scoring == ScoringFunc::softmax;
   p.renormalize = params.norm_topk_prob;
   p.scaling = params.routed_scaling_factor;
-  const bool group_limited = n_group > 1 && p.topk_group < n_group;
 
   const bool use_block = path == RoutePath::block ||
-                         (path == RoutePath::automatic && num_outputs <= kRouteBlockMaxOutputs &&
-                          args.num_tokens <= kRouteBlockMaxTokens);
+                         (path == RoutePath::automatic && block_fits && args.num_tokens <= kRouteBlockMaxTokens);
   if (use_block) {
     const int slots = static_cast<int>((num_outputs + 1023) / 1024);
     const int threads = static_cast<int>(((num_outputs + slots - 1) / slots + 31) / 32 * 32);
-    // biased [n], group scores [n_group], kept flags [n_group]: at most 4096 + 2 * 4096 words.
-    const size_t shared_bytes = group_limited ? static_cast<size_t>(num_outputs + 2 * n_group) * sizeof(float) : 0;
+    const size_t shared_bytes = block_shared_bytes;
     const auto blocks = static_cast<unsigned>(args.num_tokens);
     switch (slots) {
-      case 1: route_block_kernel<1><<<blocks, threads, shared_bytes, stream>>>(p); break;
-      case 2: route_block_kernel<2><<<blocks, threads, shared_bytes, stream>>>(p); break;
-      case 3: route_block_kernel<3><<<blocks, threads, shared_bytes, stream>>>(p); break;
-      default: route_block_kernel<4><<<blocks, threads, shared_bytes, stream>>>(p); break;
+      case 1:
+        route_block_kernel<1><<<blocks, threads, shared_bytes, stream>>>(p);
+        break;
+      case 2:
+        route_block_kernel<2><<<blocks, threads, shared_bytes, stream>>>(p);
+        break;
+      case 3:
+        route_block_kernel<3><<<blocks, threads, shared_bytes, stream>>>(p);
+        break;
+      default:
+        route_block_kernel<4><<<blocks, threads, shared_bytes, stream>>>(p);
+        break;
     }
     LATENTMOE_CUDA_CHECK_LAUNCH("route_block_kernel");
     return;
@@ -771,14 +784,14 @@ MoeLayout build_moe_layout(const int32_t* topk_ids, int64_t num_tokens, int top_
     return layout;
   }
   // One block when the pairs fit one segment and counts, histograms and ids fit shared memory.
+  // (+64: room for the kernel's 33 ints of static shared memory.)
   const int fused_walkers =
-      num_segments == 1 ? layout_walkers(num_pairs, num_experts, num_experts + num_pairs) : 0;
+      num_segments == 1 ? layout_walkers(num_pairs, num_experts, num_experts + num_pairs + 64) : 0;
   if (fused_walkers >= 1) {
     const size_t shared_bytes =
         static_cast<size_t>((1 + fused_walkers) * static_cast<int64_t>(num_experts) + num_pairs) * sizeof(int32_t);
-    layout_fused_kernel<<<1, kLayoutThreads, shared_bytes, stream>>>(topk_ids, static_cast<int>(num_pairs),
-                                                                     num_experts, fused_walkers, expert_offsets,
-                                                                     sorted_pairs, pair_rows);
+    layout_fused_kernel<<<1, kLayoutThreads, shared_bytes, stream>>>(
+        topk_ids, static_cast<int>(num_pairs), num_experts, fused_walkers, expert_offsets, sorted_pairs, pair_rows);
     LATENTMOE_CUDA_CHECK_LAUNCH("layout_fused_kernel");
     return layout;
   }

@@ -46,9 +46,9 @@ enum class RoutePath { automatic, warp, block };
 struct RouteArgs {
   const float* logits = nullptr;  // [num_tokens, ld_logits] f32, the first E+Z columns used
   int64_t ld_logits = 0;
-  const float* bias = nullptr;    // [E+Z] f32 or null
-  int32_t* topk_ids = nullptr;    // [num_tokens, top_k] contiguous
-  float* topk_weights = nullptr;  // [num_tokens, top_k] contiguous
+  const float* bias = nullptr;       // [E+Z] f32 or null
+  int32_t* topk_ids = nullptr;       // [num_tokens, top_k] contiguous
+  float* topk_weights = nullptr;     // [num_tokens, top_k] contiguous
   float* zero_weight_sum = nullptr;  // [num_tokens]
   int64_t num_tokens = 0;
 };

@@ -51,7 +51,8 @@ class CudaExperts : public ::testing::Test {
   // ids [tokens, k] with values in [0, E + Z): any multiset (repeats within a token allowed).
   void check_layout_of(const HostTensor& ids, int64_t num_experts) {
     const int64_t tokens = ids.size(0), k = ids.size(1);
-    SCOPED_TRACE("T = " + std::to_string(tokens) + ", k = " + std::to_string(k) + ", E = " + std::to_string(num_experts));
+    SCOPED_TRACE("T = " + std::to_string(tokens) + ", k = " + std::to_string(k) +
+                 ", E = " + std::to_string(num_experts));
     DeviceTensor dids = upload(*gpu_, ids);
     const size_t bytes = moe_layout_workspace_bytes(tokens, static_cast<int>(k), static_cast<int>(num_experts));
     DeviceTensor workspace = poisoned(*gpu_, DType::u8, {static_cast<int64_t>(bytes)});
@@ -117,12 +118,12 @@ TEST_F(CudaExperts, layout_paths_cross_their_thresholds) {
   }
   check_layout(9, 22, 512, 0, ++seed);
   check_layout(2, 1, 37, 0, ++seed);
-  check_layout(3, 16, 30, 7, ++seed);        // E + Z = 37
-  check_layout(93, 22, 512, 0, ++seed);      // 2046 pairs: fused
-  check_layout(94, 22, 512, 0, ++seed);      // 2068 pairs: two segments
-  check_layout(1, 16, 6000, 0, ++seed);      // fused with one walking warp
-  check_layout(3, 8, 7000, 0, ++seed);       // counts + histogram do not fit: three kernels, one segment
-  check_layout(300, 8, 10240, 0, ++seed);    // the largest E: scatter with one walking warp
+  check_layout(3, 16, 30, 7, ++seed);      // E + Z = 37
+  check_layout(93, 22, 512, 0, ++seed);    // 2046 pairs: fused
+  check_layout(94, 22, 512, 0, ++seed);    // 2068 pairs: two segments
+  check_layout(1, 16, 6000, 0, ++seed);    // fused with one walking warp
+  check_layout(3, 8, 7000, 0, ++seed);     // counts + histogram do not fit: three kernels, one segment
+  check_layout(300, 8, 10240, 0, ++seed);  // the largest E: scatter with one walking warp
   check_layout(2, 16, 896, 64, ++seed);
 }
 
@@ -203,10 +204,10 @@ TEST_F(CudaExperts, combine_is_exact_on_every_path) {
     }
   }
   check_combine(*gpu_, DType::f32, DType::f32, 3, 16, 3584, 3584, ++seed);
-  check_combine(*gpu_, DType::bf16, DType::f32, 3, 9, 520, 600, ++seed);   // strided output rows
+  check_combine(*gpu_, DType::bf16, DType::f32, 3, 9, 520, 600, ++seed);  // strided output rows
   check_combine(*gpu_, DType::f16, DType::f16, 2, 8, 8, 8, ++seed);
   check_combine(*gpu_, DType::bf16, DType::bf16, 5, 16, 3583, 3583, ++seed);  // not a multiple of 8: scalar
-  check_combine(*gpu_, DType::f32, DType::bf16, 4, 3, 200, 204, ++seed);   // ld not 16-byte aligned: scalar
+  check_combine(*gpu_, DType::f32, DType::bf16, 4, 3, 200, 204, ++seed);      // ld not 16-byte aligned: scalar
 }
 
 struct ExpertCase {
