@@ -21,8 +21,8 @@ namespace latentmoe::cuda::testing {
 using ::latentmoe::detail::Backend;
 using ::latentmoe::detail::DeviceBuffer;
 
-#define LATENTMOE_REQUIRE_GPU()                                                 \
-  do {                                                                          \
+#define LATENTMOE_REQUIRE_GPU()                                                        \
+  do {                                                                                 \
     if (::latentmoe::cuda::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
   } while (false)
 
@@ -56,9 +56,9 @@ inline HostTensor download(Backend& backend, const TensorView& view) {
 
 // Every byte 0xff, stream-ordered on the backend's stream.
 inline void poison(Backend& backend, const DeviceTensor& tensor) {
-  ASSERT_EQ(cudaMemsetAsync(tensor.buffer.get(), 0xff, tensor.buffer.bytes(),
-                            static_cast<cudaStream_t>(backend.stream())),
-            cudaSuccess);
+  ASSERT_EQ(
+      cudaMemsetAsync(tensor.buffer.get(), 0xff, tensor.buffer.bytes(), static_cast<cudaStream_t>(backend.stream())),
+      cudaSuccess);
 }
 
 inline DeviceTensor poisoned(Backend& backend, DType dtype, const std::vector<int64_t>& shape) {
@@ -77,7 +77,9 @@ inline HostTensor random_tensor(DType dtype, const std::vector<int64_t>& shape, 
   return tensor;
 }
 
-inline float value_at(const HostTensor& tensor, int64_t index) { return load_as_float(tensor.data(), tensor.dtype(), index); }
+inline float value_at(const HostTensor& tensor, int64_t index) {
+  return load_as_float(tensor.data(), tensor.dtype(), index);
+}
 
 // ||out - ref|| / ||ref|| over all elements (ref != 0 somewhere).
 inline double relative_error(const HostTensor& out, const HostTensor& ref) {

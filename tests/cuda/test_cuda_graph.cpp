@@ -26,8 +26,8 @@ bool bytes_equal(const HostTensor& a, const HostTensor& b) {
 // experts), k = 6, I = 96, Is = 160, T = 17.
 class MiniLayer {
  public:
-  static constexpr int64_t kTokens = 17, kHidden = 336, kLatent = 192, kExperts = 32, kZero = 4, kTopK = 6,
-                           kInter = 96, kShared = 160;
+  static constexpr int64_t kTokens = 17, kHidden = 336, kLatent = 192, kExperts = 32, kZero = 4, kTopK = 6, kInter = 96,
+                           kShared = 160;
   static constexpr DType kDType = DType::bf16;
 
   explicit MiniLayer(CudaBackend& gpu) : gpu_(gpu) {
@@ -93,8 +93,8 @@ class MiniLayer {
   HostTensor ids() { return download(gpu_, ids_.view); }
 
   void poison_outputs() {
-    for (DeviceTensor* tensor : {&logits_, &ids_, &weights_, &zero_sum_, &latent_, &latent_out_, &latent_norm_,
-                                 &shared_, &out_}) {
+    for (DeviceTensor* tensor :
+         {&logits_, &ids_, &weights_, &zero_sum_, &latent_, &latent_out_, &latent_norm_, &shared_, &out_}) {
       poison(gpu_, *tensor);
     }
   }

@@ -37,16 +37,17 @@ LayerOutputs run_layer(BackendKind kind, const LayerConfig& config, const LayerW
 TEST(CudaRunner, tp1_layer_matches_the_cpu_runner) {
   LATENTMOE_REQUIRE_GPU();
   uint64_t seed = 1;
-  for (const LayerConfig& config : {latentmoe::testing::kimi_like_config(), latentmoe::testing::nemotron_like_config()}) {
+  for (const LayerConfig& config :
+       {latentmoe::testing::kimi_like_config(), latentmoe::testing::nemotron_like_config()}) {
     for (DType dtype : {DType::f32, DType::bf16}) {
       const LayerWeights weights = make_random_layer_weights(config, dtype, ++seed);
       for (int64_t tokens : {int64_t{1}, int64_t{17}, int64_t{64}}) {
-        SCOPED_TRACE(std::string(to_string(config.activation)) + ", " + name_of(dtype) + ", T = " +
-                     std::to_string(tokens));
+        SCOPED_TRACE(std::string(to_string(config.activation)) + ", " + name_of(dtype) +
+                     ", T = " + std::to_string(tokens));
         const HostTensor x = latentmoe::testing::random_host_tensor(dtype, {tokens, config.hidden_size}, ++seed);
         // f32: logits from the gate on each backend (identical top-k required); bf16: given logits.
-        const HostTensor logits = latentmoe::testing::random_host_tensor(
-            DType::f32, {tokens, config.num_router_outputs()}, ++seed, 3.0f);
+        const HostTensor logits =
+            latentmoe::testing::random_host_tensor(DType::f32, {tokens, config.num_router_outputs()}, ++seed, 3.0f);
         const HostTensor* given = dtype == DType::f32 ? nullptr : &logits;
         const LayerOutputs ref = run_layer(BackendKind::cpu, config, weights, x, given);
         const LayerOutputs got = run_layer(BackendKind::cuda, config, weights, x, given);

@@ -51,9 +51,9 @@ double microseconds_per_call(CudaBackend& gpu, const std::function<void()>& op) 
 // Any finite bf16 content will do for timing: every byte 0x3c (bf16 0x3c3c = 0.0115).
 DeviceTensor filled(Backend& backend, DType dtype, const std::vector<int64_t>& shape) {
   DeviceTensor tensor = device_empty(backend, dtype, shape);
-  EXPECT_EQ(cudaMemsetAsync(tensor.buffer.get(), 0x3c, tensor.buffer.bytes(),
-                            static_cast<cudaStream_t>(backend.stream())),
-            cudaSuccess);
+  EXPECT_EQ(
+      cudaMemsetAsync(tensor.buffer.get(), 0x3c, tensor.buffer.bytes(), static_cast<cudaStream_t>(backend.stream())),
+      cudaSuccess);
   return tensor;
 }
 
@@ -102,8 +102,8 @@ TEST(CudaTiming, DISABLED_kimi_k3_tp8_rank) {
   auto stream = [&] { return static_cast<cudaStream_t>(gpu.stream()); };
 
   std::printf("# Kimi K3, one tp=8 rank, bf16, H200; microseconds per call (20 calls per graph)\n");
-  std::printf("%6s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s\n", "tokens", "router", "router32", "route", "layout", "combine",
-              "experts", "rmsnorm", "down_proj", "up_proj", "shared");
+  std::printf("%6s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s\n", "tokens", "router", "router32", "route", "layout",
+              "combine", "experts", "rmsnorm", "down_proj", "up_proj", "shared");
   for (int64_t tokens : {int64_t{1}, int64_t{8}, int64_t{64}, int64_t{256}, int64_t{1024}, int64_t{4096}}) {
     const TensorView xt = x.view.slice_rows(0, tokens);
     const TensorView logits_t = logits.view.slice_rows(0, tokens);
@@ -117,17 +117,16 @@ TEST(CudaTiming, DISABLED_kimi_k3_tp8_rank) {
     const MoeLayout layout_of_ids = build_moe_layout(ids_t.data_as<const int32_t>(), tokens, k, e,
                                                      layout_workspace.buffer.get(), layout_bytes, stream());
     const double router = microseconds_per_call(gpu, [&] { gpu.router_logits(xt, gate.view, router_out.view); });
-    const double router32 =
-        microseconds_per_call(gpu, [&] { gpu.router_logits(xt, gate_f32.view, router_out.view); });
-    const double route = microseconds_per_call(
-        gpu, [&] { gpu.route(routing, logits_t, bias.view, ids_t, weights_t, zero_t); });
+    const double router32 = microseconds_per_call(gpu, [&] { gpu.router_logits(xt, gate_f32.view, router_out.view); });
+    const double route =
+        microseconds_per_call(gpu, [&] { gpu.route(routing, logits_t, bias.view, ids_t, weights_t, zero_t); });
     const double layout = microseconds_per_call(gpu, [&] {
       build_moe_layout(ids_t.data_as<const int32_t>(), tokens, k, e, layout_workspace.buffer.get(), layout_bytes,
                        stream());
     });
     const double combine = microseconds_per_call(gpu, [&] {
-      launch_combine(dtype, y_rows.buffer.get(), layout_of_ids.pair_rows,
-                     weights_t.data_as<const float>(), k, combine_out, stream());
+      launch_combine(dtype, y_rows.buffer.get(), layout_of_ids.pair_rows, weights_t.data_as<const float>(), k,
+                     combine_out, stream());
     });
     const double experts = microseconds_per_call(gpu, [&] {
       gpu.routed_experts(activation, z_t, ids_t, weights_t,
@@ -135,7 +134,9 @@ TEST(CudaTiming, DISABLED_kimi_k3_tp8_rank) {
     });
     const double rmsnorm = microseconds_per_call(gpu, [&] { gpu.rms_norm(latent_t, norm.view, 1e-5f, latent_t); });
     const double down = microseconds_per_call(gpu, [&] { gpu.linear(xt, down_proj.view, z_t, false); });
-    const double up = microseconds_per_call(gpu, [&] { gpu.linear(z_t, down_proj.view.reshaped({d, l}), out_t, false); });
+    const double up = microseconds_per_call(gpu, [&] {
+      gpu.linear(z_t, down_proj.view.reshaped({d, l}), out_t, false);
+    });
     const double shared_mlp = microseconds_per_call(gpu, [&] {
       gpu.dense_mlp(activation, xt, MlpWeights{shared_gate.view, shared_up.view, shared_down.view}, out_t);
     });
