@@ -465,8 +465,8 @@ int main(int argc, char** argv) {
           const auto resolve = [&](bool is_down) {
             const GemmVariant resolved =
                 v.variant == GemmVariant::automatic
-                    ? latentmoe::cuda::detail::choose_variant(DType::bf16, is_down, tokens, p.top_k, p.num_experts,
-                                                              ir, l)
+                    ? latentmoe::cuda::detail::choose_variant(DType::bf16, is_down, gated && !is_down, tokens,
+                                                              p.top_k, p.num_experts, ir, l)
                     : v.variant;
             std::string name = latentmoe::cuda::detail::to_string(resolved);
             if (v.n_tiles_per_cta > 0) name += ":ng" + std::to_string(v.n_tiles_per_cta);

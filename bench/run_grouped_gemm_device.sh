@@ -9,6 +9,7 @@
 #   sweepdown the down phase with n-tiles-per-CTA overrides (sweep_down.json)
 #   auto      the library's automatic choice, all phases: the reported numbers (grouped_gemm.json, bench.log)
 #   peer      torch._grouped_mm on the same rows (torch_grouped_mm.json, peer.log)
+#   ncu       Nsight Compute on one gate/up kernel, kimi-k3 tp 8, 4096 tokens, automatic variant (ncu.txt)
 # The binaries are build-gg/bench/ (built on the workstation with -DLATENTMOE_BENCH_STANDALONE=ON); they
 # are rebuilt here if they do not start.
 set -u
@@ -39,7 +40,7 @@ if has auto; then
   cat "$out/bench.log"
 fi
 if has sweep; then
-  timeout "${GG_SWEEP_LIMIT:-130}" "$bin/grouped_gemm_bench" --commit "$commit" --variants all \
+  timeout "${GG_SWEEP_LIMIT:-130}" "$bin/grouped_gemm_bench" --commit "$commit" --variants "${GG_SWEEP_VARIANTS:-all}" \
     --phases gate_up,down --json "$out/sweep.json" > /tmp/gg_sweep.log 2>&1
   echo "sweep rc=$?"
 fi
@@ -62,4 +63,13 @@ if has peer; then
     --json "$out/torch_grouped_mm.json" > "$out/peer.log" 2>&1
   echo "peer rc=$?"
   cat "$out/peer.log"
+fi
+if has ncu; then
+  timeout "${GG_NCU_LIMIT:-90}" ncu --clock-control none --kernel-name regex:grouped_mma --launch-skip 2 \
+    --launch-count 1 --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --section Occupancy --section LaunchStats "$bin/grouped_gemm_bench" --presets kimi-k3 --tp-shards 8 \
+    --tokens 4096 --phases gate_up --variants automatic > "$out/ncu.txt" 2>&1
+  echo "ncu rc=$?"
+  grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Stall|Warp Cycles|Achieved Occupancy|L2 Hit|Registers" \
+    "$out/ncu.txt" | head -40
 fi

@@ -74,12 +74,12 @@ int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, 
   const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, launch.max_rows));
   const int64_t mean_rows = (launch.max_rows + touched - 1) / touched;
   const int64_t entries = touched * ((mean_rows + block_m - 1) / block_m);
-  const int64_t slots = static_cast<int64_t>(launch.sm_count) * ctas_per_sm;
-  const int target_steps = 2 * stages;
-  int per_cta = num_k_tiles >= target_steps ? 1 : (target_steps + num_k_tiles - 1) / num_k_tiles;
-  per_cta = std::min(per_cta, n_tiles);
-  while (per_cta > 1 && entries * ((n_tiles + per_cta - 1) / per_cta) < slots) --per_cta;
-  return std::max(per_cta, 1);
+  // Two n-tiles per CTA paid off for the down projection at every size measured (one pipeline across
+  // the n-tile boundary, half the tile look-ups), as long as every SM still gets a CTA; a short k
+  // (fewer steps than twice the pipeline) asks for the same.
+  if (!launch.prefer_two_tiles && num_k_tiles >= 2 * stages) return 1;
+  if (n_tiles < 2 || entries * ((n_tiles + 1) / 2) < launch.sm_count) return 1;
+  return 2;
 }
 
 }  // namespace gg
@@ -93,7 +93,9 @@ std::string to_string(GemmVariant variant) {
     case GemmVariant::mma_s: return "mma_s";
     case GemmVariant::mma_s_wide: return "mma_s_wide";
     case GemmVariant::mma_s_k128: return "mma_s_k128";
+    case GemmVariant::mma_m32: return "mma_m32";
     case GemmVariant::mma_m: return "mma_m";
+    case GemmVariant::mma_l4: return "mma_l4";
     case GemmVariant::mma_l: return "mma_l";
     case GemmVariant::mma_xl: return "mma_xl";
   }
@@ -102,24 +104,30 @@ std::string to_string(GemmVariant variant) {
 
 std::vector<GemmVariant> all_variants() {
   return {GemmVariant::simt, GemmVariant::mma_s, GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
-          GemmVariant::mma_m, GemmVariant::mma_l,
+          GemmVariant::mma_m32, GemmVariant::mma_m, GemmVariant::mma_l4, GemmVariant::mma_l,
           GemmVariant::mma_xl};
 }
 
-GemmVariant choose_variant(DType dtype, bool down, int64_t num_tokens, int top_k, int num_experts,
+GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                            int64_t intermediate, int64_t latent) {
   if (dtype == DType::f32 || gg::compute_capability() < 80) return GemmVariant::simt;
   if (latent % 8 != 0 || intermediate % 8 != 0) return GemmVariant::simt;
-  // Measured on an H200 (docs/GROUPED_GEMM.md): decode-sized batches want many small CTAs with deep
-  // copy pipelines; larger ones want tiles that cover an expert's rows (mean rows per touched expert).
+  // Measured on an H200 (docs/GROUPED_GEMM.md). Decode-sized batches: small m-tiles; deep copy
+  // pipelines (mma_s_k128) while the CTAs fit in about one wave, wider tiles (mma_s_wide) when there are
+  // many. Larger batches: m-tiles that cover a touched expert's mean row count.
   // An expert gets at most one row per token (top-k picks distinct experts), so T bounds its rows.
   const int64_t pairs = num_tokens * top_k;
   const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, pairs));
   const int64_t mean_rows = pairs / touched;
-  if (num_tokens <= 16) return down ? GemmVariant::mma_s_wide : GemmVariant::mma_s_k128;
-  if (mean_rows <= 8) return GemmVariant::mma_s_wide;
+  if (num_tokens <= 16) {
+    if (down) return GemmVariant::mma_s_wide;
+    const int64_t cols = gated ? 32 : 64;  // output columns of an mma_s_k128 gate/up CTA
+    const int64_t ctas = touched * ((intermediate + cols - 1) / cols);
+    return ctas <= 9 * gg::sm_count() ? GemmVariant::mma_s_k128 : GemmVariant::mma_s_wide;
+  }
+  if (mean_rows <= 16) return GemmVariant::mma_s_wide;
   if (mean_rows <= 48) return GemmVariant::mma_m;
-  return GemmVariant::mma_l;
+  return GemmVariant::mma_l4;
 }
 
 namespace {
@@ -147,7 +155,8 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   const bool down = mode == gg::Mode::plain;
   GemmVariant variant = choice.variant;
   if (variant == GemmVariant::automatic) {
-    variant = choose_variant(dtype, down, num_tokens, args.top_k, args.num_experts, intermediate, latent);
+    variant = choose_variant(dtype, down, mode == gg::Mode::gated, num_tokens, args.top_k, args.num_experts,
+                             intermediate, latent);
   }
   const bool tensor_core_ok = dtype != DType::f32 && gg::compute_capability() >= 80 && args.n % 8 == 0 &&
                               args.k % 8 == 0 && aligned16(args.a) && aligned16(args.w0) &&
@@ -165,6 +174,7 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.programmatic = hopper && down;
   launch.trigger = hopper && !down;
   launch.sm_count = gg::sm_count();
+  launch.prefer_two_tiles = down;
   if (dtype == DType::bf16) {
     gg::launch_mma_bf16(variant, mode, args, launch, stream);
   } else {

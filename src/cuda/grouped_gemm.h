@@ -65,8 +65,10 @@ enum class GemmVariant {
   mma_s,      // mma.sync, 16-row tiles, 4 warps, 64 weight rows: small row counts (decode)
   mma_s_wide, // mma.sync, 16-row tiles, 4 warps, 128 weight rows
   mma_s_k128, // mma.sync, 16-row tiles, 4 warps, 64 weight rows, 128-deep k-tiles
+  mma_m32,    // mma.sync, 32-row tiles, 8 warps, 5 stages
   mma_m,      // mma.sync, 64-row tiles, 8 warps
-  mma_l,      // mma.sync, 128-row tiles, 8 warps, 2 CTAs per SM
+  mma_l4,     // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
+  mma_l,      // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
   mma_xl,     // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
 };
 
@@ -81,7 +83,8 @@ struct GemmChoice {
 std::string to_string(GemmVariant variant);
 std::vector<GemmVariant> all_variants();
 // The variant `automatic` resolves to for this problem on the current device.
-GemmVariant choose_variant(DType dtype, bool down, int64_t num_tokens, int top_k, int num_experts,
+// gated: the gate/up projection of silu/situ (two weight matrices); false for relu2's and for down.
+GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                            int64_t intermediate, int64_t latent);
 
 void grouped_gate_up_variant(GemmChoice choice, DType dtype, const latentmoe::detail::ActivationParams& act,

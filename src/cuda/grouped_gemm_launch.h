@@ -18,6 +18,7 @@ struct MmaLaunch {
   int n_tiles_per_cta = 0;   // 0: chosen from the shape and the occupancy
   bool programmatic = false; // launch with programmatic stream serialization (sm_90, down kernel)
   bool trigger = false;      // let the next kernel launch early (sm_90, gate/up kernel)
+  bool prefer_two_tiles = false;  // the down projection: two n-tiles per CTA where the grid stays full
   int sm_count = 0;
 };
 
@@ -26,8 +27,7 @@ void launch_mma_bf16(detail::GemmVariant variant, Mode mode, KernelArgs args, co
 void launch_mma_f16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
                     cudaStream_t stream);
 
-// n-tiles per CTA: enough (n-tile, k-tile) steps to fill the pipeline twice when k is short, but no fewer
-// CTAs than the device holds at once.
+// n-tiles per CTA (1 or 2), from the shape and the expected number of m-tiles.
 int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,
                          int num_experts, int ctas_per_sm);
 void launch_simt(DType dtype, Mode mode, const KernelArgs& args, int64_t max_rows, cudaStream_t stream);

@@ -49,10 +49,17 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
-// Weights: streamed once along k, so ask the L2 to fetch 256 bytes per miss (longer DRAM bursts).
-__device__ __forceinline__ void cp_async_16_stream(uint32_t dst, const void* src, bool valid) {
+// Weights: streamed once, so marked evict-first in L2 (the activation rows that every n-tile CTA of an
+// m-tile re-reads stay cached instead), and fetched 256 bytes per L2 miss (longer DRAM bursts).
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ void cp_async_16_stream(uint32_t dst, const void* src, bool valid, uint64_t policy) {
   const int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(bytes), "l"(policy));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -182,6 +189,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   const int b_k_offset = b_chunk * 8;
   const uint32_t s_a_u32 = smem_u32(s_a);
   const uint32_t s_b_u32 = smem_u32(s_b);
+  const uint64_t weight_policy = evict_first_policy();
 
   auto load_b = [&](int stage, int step) {
     const int nt = step / num_k_tiles;
@@ -195,7 +203,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
       const int col = n0 + (is_up ? row - kBN / 2 : row);
       const bool ok = k_ok && col < n;
       const T* src = (is_up ? b_up : b_gate_or_w) + static_cast<size_t>(col) * k + k0;
-      cp_async_16_stream(s_b_u32 + (stage * kBN * kBK + swizzle<kBK>(row, b_chunk)) * 2, ok ? src : w0, ok);
+      cp_async_16_stream(s_b_u32 + (stage * kBN * kBK + swizzle<kBK>(row, b_chunk)) * 2, ok ? src : w0, ok,
+                         weight_policy);
     }
   };
   // A: only rows of 16-row sub-tiles that hold valid rows (the others are never read).

@@ -15,7 +15,9 @@ namespace latentmoe::cuda::gg {
 using CfgS = MmaConfig<16, 64, 64, 1, 4, 6, 3>;       // 4 warps (60 KB, 3 CTAs/SM)
 using CfgSWide = MmaConfig<16, 128, 64, 1, 4, 4, 3>;  // 4 warps (72 KB, 3 CTAs/SM)
 using CfgSK128 = MmaConfig<16, 64, 128, 1, 4, 5, 2>;  // 4 warps (100 KB, 2 CTAs/SM)
+using CfgM32 = MmaConfig<32, 128, 64, 2, 4, 5, 2>;    // 8 warps (100 KB, 2 CTAs/SM)
 using CfgM = MmaConfig<64, 128, 64, 2, 4, 4, 2>;      // 8 warps (96 KB, 2 CTAs/SM)
+using CfgL4 = MmaConfig<96, 128, 64, 2, 4, 4, 2>;     // 8 warps (112 KB, 2 CTAs/SM)
 using CfgL = MmaConfig<128, 128, 64, 2, 4, 3, 2>;     // 8 warps (96 KB, 2 CTAs/SM)
 using CfgXL = MmaConfig<128, 256, 64, 2, 4, 3, 1>;    // 8 warps (144 KB, 1 CTA/SM)
 
@@ -69,6 +71,8 @@ void launch_variant(detail::GemmVariant variant, const KernelArgs& args, const M
     case V::mma_s: return launch_cfg<T, CfgS, kMode>(args, launch, stream);
     case V::mma_s_wide: return launch_cfg<T, CfgSWide, kMode>(args, launch, stream);
     case V::mma_s_k128: return launch_cfg<T, CfgSK128, kMode>(args, launch, stream);
+    case V::mma_m32: return launch_cfg<T, CfgM32, kMode>(args, launch, stream);
+    case V::mma_l4: return launch_cfg<T, CfgL4, kMode>(args, launch, stream);
     case V::mma_m: return launch_cfg<T, CfgM, kMode>(args, launch, stream);
     case V::mma_l: return launch_cfg<T, CfgL, kMode>(args, launch, stream);
     case V::mma_xl: return launch_cfg<T, CfgXL, kMode>(args, launch, stream);

@@ -416,9 +416,9 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
   int device = 0, major = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  EXPECT_EQ(detail::choose_variant(DType::f32, false, 64, 16, 896, 384, 3584), GemmVariant::simt);
-  EXPECT_EQ(detail::choose_variant(DType::bf16, false, 64, 16, 896, 100, 3584), GemmVariant::simt);
-  if (major >= 8) EXPECT_NE(detail::choose_variant(DType::bf16, false, 64, 16, 896, 384, 3584), GemmVariant::simt);
+  EXPECT_EQ(detail::choose_variant(DType::f32, false, true, 64, 16, 896, 384, 3584), GemmVariant::simt);
+  EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 64, 16, 896, 100, 3584), GemmVariant::simt);
+  if (major >= 8) EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 64, 16, 896, 384, 3584), GemmVariant::simt);
 }
 
 }  // namespace
