@@ -26,10 +26,10 @@ if has bench; then
   echo "bench rc=${PIPESTATUS[0]}"
 fi
 if has peers; then
-  timeout 120 python3 bench/peers/torch_eager_layer.py --json "$out/peer_eager_layer.json" 2>&1 | tee "$out/peer_eager.log"
+  timeout 120 python3 bench/peers/torch_eager_layer.py --json "$out/peer_eager_layer.json" 2>&1
   echo "eager peer rc=${PIPESTATUS[0]}"
-  timeout 100 python3 bench/peers/torch_grouped_mm.py --json "$out/peer_grouped_mm.json" > "$out/peer_grouped_mm.log" 2>&1
-  echo "grouped_mm peer rc=$?"; tail -4 "$out/peer_grouped_mm.log"
+  timeout 100 python3 bench/peers/torch_grouped_mm.py --json "$out/peer_grouped_mm.json" 2>&1 | tail -30
+  echo "grouped_mm peer rc=${PIPESTATUS[0]}"
 fi
 if has sanitize; then
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
