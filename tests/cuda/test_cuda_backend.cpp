@@ -377,25 +377,26 @@ TEST_F(CudaOps, route_block_kernel_breaks_ties_at_the_threshold_by_index) {
   HostTensor logits(DType::f32, {3, 896});
   float* row = logits.data_as<float>();
   for (int64_t i = 0; i < 2 * 896; ++i) row[i] = 0.0f;
-  row[700] = 3.0f;  // token 0: 5 and 700 tie first, then ids 0..4, 6..14
+  row[700] = 3.0f;  // token 0: 5 and 700 tie (sigmoid(3) - 0.5 each)
   row[5] = 3.0f;
-  row[896 + 895] = 1.0f;  // token 1: 895, then 0..14
+  row[896 + 895] = 1.0f;  // token 1: 895 (sigmoid(1) - 0.5)
   for (int64_t i = 0; i < 896; ++i) row[2 * 896 + i] = -std::numeric_limits<float>::infinity();  // scores 0
+  // The bias is shared by all tokens: every id's biased score is sigmoid(logit) - 0.5, except id 3's,
+  // sigmoid(logit) - 0. So id 3 leads every token (0.5 beats sigmoid(3) - 0.5 = 0.4526), and the
+  // hundreds of ids at biased score 0 (tokens 0, 1) or -0.5 (token 2) tie at the k-th key.
   HostTensor bias(DType::f32, {896});
   for (int64_t i = 0; i < 896; ++i) bias.data_as<float>()[i] = -0.5f;
-  bias.data_as<float>()[3] = -0.0f;  // token 2: id 3's biased score 0 beats -0.5; then 0, 1, 2, 4, ...
+  bias.data_as<float>()[3] = -0.0f;
   for (RoutePath path : {RoutePath::block, RoutePath::warp}) {
     SCOPED_TRACE(path == RoutePath::block ? "block kernel" : "warp kernel");
     const RouteResult got = route_with_path(*gpu_, path, params, logits, &bias);
     expect_same_routing(got, route_on(*cpu_, false, params, logits, &bias));
     const int32_t* ids = got.ids.data_as<int32_t>();
-    EXPECT_EQ(ids[0], 5);
-    EXPECT_EQ(ids[1], 700);
-    for (int j = 2; j < 16; ++j) EXPECT_EQ(ids[j], j - 2 + (j - 2 >= 5 ? 1 : 0)) << j;
-    EXPECT_EQ(ids[16], 895);
-    for (int j = 1; j < 16; ++j) EXPECT_EQ(ids[16 + j], j - 1) << j;
-    EXPECT_EQ(ids[32], 3);
-    for (int j = 1; j < 16; ++j) EXPECT_EQ(ids[32 + j], j - 1 + (j - 1 >= 3 ? 1 : 0)) << j;
+    const std::vector<int32_t> expected{
+        3, 5, 700, 0, 1, 2, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14,  // token 0
+        3, 895, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,  // token 1
+        3, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};  // token 2
+    for (int j = 0; j < 48; ++j) EXPECT_EQ(ids[j], expected[j]) << "slot " << j;
   }
 }
 
