@@ -1,7 +1,9 @@
 // latentmoe bench layer (see bench_layer.h). Method (docs/PERFORMANCE.md):
 //   - ceilings measured first, in the same process: device-to-device copy bandwidth (bytes read +
 //     written over time) and the dense bf16 GEMM rate of the backend's own linear() (8192^3);
-//   - weights and inputs are seeded random data made on the GPU (never zeros);
+//   - weights and inputs are seeded random data made on the GPU (never zeros); router logits are
+//     U(-2, 2) with a correction bias of U(-1e-3, 1e-3), so each token's experts are close to
+//     uniformly random (the touched-expert counts are reported);
 //   - before every timed run the L2 is flushed by writing a buffer twice its size, so weights are
 //     read from HBM as they are in a real model whose other layers evict them;
 //   - each phase is timed alone with CUDA events after warm-up; the median of the runs is reported;
@@ -179,7 +181,9 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   auto down_proj = matrix({l, d}, d, 1);
   auto up_proj = matrix({d, l}, l, 2);
   auto gamma = make_tensor(backend, DType::f32, {l}, seed * 1000 + 3, 0.25f, 1.0f, stream);
-  auto bias = make_tensor(backend, DType::f32, {width}, seed * 1000 + 4, 0.1f, 0.0f, stream);
+  // A small correction bias: a bias as wide as the top scores' spread would send every token to the same
+  // experts; this keeps each token's experts close to uniformly random, like the peers' routing.
+  auto bias = make_tensor(backend, DType::f32, {width}, seed * 1000 + 4, 0.001f, 0.0f, stream);
   DeviceTensorOwner expert_gate;
   if (config.is_gated()) expert_gate = matrix({num_experts, inter, l}, l, 5);
   auto expert_up = matrix({num_experts, inter, l}, l, 6);

@@ -44,7 +44,8 @@ class Layer:
         self.w_down = rand(l, d, fan_in=d)
         self.w_up = rand(d, l, fan_in=l)
         self.gamma = torch.ones(l, device=device, dtype=torch.float32)
-        self.bias = torch.zeros(E, device=device, dtype=torch.float32).uniform_(-0.1, 0.1, generator=g)
+        # Small, so each token's experts stay close to uniformly random (as in latentmoe bench layer).
+        self.bias = torch.zeros(E, device=device, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=g)
         self.w_gate = rand(E, I, l, fan_in=l) if gated else None
         self.w_up_e = rand(E, I, l, fan_in=l)
         self.w_down_e = rand(E, l, I, fan_in=I)
