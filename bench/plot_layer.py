@@ -5,8 +5,8 @@
     python3 bench/plot_layer.py LAYER.json [--peer PEER.json ...] --out plot.png
 
 LAYER.json is written by `latentmoe bench layer --json`; a peer JSON has rows with preset,
-tp_shard, tokens and total_time_us (bench/peers/torch_eager_layer.py) or experts_time_us
-(bench/peers/torch_grouped_mm.py).
+tp_shard, tokens and total_time_us (bench/peers/torch_eager_layer.py) or experts.time_us and
+chain.time_us (bench/peers/torch_grouped_mm.py).
 """
 import argparse
 import json
@@ -38,8 +38,13 @@ def main():
         for peer in peers:
             peer_rows = sorted((r for r in peer["rows"] if r["preset"] == preset and r["tp_shard"] == tp_shard),
                                key=lambda r: r["tokens"])
-            for key, label in (("total_time_us", "torch eager layer"), ("experts_time_us", "torch._grouped_mm")):
-                points = [(r["tokens"], r[key]) for r in peer_rows if key in r]
+            series = (
+                ("torch eager layer", lambda r: r.get("total_time_us")),
+                ("torch._grouped_mm experts", lambda r: (r.get("experts") or {}).get("time_us")),
+                ("torch gather+grouped_mm+act chain", lambda r: (r.get("chain") or {}).get("time_us")),
+            )
+            for label, value in series:
+                points = [(r["tokens"], value(r)) for r in peer_rows if value(r) is not None]
                 if points:
                     top.plot(*zip(*points), "x:", label=label)
         top.set(xscale="log", yscale="log", title=f"{preset}, tp-shard {tp_shard}", xlabel="tokens",
