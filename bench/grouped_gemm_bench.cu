@@ -39,13 +39,13 @@ using latentmoe::cuda::detail::GemmVariant;
 
 constexpr int kNumLayouts = 16;
 
-#define CK(expr)                                                                                      \
-  do {                                                                                                \
-    cudaError_t err_ = (expr);                                                                        \
-    if (err_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(err_));  \
-      std::exit(1);                                                                                   \
-    }                                                                                                 \
+#define CK(expr)                                                                                    \
+  do {                                                                                              \
+    cudaError_t err_ = (expr);                                                                      \
+    if (err_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(err_)); \
+      std::exit(1);                                                                                 \
+    }                                                                                               \
   } while (0)
 
 struct Preset {
@@ -146,9 +146,9 @@ double measure_gemm_rate() {
   std::vector<float> times;
   for (int i = 0; i < 13; ++i) {
     CK(cudaEventRecord(start));
-    const cublasStatus_t st = cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b,
-                                           CUDA_R_16BF, n, &beta, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                                           CUBLAS_GEMM_DEFAULT);
+    const cublasStatus_t st =
+        cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c,
+                     CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (st != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasGemmEx failed");
     CK(cudaEventRecord(stop));
     CK(cudaEventSynchronize(stop));
@@ -167,7 +167,7 @@ struct LayoutSet {
   int32_t* offsets = nullptr;  // [kNumLayouts][E + 1]
   int32_t* sorted = nullptr;   // [kNumLayouts][T * k]
   int32_t* pair_rows = nullptr;
-  double mean_touched = 0;     // distinct experts per layout
+  double mean_touched = 0;  // distinct experts per layout
 };
 
 LayoutSet make_layouts(int64_t tokens, int num_experts, int top_k, uint64_t seed) {
@@ -309,7 +309,8 @@ std::string json_row(const Row& r) {
   // Phases not timed are NaN: JSON null.
   std::string s = buf;
   for (const char* token : {"-nan", "nan"}) {
-    for (size_t at = s.find(token); at != std::string::npos; at = s.find(token, at)) s.replace(at, std::strlen(token), "null");
+    for (size_t at = s.find(token); at != std::string::npos; at = s.find(token, at))
+      s.replace(at, std::strlen(token), "null");
   }
   return s;
 }
@@ -347,13 +348,20 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--presets") presets_arg = next();
-    else if (a == "--tp-shards") tp_arg = next();
-    else if (a == "--tokens") tokens_arg = next();
-    else if (a == "--variants") variants_arg = next();
-    else if (a == "--json") json_path = next();
-    else if (a == "--commit") commit = next();
-    else if (a == "--phases") phases_arg = next();
+    if (a == "--presets")
+      presets_arg = next();
+    else if (a == "--tp-shards")
+      tp_arg = next();
+    else if (a == "--tokens")
+      tokens_arg = next();
+    else if (a == "--variants")
+      variants_arg = next();
+    else if (a == "--json")
+      json_path = next();
+    else if (a == "--commit")
+      commit = next();
+    else if (a == "--phases")
+      phases_arg = next();
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
@@ -459,14 +467,15 @@ int main(int argc, char** argv) {
         r.down_flop_floor_ms = r.down_flops / gemm_rate * 1e3;
         r.gu_floor_ms = std::max(r.gu_byte_floor_ms, r.gu_flop_floor_ms);
         r.down_floor_ms = std::max(r.down_byte_floor_ms, r.down_flop_floor_ms);
-        r.experts_floor_ms = std::max((r.gu_bytes + r.down_bytes) / copy_bw, (r.gu_flops + r.down_flops) / gemm_rate) * 1e3;
+        r.experts_floor_ms =
+            std::max((r.gu_bytes + r.down_bytes) / copy_bw, (r.gu_flops + r.down_flops) / gemm_rate) * 1e3;
 
         for (const GemmChoice& v : variants) {
           const auto resolve = [&](bool is_down) {
             const GemmVariant resolved =
                 v.variant == GemmVariant::automatic
-                    ? latentmoe::cuda::detail::choose_variant(DType::bf16, is_down, gated && !is_down, tokens,
-                                                              p.top_k, p.num_experts, ir, l)
+                    ? latentmoe::cuda::detail::choose_variant(DType::bf16, is_down, gated && !is_down, tokens, p.top_k,
+                                                              p.num_experts, ir, l)
                     : v.variant;
             std::string name = latentmoe::cuda::detail::to_string(resolved);
             if (v.n_tiles_per_cta > 0) name += ":ng" + std::to_string(v.n_tiles_per_cta);

@@ -1,11 +1,10 @@
 // The grouped expert GEMMs' entry points: argument checks, the choice of engine and tile variant,
 // and the launch. No host synchronisation and no allocation: safe inside CUDA-graph capture.
-#include "cuda/grouped_gemm.h"
-
 #include <algorithm>
 #include <array>
 #include <atomic>
 
+#include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_launch.h"
 #include "latentmoe/error.h"
 
@@ -69,7 +68,7 @@ int sm_count() {
 }
 
 int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,
-                         int num_experts, int ctas_per_sm) {
+                         int num_experts) {
   // Expected m-tiles: touched experts (at most T*k) times the m-tiles of an average expert.
   const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, launch.max_rows));
   const int64_t mean_rows = (launch.max_rows + touched - 1) / touched;
@@ -88,24 +87,34 @@ namespace detail {
 
 std::string to_string(GemmVariant variant) {
   switch (variant) {
-    case GemmVariant::automatic: return "automatic";
-    case GemmVariant::simt: return "simt";
-    case GemmVariant::mma_s: return "mma_s";
-    case GemmVariant::mma_s_wide: return "mma_s_wide";
-    case GemmVariant::mma_s_k128: return "mma_s_k128";
-    case GemmVariant::mma_m32: return "mma_m32";
-    case GemmVariant::mma_m: return "mma_m";
-    case GemmVariant::mma_l4: return "mma_l4";
-    case GemmVariant::mma_l: return "mma_l";
-    case GemmVariant::mma_xl: return "mma_xl";
+    case GemmVariant::automatic:
+      return "automatic";
+    case GemmVariant::simt:
+      return "simt";
+    case GemmVariant::mma_s:
+      return "mma_s";
+    case GemmVariant::mma_s_wide:
+      return "mma_s_wide";
+    case GemmVariant::mma_s_k128:
+      return "mma_s_k128";
+    case GemmVariant::mma_m32:
+      return "mma_m32";
+    case GemmVariant::mma_m:
+      return "mma_m";
+    case GemmVariant::mma_l4:
+      return "mma_l4";
+    case GemmVariant::mma_l:
+      return "mma_l";
+    case GemmVariant::mma_xl:
+      return "mma_xl";
   }
   return "unknown";
 }
 
 std::vector<GemmVariant> all_variants() {
-  return {GemmVariant::simt, GemmVariant::mma_s, GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
-          GemmVariant::mma_m32, GemmVariant::mma_m, GemmVariant::mma_l4, GemmVariant::mma_l,
-          GemmVariant::mma_xl};
+  return {GemmVariant::simt,       GemmVariant::mma_s,   GemmVariant::mma_s_wide,
+          GemmVariant::mma_s_k128, GemmVariant::mma_m32, GemmVariant::mma_m,
+          GemmVariant::mma_l4,     GemmVariant::mma_l,   GemmVariant::mma_xl};
 }
 
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
@@ -141,13 +150,13 @@ void check_common(DType dtype, const MoeLayout& layout, const ExpertGemmWeights&
                   layout.num_experts, " experts but the weights have ", w.num_experts);
   LATENTMOE_CHECK(layout.top_k > 0 && layout.num_tokens >= 0, what, ": bad layout (top_k ", layout.top_k,
                   ", num_tokens ", layout.num_tokens, ")");
-  LATENTMOE_CHECK(w.intermediate > 0 && w.latent > 0 && w.intermediate < (int64_t{1} << 30) &&
-                      w.latent < (int64_t{1} << 30),
-                  what, ": bad expert shape (intermediate ", w.intermediate, ", latent ", w.latent, ")");
-  LATENTMOE_CHECK(layout.num_tokens * layout.top_k < (int64_t{1} << 31), what, ": too many rows (",
-                  layout.num_tokens, " tokens x top_k ", layout.top_k, ")");
-  LATENTMOE_CHECK(layout.num_tokens == 0 || (layout.expert_offsets != nullptr && layout.sorted_pairs != nullptr),
-                  what, ": the layout's device arrays are missing");
+  LATENTMOE_CHECK(
+      w.intermediate > 0 && w.latent > 0 && w.intermediate < (int64_t{1} << 30) && w.latent < (int64_t{1} << 30), what,
+      ": bad expert shape (intermediate ", w.intermediate, ", latent ", w.latent, ")");
+  LATENTMOE_CHECK(layout.num_tokens * layout.top_k < (int64_t{1} << 31), what, ": too many rows (", layout.num_tokens,
+                  " tokens x top_k ", layout.top_k, ")");
+  LATENTMOE_CHECK(layout.num_tokens == 0 || (layout.expert_offsets != nullptr && layout.sorted_pairs != nullptr), what,
+                  ": the layout's device arrays are missing");
 }
 
 void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& args, int64_t num_tokens,
@@ -238,8 +247,8 @@ void grouped_gate_up(DType dtype, const latentmoe::detail::ActivationParams& act
   detail::grouped_gate_up_variant(detail::GemmVariant::automatic, dtype, act, z, layout, w, act_rows, stream);
 }
 
-void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, const ExpertGemmWeights& w,
-                  void* y_rows, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, const ExpertGemmWeights& w, void* y_rows,
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   detail::grouped_down_variant(detail::GemmVariant::automatic, dtype, act_rows, layout, w, y_rows, stream);
 }
 

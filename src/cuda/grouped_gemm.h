@@ -49,8 +49,8 @@ void grouped_gate_up(DType dtype, const latentmoe::detail::ActivationParams& act
 // launched as a programmatic dependent of the kernel before it: it reads expert_offsets and streams
 // its weights while that kernel finishes, and waits for it before reading act_rows or writing y_rows.
 // So nothing enqueued between the two calls may write the layout or the weights.
-void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, const ExpertGemmWeights& w,
-                  void* y_rows, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, const ExpertGemmWeights& w, void* y_rows,
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Workspace both functions need for up to max_tokens tokens. The current kernels find their tiles
 // without one and return 0; callers still pass (workspace, bytes) so that a later engine may use it.
@@ -60,19 +60,19 @@ size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_exper
 namespace detail {
 
 enum class GemmVariant {
-  automatic,  // the table in grouped_gemm.cu
-  simt,       // fp32 SIMT (every dtype; the only engine for f32)
-  mma_s,      // mma.sync, 16-row tiles, 4 warps, 64 weight rows: small row counts (decode)
-  mma_s_wide, // mma.sync, 16-row tiles, 4 warps, 128 weight rows
-  mma_s_k128, // mma.sync, 16-row tiles, 4 warps, 64 weight rows, 128-deep k-tiles
-  mma_m32,    // mma.sync, 32-row tiles, 8 warps, 5 stages
-  mma_m,      // mma.sync, 64-row tiles, 8 warps
-  mma_l4,     // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
-  mma_l,      // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
-  mma_xl,     // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
+  automatic,   // the table in grouped_gemm.cu
+  simt,        // fp32 SIMT (every dtype; the only engine for f32)
+  mma_s,       // mma.sync, 16-row tiles, 4 warps, 64 weight rows: small row counts (decode)
+  mma_s_wide,  // mma.sync, 16-row tiles, 4 warps, 128 weight rows
+  mma_s_k128,  // mma.sync, 16-row tiles, 4 warps, 64 weight rows, 128-deep k-tiles
+  mma_m32,     // mma.sync, 32-row tiles, 8 warps, 5 stages
+  mma_m,       // mma.sync, 64-row tiles, 8 warps
+  mma_l4,      // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
+  mma_l,       // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
+  mma_xl,      // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
 };
 
-// A variant and how many n-tiles one CTA computes (0: chosen from the shape and the occupancy).
+// A variant and how many n-tiles one CTA computes (0: chosen from the shape).
 struct GemmChoice {
   GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0)
       : variant(v), n_tiles_per_cta(tiles_per_cta) {}

@@ -25,8 +25,8 @@ struct KernelArgs {
   const int32_t* sorted_pairs = nullptr;  // nullptr: A row = grouped row (down)
   int top_k = 1;
   int num_experts = 0;
-  int n = 0;  // output columns (I_r for gate/up, l for down)
-  int k = 0;  // reduction length (l for gate/up, I_r for down)
+  int n = 0;          // output columns (I_r for gate/up, l for down)
+  int k = 0;          // reduction length (l for gate/up, I_r for down)
   bool situ = false;  // gated: situ instead of silu
   float situ_beta = 4.0f;
   float situ_linear_beta = 25.0f;
@@ -50,8 +50,8 @@ struct TileInfo {
 // All loads of one round are issued before any is used, so the cost is about one L2 round trip plus a
 // block scan.
 template <int kThreads>
-__device__ __forceinline__ bool find_tile(const int32_t* __restrict__ offsets, int num_experts, int block_m,
-                                          int entry, TileInfo* s_tile, int* s_scan) {
+__device__ __forceinline__ bool find_tile(const int32_t* __restrict__ offsets, int num_experts, int block_m, int entry,
+                                          TileInfo* s_tile, int* s_scan) {
   constexpr int kWarps = kThreads / 32;
   constexpr int kPerThread = 8;
   const int tid = threadIdx.x;
@@ -106,7 +106,7 @@ __device__ __forceinline__ bool find_tile(const int32_t* __restrict__ offsets, i
       }
     }
     base += total;
-    __syncthreads();  // s_scan is reused by the next round; s_tile is visible after this
+    __syncthreads();          // s_scan is reused by the next round; s_tile is visible after this
     if (entry < base) break;  // uniform: every thread has the same base
   }
   return s_tile->expert >= 0;

@@ -12,12 +12,12 @@
 namespace latentmoe::cuda::gg {
 
 struct MmaLaunch {
-  int64_t max_rows = 0;      // host-known bound on grouped rows (T * top_k): the grid covers every tile
-                             // that many rows can make, and CTAs without a tile exit
-  int64_t num_tokens = 0;    // T (an expert has at most T rows when top-k ids are distinct)
-  int n_tiles_per_cta = 0;   // 0: chosen from the shape and the occupancy
-  bool programmatic = false; // launch with programmatic stream serialization (sm_90, down kernel)
-  bool trigger = false;      // let the next kernel launch early (sm_90, gate/up kernel)
+  int64_t max_rows = 0;           // host-known bound on grouped rows (T * top_k): the grid covers every tile
+                                  // that many rows can make, and CTAs without a tile exit
+  int64_t num_tokens = 0;         // T (an expert has at most T rows when top-k ids are distinct)
+  int n_tiles_per_cta = 0;        // 0: chosen from the shape (choose_tiles_per_cta)
+  bool programmatic = false;      // launch with programmatic stream serialization (sm_90, down kernel)
+  bool trigger = false;           // let the next kernel launch early (sm_90, gate/up kernel)
   bool prefer_two_tiles = false;  // the down projection: two n-tiles per CTA where the grid stays full
   int sm_count = 0;
 };
@@ -29,7 +29,7 @@ void launch_mma_f16(detail::GemmVariant variant, Mode mode, KernelArgs args, con
 
 // n-tiles per CTA (1 or 2), from the shape and the expected number of m-tiles.
 int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,
-                         int num_experts, int ctas_per_sm);
+                         int num_experts);
 void launch_simt(DType dtype, Mode mode, const KernelArgs& args, int64_t max_rows, cudaStream_t stream);
 
 // Throws latentmoe::Error naming `what` if the last launch failed.

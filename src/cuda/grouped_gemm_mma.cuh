@@ -275,52 +275,53 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   for (int j = 0; j < kNt; j += 2) b_lane_row[j / 2] = (b_tile_row(j + (lane >> 4)) + (lane & 7)) * kBK * 2;
 
   for (int nt = 0; nt < nt_count; ++nt) {
-  for (int kt = 0; kt < num_k_tiles; ++kt) {
-    const int step = nt * num_k_tiles + kt;
-    // Step `step` is complete when at most kStages - 2 later groups are pending; the first waits for
-    // the whole prologue (its A group was committed last).
-    if (step == 0) {
-      cp_async_wait<0>();
-    } else {
-      cp_async_wait<kStages - 2>();
-    }
-    __syncthreads();
-    {
-      const int next = step + kStages - 1;
-      if (next < num_steps) {
-        load_b(next % kStages, next);
-        load_a(next % kStages, next);
+    for (int kt = 0; kt < num_k_tiles; ++kt) {
+      const int step = nt * num_k_tiles + kt;
+      // Step `step` is complete when at most kStages - 2 later groups are pending; the first waits for
+      // the whole prologue (its A group was committed last).
+      if (step == 0) {
+        cp_async_wait<0>();
+      } else {
+        cp_async_wait<kStages - 2>();
       }
-      cp_async_commit();
-    }
-    if (mt_valid > 0) {
-      const int stage = step % kStages;
-      const uint32_t a_stage = s_a_u32 + stage * kBM * kBK * 2 + a_lane_row;
-      const uint32_t b_stage = s_b_u32 + stage * kBN * kBK * 2;
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        // Every row a lane addresses is congruent to lane mod 8, so the swizzled chunk depends on kk and
-        // the lane only: one XOR per operand and k-step.
-        const uint32_t a_col = static_cast<uint32_t>(((kk * 2) | (lane >> 4)) ^ (lane & 7)) << 4;
-        const uint32_t b_col = static_cast<uint32_t>(((kk * 2) | ((lane >> 3) & 1)) ^ (lane & 7)) << 4;
-        uint32_t bfrag[kNt][2];
-#pragma unroll
-        for (int j = 0; j < kNt; j += 2) {
-          // Two 8-column tiles: matrices (j, k0-7), (j, k8-15), (j+1, k0-7), (j+1, k8-15).
-          ldmatrix_x4(b_stage + b_lane_row[j / 2] + b_col, bfrag[j][0], bfrag[j][1], bfrag[j + 1][0], bfrag[j + 1][1]);
+      __syncthreads();
+      {
+        const int next = step + kStages - 1;
+        if (next < num_steps) {
+          load_b(next % kStages, next);
+          load_a(next % kStages, next);
         }
+        cp_async_commit();
+      }
+      if (mt_valid > 0) {
+        const int stage = step % kStages;
+        const uint32_t a_stage = s_a_u32 + stage * kBM * kBK * 2 + a_lane_row;
+        const uint32_t b_stage = s_b_u32 + stage * kBN * kBK * 2;
 #pragma unroll
-        for (int i = 0; i < kMt; ++i) {
-          if (i < mt_valid) {
-            uint32_t afrag[4];
-            ldmatrix_x4(a_stage + i * 16 * kBK * 2 + a_col, afrag[0], afrag[1], afrag[2], afrag[3]);
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          // Every row a lane addresses is congruent to lane mod 8, so the swizzled chunk depends on kk and
+          // the lane only: one XOR per operand and k-step.
+          const uint32_t a_col = static_cast<uint32_t>(((kk * 2) | (lane >> 4)) ^ (lane & 7)) << 4;
+          const uint32_t b_col = static_cast<uint32_t>(((kk * 2) | ((lane >> 3) & 1)) ^ (lane & 7)) << 4;
+          uint32_t bfrag[kNt][2];
 #pragma unroll
-            for (int j = 0; j < kNt; ++j) mma_16816<T>(acc[i][j], afrag, bfrag[j][0], bfrag[j][1]);
+          for (int j = 0; j < kNt; j += 2) {
+            // Two 8-column tiles: matrices (j, k0-7), (j, k8-15), (j+1, k0-7), (j+1, k8-15).
+            ldmatrix_x4(b_stage + b_lane_row[j / 2] + b_col, bfrag[j][0], bfrag[j][1], bfrag[j + 1][0],
+                        bfrag[j + 1][1]);
+          }
+#pragma unroll
+          for (int i = 0; i < kMt; ++i) {
+            if (i < mt_valid) {
+              uint32_t afrag[4];
+              ldmatrix_x4(a_stage + i * 16 * kBK * 2 + a_col, afrag[0], afrag[1], afrag[2], afrag[3]);
+#pragma unroll
+              for (int j = 0; j < kNt; ++j) mma_16816<T>(acc[i][j], afrag, bfrag[j][0], bfrag[j][1]);
+            }
           }
         }
       }
     }
-  }
     // After the last k-tile of n-tile nt: accumulator (i, j, q) is row warp_row0 + 16i + lane/4 (+8 for q >= 2),
     // column 8j + 2(lane%4) (+1 for odd q) of the warp's tile. Stored while the next n-tile's copies fly.
     const int out_col_warp = (nt_first + nt) * kOutPerTile + warp_n * (kGated ? kWarpN / 2 : kWarpN);

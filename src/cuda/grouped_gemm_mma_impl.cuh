@@ -24,24 +24,14 @@ using CfgXL = MmaConfig<128, 256, 64, 2, 4, 3, 1>;    // 8 warps (144 KB, 1 CTA/
 template <class T, class Cfg, Mode kMode>
 void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
   static std::atomic<uint64_t> done_mask{0};
-  static std::atomic<int> ctas_per_sm{0};
   auto kernel = grouped_mma_kernel<T, Cfg, kMode>;
   ensure_smem_limit(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, &done_mask);
-  if (ctas_per_sm.load(std::memory_order_relaxed) == 0) {
-    int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads, Cfg::kSmemBytes) != cudaSuccess) {
-      blocks = 1;
-    }
-    ctas_per_sm.store(std::max(blocks, 1), std::memory_order_relaxed);
-  }
   const int out_per_tile = kMode == Mode::gated ? Cfg::kBlockN / 2 : Cfg::kBlockN;
   args.n_tiles = (args.n + out_per_tile - 1) / out_per_tile;
   const int num_k_tiles = (args.k + Cfg::kBlockK - 1) / Cfg::kBlockK;
-  args.n_tiles_per_cta =
-      launch.n_tiles_per_cta > 0
-          ? std::min(launch.n_tiles_per_cta, args.n_tiles)
-          : choose_tiles_per_cta(args.n_tiles, num_k_tiles, Cfg::kStages, Cfg::kBlockM, launch, args.num_experts,
-                                 ctas_per_sm.load(std::memory_order_relaxed));
+  args.n_tiles_per_cta = launch.n_tiles_per_cta > 0 ? std::min(launch.n_tiles_per_cta, args.n_tiles)
+                                                    : choose_tiles_per_cta(args.n_tiles, num_k_tiles, Cfg::kStages,
+                                                                           Cfg::kBlockM, launch, args.num_experts);
   args.n_groups = (args.n_tiles + args.n_tiles_per_cta - 1) / args.n_tiles_per_cta;
   args.trigger_dependents = launch.trigger;
   const int64_t entries = tile_entries_bound(launch.max_rows, args.num_experts, Cfg::kBlockM);
@@ -64,30 +54,42 @@ void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
 }
 
 template <class T, Mode kMode>
-void launch_variant(detail::GemmVariant variant, const KernelArgs& args, const MmaLaunch& launch,
-                    cudaStream_t stream) {
+void launch_variant(detail::GemmVariant variant, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
   using V = detail::GemmVariant;
   switch (variant) {
-    case V::mma_s: return launch_cfg<T, CfgS, kMode>(args, launch, stream);
-    case V::mma_s_wide: return launch_cfg<T, CfgSWide, kMode>(args, launch, stream);
-    case V::mma_s_k128: return launch_cfg<T, CfgSK128, kMode>(args, launch, stream);
-    case V::mma_m32: return launch_cfg<T, CfgM32, kMode>(args, launch, stream);
-    case V::mma_l4: return launch_cfg<T, CfgL4, kMode>(args, launch, stream);
-    case V::mma_m: return launch_cfg<T, CfgM, kMode>(args, launch, stream);
-    case V::mma_l: return launch_cfg<T, CfgL, kMode>(args, launch, stream);
-    case V::mma_xl: return launch_cfg<T, CfgXL, kMode>(args, launch, stream);
-    default: break;
+    case V::mma_s:
+      return launch_cfg<T, CfgS, kMode>(args, launch, stream);
+    case V::mma_s_wide:
+      return launch_cfg<T, CfgSWide, kMode>(args, launch, stream);
+    case V::mma_s_k128:
+      return launch_cfg<T, CfgSK128, kMode>(args, launch, stream);
+    case V::mma_m32:
+      return launch_cfg<T, CfgM32, kMode>(args, launch, stream);
+    case V::mma_l4:
+      return launch_cfg<T, CfgL4, kMode>(args, launch, stream);
+    case V::mma_m:
+      return launch_cfg<T, CfgM, kMode>(args, launch, stream);
+    case V::mma_l:
+      return launch_cfg<T, CfgL, kMode>(args, launch, stream);
+    case V::mma_xl:
+      return launch_cfg<T, CfgXL, kMode>(args, launch, stream);
+    default:
+      break;
   }
-  ::latentmoe::detail::throw_error("grouped GEMM: variant ", detail::to_string(variant), " is not a tensor-core variant");
+  ::latentmoe::detail::throw_error("grouped GEMM: variant ", detail::to_string(variant),
+                                   " is not a tensor-core variant");
 }
 
 template <class T>
 void launch_mma(detail::GemmVariant variant, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
                 cudaStream_t stream) {
   switch (mode) {
-    case Mode::gated: return launch_variant<T, Mode::gated>(variant, args, launch, stream);
-    case Mode::relu2: return launch_variant<T, Mode::relu2>(variant, args, launch, stream);
-    case Mode::plain: return launch_variant<T, Mode::plain>(variant, args, launch, stream);
+    case Mode::gated:
+      return launch_variant<T, Mode::gated>(variant, args, launch, stream);
+    case Mode::relu2:
+      return launch_variant<T, Mode::relu2>(variant, args, launch, stream);
+    case Mode::plain:
+      return launch_variant<T, Mode::plain>(variant, args, launch, stream);
   }
 }
 

@@ -17,9 +17,12 @@ void launch_simt_typed(const KernelArgs& args, int64_t max_rows, cudaStream_t st
 template <class T>
 void launch_simt_mode(Mode mode, const KernelArgs& args, int64_t max_rows, cudaStream_t stream) {
   switch (mode) {
-    case Mode::gated: return launch_simt_typed<T, Mode::gated>(args, max_rows, stream);
-    case Mode::relu2: return launch_simt_typed<T, Mode::relu2>(args, max_rows, stream);
-    case Mode::plain: return launch_simt_typed<T, Mode::plain>(args, max_rows, stream);
+    case Mode::gated:
+      return launch_simt_typed<T, Mode::gated>(args, max_rows, stream);
+    case Mode::relu2:
+      return launch_simt_typed<T, Mode::relu2>(args, max_rows, stream);
+    case Mode::plain:
+      return launch_simt_typed<T, Mode::plain>(args, max_rows, stream);
   }
 }
 
@@ -27,12 +30,17 @@ void launch_simt_mode(Mode mode, const KernelArgs& args, int64_t max_rows, cudaS
 
 void launch_simt(DType dtype, Mode mode, const KernelArgs& args, int64_t max_rows, cudaStream_t stream) {
   switch (dtype) {
-    case DType::f32: return launch_simt_mode<float>(mode, args, max_rows, stream);
-    case DType::bf16: return launch_simt_mode<__nv_bfloat16>(mode, args, max_rows, stream);
-    case DType::f16: return launch_simt_mode<__half>(mode, args, max_rows, stream);
-    default: break;
+    case DType::f32:
+      return launch_simt_mode<float>(mode, args, max_rows, stream);
+    case DType::bf16:
+      return launch_simt_mode<__nv_bfloat16>(mode, args, max_rows, stream);
+    case DType::f16:
+      return launch_simt_mode<__half>(mode, args, max_rows, stream);
+    default:
+      break;
   }
-  ::latentmoe::detail::throw_error("grouped GEMM: dtype ", dtype_name(dtype), " is not a compute dtype (f32, bf16, f16)");
+  ::latentmoe::detail::throw_error("grouped GEMM: dtype ", dtype_name(dtype),
+                                   " is not a compute dtype (f32, bf16, f16)");
 }
 
 }  // namespace latentmoe::cuda::gg

@@ -315,8 +315,8 @@ TEST_P(GroupedGemmCase, every_variant_matches_fp64_reference) {
     if (v != GemmVariant::simt) choices.emplace_back(v, 3);
   }
   for (const GemmChoice& choice : choices) {
-    const std::string what = c.name + " / " + detail::to_string(choice.variant) + " x" +
-                             std::to_string(choice.n_tiles_per_cta);
+    const std::string what =
+        c.name + " / " + detail::to_string(choice.variant) + " x" + std::to_string(choice.n_tiles_per_cta);
     problem.poison();
     problem.run(choice, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
@@ -418,7 +418,8 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   EXPECT_EQ(detail::choose_variant(DType::f32, false, true, 64, 16, 896, 384, 3584), GemmVariant::simt);
   EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 64, 16, 896, 100, 3584), GemmVariant::simt);
-  if (major >= 8) EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 64, 16, 896, 384, 3584), GemmVariant::simt);
+  if (major >= 8)
+    EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 64, 16, 896, 384, 3584), GemmVariant::simt);
 }
 
 }  // namespace
