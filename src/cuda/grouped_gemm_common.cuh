@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "cuda/convert.cuh"
+
 namespace latentmoe::cuda::gg {
 
 // What the kernel computes from its accumulators.
@@ -143,36 +145,6 @@ __device__ __forceinline__ float gated_act(float g, float u, const KernelArgs& a
 __device__ __forceinline__ float relu2_act(float u) {
   const float r = fmaxf(u, 0.0f);
   return r * r;
-}
-
-template <class T>
-__device__ __forceinline__ float to_f32(T v);
-template <>
-__device__ __forceinline__ float to_f32<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_f32<__half>(__half v) {
-  return __half2float(v);
-}
-
-template <class T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) {
-  return __float2half_rn(v);
 }
 
 }  // namespace latentmoe::cuda::gg

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kSimtThreads) grouped_simt_kernel(const Kernel
       const int row = e / kSimtBlockK;
       const int kk = e % kSimtBlockK;
       const int src = s_row_src[row];
-      s_a[kk][row] = (src >= 0 && k0 + kk < k) ? to_f32<T>(a[static_cast<size_t>(src) * k + k0 + kk]) : 0.0f;
+      s_a[kk][row] = (src >= 0 && k0 + kk < k) ? to_float<T>(a[static_cast<size_t>(src) * k + k0 + kk]) : 0.0f;
     }
 #pragma unroll
     for (int m = 0; m < kMats; ++m) {
@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kSimtThreads) grouped_simt_kernel(const Kernel
         const int col = e / kSimtBlockK;
         const int kk = e % kSimtBlockK;
         const bool ok = n0 + col < n && k0 + kk < k;
-        s_b[m][kk][col] = ok ? to_f32<T>(w[m][static_cast<size_t>(n0 + col) * k + k0 + kk]) : 0.0f;
+        s_b[m][kk][col] = ok ? to_float<T>(w[m][static_cast<size_t>(n0 + col) * k + k0 + kk]) : 0.0f;
       }
     }
     __syncthreads();
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kSimtThreads) grouped_simt_kernel(const Kernel
       } else {
         v = acc[0][i][j];
       }
-      out[static_cast<size_t>(row_begin + row) * n + col] = from_f32<T>(v);
+      out[static_cast<size_t>(row_begin + row) * n + col] = from_float<T>(v);
     }
   }
 }
