@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Builds the GPU binaries on the workstation (sm_90a + sm_80 + PTX) and copies them, stripped, to
-# .device/bin (git-ignored), the folder a GPU-machine call carries.
+# Builds the GPU binaries on the workstation and copies them, stripped, to .device/bin (git-ignored),
+# the folder a GPU-machine call carries. Only sm_90a code (the H200), so that the two binaries fit the
+# 64 MiB a call may carry; the normal build adds sm_80 and PTX.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=/usr/local/cuda/bin:$PATH
-cmake -S . -B build-gpu -DLATENTMOE_CUDA=ON -DCMAKE_BUILD_TYPE=Release > /dev/null
+cmake -S . -B build-gpu -DLATENTMOE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+  "-DLATENTMOE_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a" > /dev/null
 cmake --build build-gpu -j"$(nproc)" --target latentmoe_cli latentmoe_cuda_tests
 mkdir -p .device/bin
 cp build-gpu/latentmoe build-gpu/tests/latentmoe_cuda_tests .device/bin/
