@@ -6,7 +6,6 @@
 #include "cuda/blas.h"
 #include "cuda/cuda_check.h"
 #include "cuda/elementwise.cuh"
-#include "cuda/small_gemm.cuh"
 
 namespace latentmoe::cuda {
 namespace {
@@ -204,11 +203,6 @@ void Blas::gemm(const GemmProblem& problem, void* workspace, size_t workspace_by
       LATENTMOE_CUDA_CHECK(cudaMemset2DAsync(problem.y, problem.ldy * element, 0, problem.cols * element,
                                              problem.rows, stream));
     }
-    return;
-  }
-  // Up to kSmallGemmMaxTokens tokens of one 16-bit dtype: the bandwidth-bound GEMV (small_gemm.cu).
-  if (small_gemm_supports(problem)) {
-    launch_small_gemm(problem, stream);
     return;
   }
   if (uses_cublaslt(problem)) {

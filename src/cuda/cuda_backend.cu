@@ -14,7 +14,6 @@
 #include "cuda/grouped_gemm.h"
 #include "cuda/norm.cuh"
 #include "cuda/routing.cuh"
-#include "cuda/small_gemm.cuh"
 
 namespace latentmoe::cuda {
 
@@ -464,13 +463,6 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
                         false};
     s.blas->gemm(problem, blas_buffer, kBlasWorkspaceBytes, s.current);
   };
-  if (small_gate_up_supports(activation, input, gate, up, gate_rows)) {
-    // A few tokens: gate and up in one GEMV launch that writes the activated intermediate; the down
-    // projection below takes the GEMV path of Blas::gemm too when its dtypes allow.
-    launch_small_gate_up(activation, input, gate, up, gate_rows, s.current);
-    project(gate_rows, down, output);
-    return;
-  }
   project(input, up, up_rows);
   if (gated) project(input, gate, gate_rows);
   const RowMatrix& activated = gated ? gate_rows : up_rows;
