@@ -33,7 +33,7 @@ if has peers; then
 fi
 if has sanitize; then
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
-    --gtest_filter='*route_block*:*layout_paths*:*combine_is_exact*:*Graph*:*Runner*:*bf16_situ_t17*:SmallGemm.dense_mlp*:SmallGemm.linear_accumulates*' > "$out/memcheck.log" 2>&1
+    --gtest_filter='*route_block*:*layout_paths*:*combine_is_exact*:*Graph*:*Runner*:*bf16_situ_t17*' > "$out/memcheck.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|tests ran|FAILED" "$out/memcheck.log" | head -5
   timeout 80 compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
     --gtest_filter='*route_block_and_warp*:*layout_handles*:*bf16_situ_t17*' > "$out/racecheck.log" 2>&1
