@@ -15,6 +15,7 @@
 #include "latentmoe/safetensors.h"
 #include "latentmoe/weights.h"
 #include "layer_test_util.h"
+#include "scratch_dir.h"
 
 namespace latentmoe {
 namespace {
@@ -35,16 +36,6 @@ std::string read_file(const fs::path& path) {
 
 class CliTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir = fs::path(LATENTMOE_TEST_TMPDIR) / "cli" / (std::string(info->test_suite_name()) + "." + info->name());
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir);
-  }
-
   CommandResult latentmoe(const std::string& arguments) {
     const fs::path out_path = dir / "stdout.txt", err_path = dir / "stderr.txt";
     const std::string command =
@@ -90,7 +81,8 @@ class CliTest : public ::testing::Test {
     }
   }
 
-  fs::path dir;
+  testing::ScratchDir scratch{"cli"};
+  const fs::path& dir = scratch.path();
   LayerWeights weights;
   LocalGroupInputs inputs;
 };

@@ -9,6 +9,7 @@
 
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
+#include "scratch_dir.h"
 
 namespace latentmoe {
 namespace {
@@ -510,16 +511,12 @@ TEST(Config, top_level_must_be_an_object) {
 
 class ConfigFile : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = std::filesystem::path(LATENTMOE_TEST_TMPDIR) / "config_tests";
-    std::filesystem::create_directories(dir_);
-  }
   std::string write(const std::string& name, const std::string& text) {
-    std::filesystem::path path = dir_ / name;
-    std::ofstream(path, std::ios::binary) << text;
-    return path.string();
+    std::ofstream(scratch_.file(name), std::ios::binary) << text;
+    return scratch_.file(name);
   }
-  std::filesystem::path dir_;
+  testing::ScratchDir scratch_{"config"};
+  const std::filesystem::path& dir_ = scratch_.path();
 };
 
 TEST_F(ConfigFile, reads_a_file) {

@@ -12,36 +12,19 @@
 
 #include "latentmoe/error.h"
 #include "latentmoe/safetensors.h"
+#include "scratch_dir.h"
 
 namespace latentmoe {
 namespace {
 
 namespace fs = std::filesystem;
 
-fs::path test_tmp_root() {
-#ifdef LATENTMOE_TEST_TMPDIR
-  return fs::path(LATENTMOE_TEST_TMPDIR);
-#else
-  return fs::temp_directory_path();
-#endif
-}
-
 // A fresh directory per test, removed afterwards.
 class SafetensorsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = test_tmp_root() / ("safetensors_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::permissions(dir_, fs::perms::owner_all, fs::perm_options::add, ignored);
-    fs::remove_all(dir_, ignored);
-  }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  fs::path dir_;
+  std::string path(const std::string& name) const { return scratch_.file(name); }
+  testing::ScratchDir scratch_{"safetensors"};
+  const fs::path& dir_ = scratch_.path();
 };
 
 std::string read_all(const std::string& path) {

@@ -12,19 +12,12 @@
 #include "latentmoe/error.h"
 #include "latentmoe/safetensors.h"
 #include "latentmoe/weights.h"
+#include "scratch_dir.h"
 
 namespace latentmoe {
 namespace {
 
 namespace fs = std::filesystem;
-
-fs::path test_tmp_root() {
-#ifdef LATENTMOE_TEST_TMPDIR
-  return fs::path(LATENTMOE_TEST_TMPDIR);
-#else
-  return fs::temp_directory_path();
-#endif
-}
 
 // d 16, l 8, E 4 (+1 zero expert), I 12, Is 8: every tp in {1, 2, 4} divides them, and I != l so
 // a transposed expert matrix has a visibly wrong shape.
@@ -55,18 +48,9 @@ LayerConfig relu2_config() {
 
 class WeightsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = test_tmp_root() / ("weights_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(dir_, ignored);
-  }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  fs::path dir_;
+  std::string path(const std::string& name) const { return scratch_.file(name); }
+  testing::ScratchDir scratch_{"weights"};
+  const fs::path& dir_ = scratch_.path();
 };
 
 struct Field {
