@@ -192,7 +192,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   if (config.is_gated()) shared_gate = matrix({shared_inter, d}, d, 8);
   auto shared_up = matrix({shared_inter, d}, d, 9);
   auto shared_down = matrix({d, shared_inter}, shared_inter, 10);
-  backend.prepare(config, max_tokens, 1);
+  backend.prepare(config, dtype, max_tokens, 1);
 
   auto x_all = matrix({max_tokens, d}, 1, 11);
   auto logits_all = make_tensor(backend, DType::f32, {max_tokens, width}, seed * 1000 + 12, 2.0f, 0.0f, stream);

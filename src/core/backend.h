@@ -94,7 +94,7 @@ class Backend {
   // Called once by the runner at construction, after the weights are placed: a backend sizes its
   // internal workspaces (e.g. the grouped-GEMM layout) for up to `max_tokens` tokens here, so that
   // no operation allocates during forward.
-  virtual void prepare(const LayerConfig& config, int64_t max_tokens, int tp_size) {}
+  virtual void prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) {}
 
   // logits [T, E+Z] f32 = x [T, d] · gate [E+Z, d]^T, computed in fp32.
   virtual void router_logits(const TensorView& x, const TensorView& gate, const TensorView& logits) = 0;

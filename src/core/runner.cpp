@@ -161,7 +161,7 @@ Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const 
   state.latent_reduced = detail::workspace(backend, state.dtype, {max_tokens, l});
   state.shared_partial = detail::workspace(backend, state.dtype, {max_tokens, d});
   state.hidden_shard = detail::workspace(backend, state.dtype, {max_tokens, shard});
-  backend.prepare(config, max_tokens, parallel.tp_size);
+  backend.prepare(config, state.dtype, max_tokens, parallel.tp_size);
 }
 
 Runner::~Runner() = default;

@@ -93,10 +93,6 @@ struct CudaBackend::State {
   DeviceBuffer router_workspace;  // x widened to f32 [max_tokens, d]
   size_t router_bytes = 0;
 
-  // The dtype of the largest compute-dtype tensor copied host -> device (the weights).
-  size_t largest_copy_bytes = 0;
-  size_t largest_copy_element = 4;
-
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
   bool overlapping = false;
   unsigned routed_slots = 0, dense_slots = 0, router_slots = 0;
@@ -198,20 +194,16 @@ void CudaBackend::copy(const TensorView& src, const TensorView& dst) {
     LATENTMOE_CUDA_CHECK(cudaMemcpy2DAsync(dst.data(), dst_pitch, src.data(), src_pitch, cols * element, rows,
                                            cudaMemcpyDefault, s.current));
   }
-  if (src.device() == Device::cpu && dst.device() == Device::cuda && is_compute_dtype(src.dtype()) &&
-      count * element > s.largest_copy_bytes) {
-    s.largest_copy_bytes = count * element;
-    s.largest_copy_element = element;
-  }
   // Host memory may be reused or read as soon as copy() returns.
   if (touches_host) LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(s.current));
 }
 
-void CudaBackend::prepare(const LayerConfig& config, int64_t max_tokens, int tp_size) {
+void CudaBackend::prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) {
   LATENTMOE_CHECK(tp_size >= 1, "CUDA prepare: tp_size ", tp_size, " must be positive");
+  LATENTMOE_CHECK(is_compute_dtype(dtype), "CUDA prepare: ", dtype_name(dtype), " is not a compute dtype");
   WorkspaceSpec spec;
   spec.max_tokens = max_tokens;
-  spec.element_size = state_->largest_copy_element;
+  spec.element_size = dtype_size(dtype);
   spec.hidden_size = config.hidden_size;
   spec.num_experts = config.num_experts;
   spec.top_k = config.top_k;

@@ -4,7 +4,7 @@
 //   1. make_cuda_backend(ordinal): creates the backend's two non-blocking streams (main and aux),
 //      its events, the cuBLASLt handle and 2 x 32 MiB of cuBLASLt workspace (one per stream).
 //   2. allocate()/copy(): the runner places the weights.
-//   3. prepare(config, max_tokens, tp_size): called once by the runner, after the weights are placed;
+//   3. prepare(config, dtype, max_tokens, tp_size): called once by the runner, after the weights are placed;
 //      sizes the internal workspaces of routed_experts (MoE layout, grouped-GEMM rows), dense_mlp
 //      (the shared expert's intermediate) and router_logits (x widened to f32 for an f32 gate) for
 //      up to max_tokens tokens. linear, route, rms_norm, add and add_scaled_rows need no prepare;
@@ -31,13 +31,13 @@ int cuda_device_count() noexcept;
 // The shapes the internal workspaces are sized for.
 struct WorkspaceSpec {
   int64_t max_tokens = 0;
-  size_t element_size = 4;           // bytes per element of the compute dtype (4 fits every dtype)
-  int64_t hidden_size = 0;           // d; > 0: room to widen x to f32 for an f32 router gate
-  int64_t num_experts = 0;           // E; 0: no routed experts
-  int64_t top_k = 0;                 // k
-  int64_t latent_size = 0;           // l
-  int64_t expert_intermediate = 0;   // I / tp
-  int64_t dense_intermediate = 0;    // Is / tp; 0: no dense MLP
+  size_t element_size = 4;          // bytes per element of the compute dtype (4 fits every dtype)
+  int64_t hidden_size = 0;          // d; > 0: room to widen x to f32 for an f32 router gate
+  int64_t num_experts = 0;          // E; 0: no routed experts
+  int64_t top_k = 0;                // k
+  int64_t latent_size = 0;          // l
+  int64_t expert_intermediate = 0;  // I / tp
+  int64_t dense_intermediate = 0;   // Is / tp; 0: no dense MLP
 };
 
 class CudaBackend final : public ::latentmoe::detail::Backend {
@@ -58,10 +58,9 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // function of run_overlapped.
   StreamHandle stream() const override;
 
-  // Sizes the workspaces from the config: E, k, l, I/tp and Is/tp, for up to max_tokens tokens.
-  // The element size is that of the largest compute-dtype tensor copied to the device so far (the
-  // runner places the weights first); 4 bytes when nothing was copied yet.
-  void prepare(const LayerConfig& config, int64_t max_tokens, int tp_size) override;
+  // Sizes the workspaces from the config: E, k, l, I/tp and Is/tp, in `dtype`, for up to max_tokens
+  // tokens.
+  void prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) override;
   // Sizes the workspaces for `spec` exactly (tests; engines that know their shapes).
   void prepare(const WorkspaceSpec& spec);
   const WorkspaceSpec& workspace_spec() const;
