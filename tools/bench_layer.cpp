@@ -18,6 +18,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
@@ -361,12 +362,17 @@ void run_bench_layer(const BenchLayerOptions& options) {
       for (auto& row : bench_one(preset, tp_shard, options, ceilings, dtype)) report["rows"].push_back(row);
     }
   }
-  std::string repro = "latentmoe bench layer --preset ";
-  for (size_t i = 0; i < options.presets.size(); ++i) repro += (i ? "," : "") + options.presets[i];
-  repro += " --tp-shard ";
-  for (size_t i = 0; i < options.tp_shards.size(); ++i) repro += (i ? "," : "") + std::to_string(options.tp_shards[i]);
-  repro += " --tokens ";
-  for (size_t i = 0; i < options.tokens.size(); ++i) repro += (i ? "," : "") + std::to_string(options.tokens[i]);
+  std::ostringstream repro_stream;
+  auto join = [&repro_stream](const auto& values) {
+    for (size_t i = 0; i < values.size(); ++i) repro_stream << (i ? "," : "") << values[i];
+  };
+  repro_stream << "latentmoe bench layer --preset ";
+  join(options.presets);
+  repro_stream << " --tp-shard ";
+  join(options.tp_shards);
+  repro_stream << " --tokens ";
+  join(options.tokens);
+  const std::string repro = repro_stream.str();
   std::printf("# repro: %s\n", repro.c_str());
   report["repro"] = repro;
   if (!options.json_path.empty()) {

@@ -12,10 +12,14 @@ namespace {
 
 cudaDataType_t cuda_type(DType dtype) {
   switch (dtype) {
-    case DType::f32: return CUDA_R_32F;
-    case DType::bf16: return CUDA_R_16BF;
-    case DType::f16: return CUDA_R_16F;
-    default: ::latentmoe::detail::throw_error("CUDA GEMM: dtype ", dtype_name(dtype), " is not a compute dtype");
+    case DType::f32:
+      return CUDA_R_32F;
+    case DType::bf16:
+      return CUDA_R_16BF;
+    case DType::f16:
+      return CUDA_R_16F;
+    default:
+      ::latentmoe::detail::throw_error("CUDA GEMM: dtype ", dtype_name(dtype), " is not a compute dtype");
   }
 }
 
@@ -38,7 +42,9 @@ struct PlanKey {
 struct PlanKeyHash {
   size_t operator()(const PlanKey& key) const {
     size_t seed = 0;
-    auto mix = [&seed](uint64_t value) { seed ^= std::hash<uint64_t>{}(value) + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2); };
+    auto mix = [&seed](uint64_t value) {
+      seed ^= std::hash<uint64_t>{}(value) + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2);
+    };
     mix(static_cast<uint64_t>(key.x_dtype) | static_cast<uint64_t>(key.w_dtype) << 8 |
         static_cast<uint64_t>(key.y_dtype) << 16 | static_cast<uint64_t>(key.accumulate) << 24 |
         static_cast<uint64_t>(key.align_x) << 32 | static_cast<uint64_t>(key.align_w) << 40 |
@@ -110,8 +116,10 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const PlanKey& key, siz
   }
   cublasLtMatmulPreferenceDestroy(preference);
   // "Not supported" is an answer (the fallback runs the problem); any other failure is an error.
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED) num_results = 0;
-  else LATENTMOE_CUBLAS_CHECK(status);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED)
+    num_results = 0;
+  else
+    LATENTMOE_CUBLAS_CHECK(status);
   if (num_results > 0 && result.state == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= workspace_bytes) {
     plan->algo = result.algo;
     plan->supported = true;
@@ -200,15 +208,25 @@ void Blas::gemm(const GemmProblem& problem, void* workspace, size_t workspace_by
     // An empty sum: y = 0, or y unchanged when accumulating.
     if (!problem.accumulate) {
       const size_t element = dtype_size(problem.y_dtype);
-      LATENTMOE_CUDA_CHECK(cudaMemset2DAsync(problem.y, problem.ldy * element, 0, problem.cols * element,
-                                             problem.rows, stream));
+      LATENTMOE_CUDA_CHECK(
+          cudaMemset2DAsync(problem.y, problem.ldy * element, 0, problem.cols * element, problem.rows, stream));
     }
     return;
   }
   if (uses_cublaslt(problem)) {
-    const PlanKey key{problem.x_dtype, problem.w_dtype, problem.y_dtype, problem.rows, problem.cols, problem.inner,
-                      problem.ldx, problem.ldw, problem.ldy, problem.accumulate, alignment_of(problem.x),
-                      alignment_of(problem.w), alignment_of(problem.y)};
+    const PlanKey key{problem.x_dtype,
+                      problem.w_dtype,
+                      problem.y_dtype,
+                      problem.rows,
+                      problem.cols,
+                      problem.inner,
+                      problem.ldx,
+                      problem.ldw,
+                      problem.ldy,
+                      problem.accumulate,
+                      alignment_of(problem.x),
+                      alignment_of(problem.w),
+                      alignment_of(problem.y)};
     auto found = cache_->plans.find(key);
     if (found == cache_->plans.end()) {
       found = cache_->plans.emplace(key, make_plan(handle_, key, workspace_bytes)).first;

@@ -1,13 +1,12 @@
 // CudaBackend: argument checks, workspaces, streams and the order of the kernels of each Backend
 // operation. The kernels are in routing.cu, norm.cu, elementwise.cu, blas.cu and grouped_gemm*.cu.
-#include "cuda/cuda_backend.h"
-
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <string_view>
 
 #include "cuda/blas.h"
+#include "cuda/cuda_backend.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
 #include "cuda/elementwise.cuh"
@@ -88,7 +87,7 @@ struct CudaBackend::State {
   bool prepared = false;
   DeviceBuffer routed_workspace;  // layout | act rows | y rows | grouped-GEMM workspace
   size_t layout_bytes = 0, act_bytes = 0, y_bytes = 0, grouped_bytes = 0;
-  DeviceBuffer dense_workspace;   // gate rows | up rows
+  DeviceBuffer dense_workspace;  // gate rows | up rows
   size_t dense_half_bytes = 0;
   DeviceBuffer router_workspace;  // x widened to f32 [max_tokens, d]
   size_t router_bytes = 0;
@@ -259,8 +258,8 @@ void CudaBackend::router_logits(const TensorView& x, const TensorView& gate, con
   const RowMatrix out = as_rows(logits, "router logits");
   LATENTMOE_CHECK(in.cols == w.cols && out.rows == in.rows && out.cols == w.rows, "CUDA router logits: x ",
                   x.shape_string(), " and gate ", gate.shape_string(), " do not give logits ", logits.shape_string());
-  GemmProblem problem{in.dtype, w.dtype, DType::f32, in.rows, w.rows, in.cols, in.data, in.ld, w.data, w.ld,
-                      out.data, out.ld, false};
+  GemmProblem problem{in.dtype, w.dtype, DType::f32, in.rows,  w.rows, in.cols, in.data,
+                      in.ld,    w.data,  w.ld,       out.data, out.ld, false};
   // A 16-bit x with an f32 gate (the reference casts x to fp32): widen x into the workspace and run
   // a true-fp32 cuBLASLt GEMM; without a prepared workspace the fp32 fallback kernel runs it.
   const size_t widened_bytes = static_cast<size_t>(in.rows * in.cols) * sizeof(float);
@@ -276,8 +275,7 @@ void CudaBackend::router_logits(const TensorView& x, const TensorView& gate, con
 }
 
 void CudaBackend::route(const RoutingParams& params, const TensorView& logits, const TensorView& bias,
-                        const TensorView& topk_ids, const TensorView& topk_weights,
-                        const TensorView& zero_weight_sum) {
+                        const TensorView& topk_ids, const TensorView& topk_weights, const TensorView& zero_weight_sum) {
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
   require_dtype(logits.dtype(), DType::f32, "router logits");
@@ -291,8 +289,8 @@ void CudaBackend::route(const RoutingParams& params, const TensorView& logits, c
   const int64_t num_tokens = rows.rows;
   const int64_t num_outputs = params.num_experts + params.num_zero_experts;
   const int64_t k = topk_ids.rank() == 2 ? topk_ids.size(1) : topk_ids.numel();
-  LATENTMOE_CHECK(rows.cols == num_outputs, "CUDA routing: logits have ", rows.cols, " columns, expected E+Z = ",
-                  num_outputs);
+  LATENTMOE_CHECK(rows.cols == num_outputs, "CUDA routing: logits have ", rows.cols,
+                  " columns, expected E+Z = ", num_outputs);
   LATENTMOE_CHECK(k == params.top_k, "CUDA routing: topk_ids has ", k, " columns but top_k is ", params.top_k);
   LATENTMOE_CHECK(topk_ids.numel() == num_tokens * k && topk_weights.numel() == num_tokens * k &&
                       zero_weight_sum.numel() == num_tokens,
@@ -325,8 +323,8 @@ void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorV
   const RowMatrix out = as_rows(y, "linear output");
   LATENTMOE_CHECK(in.cols == weight.cols && out.rows == in.rows && out.cols == weight.rows, "CUDA linear: shapes ",
                   x.shape_string(), " x ", w.shape_string(), "^T -> ", y.shape_string(), " do not match");
-  GemmProblem problem{in.dtype,  weight.dtype, out.dtype, in.rows,  weight.rows, in.cols,   in.data,
-                      in.ld,     weight.data,  weight.ld, out.data, out.ld,      accumulate};
+  GemmProblem problem{in.dtype, weight.dtype, out.dtype, in.rows,  weight.rows, in.cols,   in.data,
+                      in.ld,    weight.data,  weight.ld, out.data, out.ld,      accumulate};
   s.blas->gemm(problem, s.blas_buffer(), kBlasWorkspaceBytes, s.current);
 }
 
@@ -364,8 +362,7 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   const int64_t k = topk_ids.rank() == 2 ? topk_ids.size(1) : topk_ids.numel();
   LATENTMOE_CHECK(input.cols == latent && output.rows == num_tokens && output.cols == latent &&
                       experts.down.size(0) == num_experts && experts.down.size(1) == latent &&
-                      experts.down.size(2) == intermediate &&
-                      (!gated || experts.gate.shape() == experts.up.shape()),
+                      experts.down.size(2) == intermediate && (!gated || experts.gate.shape() == experts.up.shape()),
                   "CUDA routed experts: z ", z.shape_string(), ", up ", experts.up.shape_string(), ", down ",
                   experts.down.shape_string(), " and out ", out.shape_string(), " do not match");
   LATENTMOE_CHECK(topk_ids.numel() == num_tokens * k && topk_weights.numel() == num_tokens * k,
@@ -378,17 +375,18 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   // The workspace prepare() sized must hold this call's layout and rows.
   const size_t element = dtype_size(z.dtype());
   const int64_t num_pairs = num_tokens * k;
-  const size_t layout_needed = moe_layout_workspace_bytes(num_tokens, static_cast<int>(k), static_cast<int>(num_experts));
+  const size_t layout_needed =
+      moe_layout_workspace_bytes(num_tokens, static_cast<int>(k), static_cast<int>(num_experts));
   const size_t act_needed = static_cast<size_t>(num_pairs * intermediate) * element;
   const size_t y_needed = static_cast<size_t>(num_pairs * latent) * element;
   const size_t grouped_needed =
       grouped_gemm_workspace_bytes(num_tokens, static_cast<int>(k), static_cast<int>(num_experts));
-  LATENTMOE_CHECK(s.prepared && layout_needed <= s.layout_bytes && act_needed <= s.act_bytes &&
-                      y_needed <= s.y_bytes && grouped_needed <= s.grouped_bytes,
+  LATENTMOE_CHECK(s.prepared && layout_needed <= s.layout_bytes && act_needed <= s.act_bytes && y_needed <= s.y_bytes &&
+                      grouped_needed <= s.grouped_bytes,
                   "CUDA routed experts: the workspace prepared for max_tokens = ", s.spec.max_tokens,
                   " (E = ", s.spec.num_experts, ", k = ", s.spec.top_k, ", l = ", s.spec.latent_size,
-                  ", I_r = ", s.spec.expert_intermediate, ") does not fit ", num_tokens, " tokens with E = ",
-                  num_experts, ", k = ", k, ", l = ", latent, ", I_r = ", intermediate,
+                  ", I_r = ", s.spec.expert_intermediate, ") does not fit ", num_tokens,
+                  " tokens with E = ", num_experts, ", k = ", k, ", l = ", latent, ", I_r = ", intermediate,
                   "; call prepare() with the layer's shapes before forward");
   auto* base = static_cast<char*>(s.routed_workspace.get());
   void* layout_workspace = base;
@@ -397,8 +395,7 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   void* grouped_workspace = base + s.layout_bytes + s.act_bytes + s.y_bytes;
 
   const MoeLayout layout = build_moe_layout(topk_ids.data_as<const int32_t>(), num_tokens, static_cast<int>(k),
-                                            static_cast<int>(num_experts), layout_workspace, s.layout_bytes,
-                                            s.current);
+                                            static_cast<int>(num_experts), layout_workspace, s.layout_bytes, s.current);
   ExpertGemmWeights weights;
   weights.gate = gated ? experts.gate.data() : nullptr;
   weights.up = experts.up.data();
@@ -409,8 +406,8 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   grouped_gate_up(z.dtype(), activation, z.data(), layout, weights, act_rows, grouped_workspace, s.grouped_bytes,
                   s.current);
   grouped_down(z.dtype(), act_rows, layout, weights, y_rows, grouped_workspace, s.grouped_bytes, s.current);
-  launch_combine(z.dtype(), y_rows, layout.pair_rows, topk_weights.data_as<const float>(), static_cast<int>(k),
-                 output, s.current);
+  launch_combine(z.dtype(), y_rows, layout.pair_rows, topk_weights.data_as<const float>(), static_cast<int>(k), output,
+                 s.current);
 }
 
 void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView& x, const MlpWeights& mlp,
@@ -435,15 +432,16 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
                     " does not match up ", mlp.up.shape_string());
   }
   const int64_t num_tokens = input.rows, intermediate = up.rows;
-  LATENTMOE_CHECK(up.cols == input.cols && down.rows == output.cols && down.cols == intermediate &&
-                      output.rows == num_tokens,
-                  "CUDA dense MLP: x ", x.shape_string(), ", up ", mlp.up.shape_string(), ", down ",
-                  mlp.down.shape_string(), " and out ", out.shape_string(), " do not match");
+  LATENTMOE_CHECK(
+      up.cols == input.cols && down.rows == output.cols && down.cols == intermediate && output.rows == num_tokens,
+      "CUDA dense MLP: x ", x.shape_string(), ", up ", mlp.up.shape_string(), ", down ", mlp.down.shape_string(),
+      " and out ", out.shape_string(), " do not match");
   if (num_tokens == 0) return;
   s.mark_slot(s.dense_slots, "dense_mlp");
   const size_t half_needed = static_cast<size_t>(num_tokens * intermediate) * dtype_size(x.dtype());
-  LATENTMOE_CHECK(s.prepared && half_needed <= s.dense_half_bytes, "CUDA dense MLP: the workspace prepared for max_tokens = ",
-                  s.spec.max_tokens, " and Is/tp = ", s.spec.dense_intermediate, " does not fit ", num_tokens,
+  LATENTMOE_CHECK(s.prepared && half_needed <= s.dense_half_bytes,
+                  "CUDA dense MLP: the workspace prepared for max_tokens = ", s.spec.max_tokens,
+                  " and Is/tp = ", s.spec.dense_intermediate, " does not fit ", num_tokens,
                   " tokens with intermediate size ", intermediate, "; call prepare() with the layer's shapes first");
   // The intermediate [T, Is] is stored in the input's dtype.
   auto* base = static_cast<char*>(s.dense_workspace.get());
@@ -451,8 +449,8 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
   const RowMatrix up_rows{base + s.dense_half_bytes, x.dtype(), num_tokens, intermediate, intermediate};
   void* blas_buffer = s.blas_buffer();
   auto project = [&](const RowMatrix& a, const RowMatrix& w, const RowMatrix& y) {
-    GemmProblem problem{a.dtype, w.dtype, y.dtype, a.rows, w.rows, a.cols, a.data, a.ld, w.data, w.ld, y.data, y.ld,
-                        false};
+    GemmProblem problem{a.dtype, w.dtype, y.dtype, a.rows, w.rows, a.cols, a.data,
+                        a.ld,    w.data,  w.ld,    y.data, y.ld,   false};
     s.blas->gemm(problem, blas_buffer, kBlasWorkspaceBytes, s.current);
   };
   project(input, up, up_rows);
@@ -487,10 +485,9 @@ void CudaBackend::add(const TensorView& a, const TensorView& b, const TensorView
   const RowMatrix left = as_rows(a, "add input a");
   const RowMatrix right = as_rows(b, "add input b");
   const RowMatrix output = as_rows(out, "add output");
-  LATENTMOE_CHECK(left.rows == right.rows && left.cols == right.cols && output.rows == left.rows &&
-                      output.cols == left.cols,
-                  "CUDA add: shapes ", a.shape_string(), " + ", b.shape_string(), " -> ", out.shape_string(),
-                  " do not match");
+  LATENTMOE_CHECK(
+      left.rows == right.rows && left.cols == right.cols && output.rows == left.rows && output.cols == left.cols,
+      "CUDA add: shapes ", a.shape_string(), " + ", b.shape_string(), " -> ", out.shape_string(), " do not match");
   launch_add(left, right, output, s.current);
 }
 

@@ -11,13 +11,13 @@
 namespace latentmoe::cuda {
 
 [[noreturn]] inline void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line) {
-  ::latentmoe::detail::throw_error("CUDA error in ", call, " at ", file, ":", line, ": ", cudaGetErrorName(status), " (",
-                      cudaGetErrorString(status), ")");
+  ::latentmoe::detail::throw_error("CUDA error in ", call, " at ", file, ":", line, ": ", cudaGetErrorName(status),
+                                   " (", cudaGetErrorString(status), ")");
 }
 
 [[noreturn]] inline void throw_cublas_error(cublasStatus_t status, const char* call, const char* file, int line) {
-  ::latentmoe::detail::throw_error("cuBLAS error in ", call, " at ", file, ":", line, ": ", cublasLtGetStatusName(status), " (",
-                      cublasLtGetStatusString(status), ")");
+  ::latentmoe::detail::throw_error("cuBLAS error in ", call, " at ", file, ":", line, ": ",
+                                   cublasLtGetStatusName(status), " (", cublasLtGetStatusString(status), ")");
 }
 
 inline void check_cuda(cudaError_t status, const char* call, const char* file, int line) {

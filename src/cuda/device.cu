@@ -1,8 +1,7 @@
-#include "cuda/device.h"
-
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_check.h"
+#include "cuda/device.h"
 
 namespace latentmoe::cuda {
 

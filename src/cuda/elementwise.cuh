@@ -60,21 +60,29 @@ int grid_for(int64_t work_items, int threads);
 
 namespace latentmoe::cuda {
 
-
 // Element `index` of a compute-dtype buffer whose dtype is only known at run time.
 __device__ __forceinline__ float load_as_float_dev(const void* data, DType dtype, int64_t index) {
   switch (dtype) {
-    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(data)[index]);
-    case DType::f16: return __half2float(static_cast<const __half*>(data)[index]);
-    default: return static_cast<const float*>(data)[index];
+    case DType::bf16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(data)[index]);
+    case DType::f16:
+      return __half2float(static_cast<const __half*>(data)[index]);
+    default:
+      return static_cast<const float*>(data)[index];
   }
 }
 
 __device__ __forceinline__ void store_from_float_dev(void* data, DType dtype, int64_t index, float value) {
   switch (dtype) {
-    case DType::bf16: static_cast<__nv_bfloat16*>(data)[index] = __float2bfloat16_rn(value); break;
-    case DType::f16: static_cast<__half*>(data)[index] = __float2half_rn(value); break;
-    default: static_cast<float*>(data)[index] = value; break;
+    case DType::bf16:
+      static_cast<__nv_bfloat16*>(data)[index] = __float2bfloat16_rn(value);
+      break;
+    case DType::f16:
+      static_cast<__half*>(data)[index] = __float2half_rn(value);
+      break;
+    default:
+      static_cast<float*>(data)[index] = value;
+      break;
   }
 }
 
@@ -88,10 +96,18 @@ struct alignas(sizeof(T) * N) Vec {
 template <class F>
 void dispatch_compute_dtype(DType dtype, const char* what, F&& f) {
   switch (dtype) {
-    case DType::f32: f(float{}); return;
-    case DType::bf16: f(__nv_bfloat16{}); return;
-    case DType::f16: f(__half{}); return;
-    default: ::latentmoe::detail::throw_error("CUDA backend: ", what, " has dtype ", dtype_name(dtype), "; only F32, BF16 and F16 are supported");
+    case DType::f32:
+      f(float{});
+      return;
+    case DType::bf16:
+      f(__nv_bfloat16{});
+      return;
+    case DType::f16:
+      f(__half{});
+      return;
+    default:
+      ::latentmoe::detail::throw_error("CUDA backend: ", what, " has dtype ", dtype_name(dtype),
+                                       "; only F32, BF16 and F16 are supported");
   }
 }
 

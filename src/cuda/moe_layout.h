@@ -22,7 +22,7 @@ struct MoeLayout {
   const int32_t* pair_rows = nullptr;       // [num_tokens * top_k]
   int num_experts = 0;                      // E
   int top_k = 0;
-  int64_t num_tokens = 0;                   // T (host-known); the row bound is T * top_k
+  int64_t num_tokens = 0;  // T (host-known); the row bound is T * top_k
 };
 
 }  // namespace latentmoe::cuda

@@ -76,11 +76,11 @@ void launch_rms_norm(const RowMatrix& in, const void* gamma, DType gamma_dtype, 
       const auto* pin = static_cast<const Tin*>(in.data);
       auto* pout = static_cast<To*>(out.data);
       if (vectorised) {
-        rms_norm_kernel<Tin, To, kVec><<<grid, threads, 0, stream>>>(pin, in.ld, gamma, gamma_dtype, eps, pout, out.ld,
-                                                                     in.cols);
+        rms_norm_kernel<Tin, To, kVec>
+            <<<grid, threads, 0, stream>>>(pin, in.ld, gamma, gamma_dtype, eps, pout, out.ld, in.cols);
       } else {
-        rms_norm_kernel<Tin, To, 1><<<grid, threads, 0, stream>>>(pin, in.ld, gamma, gamma_dtype, eps, pout, out.ld,
-                                                                  in.cols);
+        rms_norm_kernel<Tin, To, 1>
+            <<<grid, threads, 0, stream>>>(pin, in.ld, gamma, gamma_dtype, eps, pout, out.ld, in.cols);
       }
       LATENTMOE_CUDA_CHECK_LAUNCH("rms_norm_kernel");
     });

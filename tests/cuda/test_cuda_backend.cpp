@@ -392,10 +392,9 @@ TEST_F(CudaOps, route_block_kernel_breaks_ties_at_the_threshold_by_index) {
     const RouteResult got = route_with_path(*gpu_, path, params, logits, &bias);
     expect_same_routing(got, route_on(*cpu_, false, params, logits, &bias));
     const int32_t* ids = got.ids.data_as<int32_t>();
-    const std::vector<int32_t> expected{
-        3, 5, 700, 0, 1, 2, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14,  // token 0
-        3, 895, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,  // token 1
-        3, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};  // token 2
+    const std::vector<int32_t> expected{3, 5,   700, 0, 1, 2, 4, 6, 7, 8, 9,  10, 11, 12, 13, 14,   // token 0
+                                        3, 895, 0,   1, 2, 4, 5, 6, 7, 8, 9,  10, 11, 12, 13, 14,   // token 1
+                                        3, 0,   1,   2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};  // token 2
     for (int j = 0; j < 48; ++j) EXPECT_EQ(ids[j], expected[j]) << "slot " << j;
   }
 }
