@@ -33,6 +33,8 @@ BackendKind parse_backend_kind(std::string_view name) {
   detail::throw_error("unknown backend '", name, "' (expected auto, cpu or cuda)");
 }
 
+namespace {
+
 bool cuda_backend_available() {
 #ifdef LATENTMOE_WITH_CUDA
   return cuda::cuda_device_count() > 0;
@@ -40,6 +42,8 @@ bool cuda_backend_available() {
   return false;
 #endif
 }
+
+}  // namespace
 
 BackendKind resolve_backend_kind(BackendKind kind) {
   if (kind == BackendKind::automatic) return cuda_backend_available() ? BackendKind::cuda : BackendKind::cpu;

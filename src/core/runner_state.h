@@ -26,9 +26,9 @@ struct RunnerState {
     FusedPathConditions conditions;
     conditions.tp_size = parallel.tp_size;
     conditions.has_shared_expert = config.has_shared_expert();
-    conditions.partials_unreduced = true;
     conditions.sequence_parallel = parallel.sequence_parallel;
-    conditions.tail_fusion_supported = true;
+    // partials_unreduced and tail_fusion_supported keep their defaults (true): every rank's experts
+    // produce partial sums, and every backend runs tier 0 (composed or fused).
     return conditions;
   }
 
