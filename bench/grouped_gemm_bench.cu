@@ -371,6 +371,7 @@ int main(int argc, char** argv) {
   std::vector<GemmChoice> variants;
   if (variants_arg == "all") {
     for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
+      if (v == GemmVariant::wgmma && !latentmoe::cuda::detail::wgmma_available()) continue;
       if (v != GemmVariant::simt) variants.emplace_back(v);
     }
   } else {

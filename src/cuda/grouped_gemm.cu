@@ -6,6 +6,7 @@
 
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_launch.h"
+#include "cuda/grouped_gemm_wgmma.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {
@@ -107,6 +108,8 @@ std::string to_string(GemmVariant variant) {
       return "mma_l";
     case GemmVariant::mma_xl:
       return "mma_xl";
+    case GemmVariant::wgmma:
+      return "wgmma";
   }
   return "unknown";
 }
@@ -114,7 +117,8 @@ std::string to_string(GemmVariant variant) {
 std::vector<GemmVariant> all_variants() {
   return {GemmVariant::simt,       GemmVariant::mma_s,   GemmVariant::mma_s_wide,
           GemmVariant::mma_s_k128, GemmVariant::mma_m32, GemmVariant::mma_m,
-          GemmVariant::mma_l4,     GemmVariant::mma_l,   GemmVariant::mma_xl};
+          GemmVariant::mma_l4,     GemmVariant::mma_l,   GemmVariant::mma_xl,
+          GemmVariant::wgmma};
 }
 
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
@@ -184,6 +188,11 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.trigger = hopper && !down;
   launch.sm_count = gg::sm_count();
   launch.prefer_two_tiles = down;
+  if (variant == GemmVariant::wgmma) {
+    LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the wgmma variant needs an sm_90 device and sm_90a code");
+    gg::launch_wgmma(dtype, mode, args, launch, stream);
+    return;
+  }
   if (dtype == DType::bf16) {
     gg::launch_mma_bf16(variant, mode, args, launch, stream);
   } else {

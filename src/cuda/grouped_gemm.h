@@ -70,6 +70,7 @@ enum class GemmVariant {
   mma_l4,      // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
   mma_l,       // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
   mma_xl,      // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
+  wgmma,       // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N
 };
 
 // A variant and how many n-tiles one CTA computes (0: chosen from the shape).
@@ -82,6 +83,9 @@ struct GemmChoice {
 
 std::string to_string(GemmVariant variant);
 std::vector<GemmVariant> all_variants();
+// True when the current device can run GemmVariant::wgmma: compute capability 9.0 and a binary that
+// carries sm_90a code.
+bool wgmma_available();
 // The variant `automatic` resolves to for this problem on the current device.
 // gated: the gate/up projection of silu/situ (two weight matrices); false for relu2's and for down.
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,

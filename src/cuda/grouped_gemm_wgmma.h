@@ -1,0 +1,16 @@
+// The Hopper grouped GEMM (sm_90a, warpgroup MMA): internal launcher used by grouped_gemm.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/grouped_gemm_common.cuh"
+#include "cuda/grouped_gemm_launch.h"
+#include "latentmoe/dtype.h"
+
+namespace latentmoe::cuda::gg {
+
+// Launches the wgmma kernel for bf16 or f16 (throws latentmoe::Error for other dtypes, or when
+// detail::wgmma_available() is false). Same contract as the mma.sync kernels (grouped_gemm.h).
+void launch_wgmma(DType dtype, Mode mode, KernelArgs args, const MmaLaunch& launch, cudaStream_t stream);
+
+}  // namespace latentmoe::cuda::gg
