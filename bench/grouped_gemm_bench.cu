@@ -222,6 +222,13 @@ double time_phase(Phase phase, GemmChoice gu_variant, GemmChoice down_variant, c
   latentmoe::detail::ActivationParams act_params;
   act_params.activation = p.activation;
   const int64_t pairs = tokens * p.top_k;
+  // The split-K workspace, zeroed once (every launch leaves it zeroed).
+  static void* workspace = nullptr;
+  const size_t workspace_bytes = latentmoe::cuda::split_k_workspace_bytes();
+  if (workspace == nullptr) {
+    workspace = device_alloc(workspace_bytes);
+    CK(cudaMemset(workspace, 0, workspace_bytes));
+  }
   cudaGraph_t graph;
   CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   for (int li = 0; li < kNumLayouts; ++li) {
@@ -234,10 +241,12 @@ double time_phase(Phase phase, GemmChoice gu_variant, GemmChoice down_variant, c
     layout.num_tokens = tokens;
     const void* z = static_cast<const char*>(z_all) + li * tokens * w.latent * 2;
     if (phase != Phase::down) {
-      latentmoe::cuda::detail::grouped_gate_up_variant(gu_variant, DType::bf16, act_params, z, layout, w, act, stream);
+      latentmoe::cuda::detail::grouped_gate_up_variant(gu_variant, DType::bf16, act_params, z, layout, w, act, workspace,
+                                                       workspace_bytes, stream);
     }
     if (phase != Phase::gate_up) {
-      latentmoe::cuda::detail::grouped_down_variant(down_variant, DType::bf16, act, layout, w, y, stream);
+      latentmoe::cuda::detail::grouped_down_variant(down_variant, DType::bf16, act, layout, w, y, workspace, workspace_bytes,
+                                                    stream);
     }
   }
   CK(cudaStreamEndCapture(stream, &graph));

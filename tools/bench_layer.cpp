@@ -169,6 +169,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   const int num_matrices = config.is_gated() ? 3 : 2;
 
   cuda::CudaBackend backend(options.device);
+  if (options.dense_gemm == "cublaslt") backend.set_dense_gemm_max_rows(0);
   const auto stream = static_cast<cudaStream_t>(backend.stream());
   int l2_bytes = 0;
   LATENTMOE_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, options.device));
@@ -216,8 +217,9 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   std::printf("# preset %s  tp-shard %d  dtype %s  E %lld  k %lld  d %lld  l %lld  I/tp %lld  Is/tp %lld\n",
               preset.c_str(), tp_shard, std::string(dtype_name(dtype)).c_str(), (long long)num_experts, (long long)k,
               (long long)d, (long long)l, (long long)inter, (long long)shared_inter);
-  std::printf("# %6s %9s %9s %10s %9s %8s %8s %10s %10s %8s %9s %8s\n", "tokens", "route_us", "down_us", "experts_us",
-              "shared_us", "norm_us", "up_us", "total_us", "floor_us", "%floor", "experts%", "touched");
+  std::printf("# %6s %9s %9s %10s %9s %8s %8s %10s %10s %10s %8s %8s %9s %8s\n", "tokens", "route_us", "down_us",
+              "experts_us", "shared_us", "norm_us", "up_us", "total_us", "graph_us", "floor_us", "%floor", "%graph",
+              "experts%", "touched");
   for (int64_t tokens : options.tokens) {
     LATENTMOE_CHECK(tokens >= 1, "--tokens must be positive");
     auto rows_of = [&](const DeviceTensorOwner& tensor) { return tensor.view.slice_rows(0, tokens); };
@@ -269,7 +271,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
       total.bytes += p.bytes;
       total.flops += p.flops;
     }
-    total.time_us = timer.median_us([&] {
+    auto whole_layer = [&] {
       backend.route(routing, logits, bias.view, ids, weights, zero);
       backend.linear(x, down_proj.view, z, false);
       backend.routed_experts(activation, z, ids, weights, experts, latent);
@@ -277,16 +279,33 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
       if (config.use_latent_norm) backend.rms_norm(latent, gamma.view, 1e-5f, normed);
       backend.linear(up_in, up_proj.view, out, false);
       backend.add(out, shared_out, out);
-    });
+    };
+    total.time_us = timer.median_us(whole_layer);
     set_floor(total, ceilings);
+    // The same sequence captured once into a CUDA graph and replayed, as an engine runs decode: no
+    // host launch gaps between the kernels.
+    PhaseResult graph_total = total;
+    {
+      cudaGraph_t graph = nullptr;
+      LATENTMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      whole_layer();
+      LATENTMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      LATENTMOE_CUDA_CHECK(err);
+      graph_total.time_us = timer.median_us([&] { LATENTMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
+      cudaGraphExecDestroy(exec);
+    }
 
     std::map<std::string, const PhaseResult*> by_name;
     for (const auto& p : phases) by_name[p.name] = &p;
     auto time_of = [&](const char* name) { return by_name.count(name) ? by_name[name]->time_us : 0.0; };
     const PhaseResult& expert_phase = *by_name["experts"];
-    std::printf("  %6lld %9.1f %9.1f %10.1f %9.1f %8.1f %8.1f %10.1f %10.1f %7.1f%% %8.1f%% %8zu\n", (long long)tokens,
-                time_of("route"), time_of("down_proj"), time_of("experts"), time_of("shared"), time_of("norm"),
-                time_of("up_proj"), total.time_us, total.floor_us, 100 * total.fraction_of_floor(),
+    std::printf("  %6lld %9.1f %9.1f %10.1f %9.1f %8.1f %8.1f %10.1f %10.1f %10.1f %7.1f%% %7.1f%% %8.1f%% %8zu\n",
+                (long long)tokens, time_of("route"), time_of("down_proj"), time_of("experts"), time_of("shared"),
+                time_of("norm"), time_of("up_proj"), total.time_us, graph_total.time_us, total.floor_us,
+                100 * total.fraction_of_floor(), 100 * graph_total.fraction_of_floor(),
                 100 * expert_phase.fraction_of_floor(), touched.size());
 
     nlohmann::json row;
@@ -309,6 +328,9 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     row["total_time_us"] = total.time_us;
     row["total_floor_us"] = total.floor_us;
     row["total_fraction_of_floor"] = total.fraction_of_floor();
+    row["graph_total_time_us"] = graph_total.time_us;
+    row["graph_total_fraction_of_floor"] = graph_total.fraction_of_floor();
+    row["dense_gemm"] = options.dense_gemm;
     row["total_byte_floor_us"] = 1e6 * total.bytes / ceilings.copy_bytes_per_s;
     rows.push_back(row);
   }
@@ -329,6 +351,8 @@ void run_bench_layer(const BenchLayerOptions& options) {
   } else {
     detail::throw_error("--dtype must be bf16 or f16, got '", options.dtype, "'");
   }
+  LATENTMOE_CHECK(options.dense_gemm == "auto" || options.dense_gemm == "cublaslt",
+                  "--dense-gemm must be auto or cublaslt, got '", options.dense_gemm, "'");
   LATENTMOE_CHECK(cuda::cuda_device_count() > options.device && options.device >= 0, "bench layer: CUDA device ",
                   options.device, " is not present (", cuda::cuda_device_count(), " found)");
 
@@ -372,6 +396,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   join(options.tp_shards);
   repro_stream << " --tokens ";
   join(options.tokens);
+  if (options.dense_gemm != "auto") repro_stream << " --dense-gemm " << options.dense_gemm;
   const std::string repro = repro_stream.str();
   std::printf("# repro: %s\n", repro.c_str());
   report["repro"] = repro;

@@ -79,7 +79,9 @@ struct CudaBackend::State {
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
   std::unique_ptr<Blas> blas;
-  DeviceBuffer blas_workspace[2];  // [0]: main stream, [1]: aux stream
+  DeviceBuffer blas_workspace[2];     // [0]: main stream, [1]: aux stream
+  DeviceBuffer split_k_workspace[2];  // dense_gemm's split-K counters and partials, per stream (zeroed once)
+  int64_t dense_gemm_max_rows = kDenseGemmMaxRows;
   int64_t num_allocations = 0;
 
   // Workspaces sized by prepare().
@@ -98,6 +100,15 @@ struct CudaBackend::State {
 
   bool on_aux() const { return current == aux_stream; }
   void* blas_buffer() const { return blas_workspace[on_aux() ? 1 : 0].get(); }
+  void* split_k_buffer() const { return split_k_workspace[on_aux() ? 1 : 0].get(); }
+
+  // The tensor-core dense GEMM for decode-sized row counts (cuBLASLt runs small M at about half the
+  // bandwidth: docs/PERFORMANCE.md); false when it does not take this problem.
+  bool try_dense_gemm(const DenseGemm& gemm) {
+    if (gemm.rows > dense_gemm_max_rows || !dense_gemm_supported(gemm)) return false;
+    dense_gemm(gemm, split_k_buffer(), split_k_workspace_bytes(), current);
+    return true;
+  }
 
   DeviceBuffer device_alloc(size_t bytes) {
     void* pointer = nullptr;
@@ -134,6 +145,10 @@ CudaBackend::CudaBackend(int device_ordinal) : state_(std::make_unique<State>())
   s.current = s.main_stream;
   s.blas = std::make_unique<Blas>();
   for (auto& buffer : s.blas_workspace) buffer = s.device_alloc(kBlasWorkspaceBytes);
+  for (auto& buffer : s.split_k_workspace) {
+    buffer = s.device_alloc(split_k_workspace_bytes());
+    LATENTMOE_CUDA_CHECK(cudaMemset(buffer.get(), 0, split_k_workspace_bytes()));
+  }
 }
 
 CudaBackend::~CudaBackend() {
@@ -148,6 +163,7 @@ CudaBackend::~CudaBackend() {
   s.dense_workspace = {};
   s.router_workspace = {};
   for (auto& buffer : s.blas_workspace) buffer = {};
+  for (auto& buffer : s.split_k_workspace) buffer = {};
   s.blas.reset();
   if (s.join != nullptr) (void)cudaEventDestroy(s.join);
   if (s.fork != nullptr) (void)cudaEventDestroy(s.fork);
@@ -235,6 +251,9 @@ void CudaBackend::prepare(const WorkspaceSpec& spec) {
     s.y_bytes = align_up(static_cast<size_t>(num_pairs * spec.latent_size) * spec.element_size);
     s.grouped_bytes = align_up(grouped_gemm_workspace_bytes(spec.max_tokens, top_k, num_experts));
     s.routed_workspace = s.device_alloc(s.layout_bytes + s.act_bytes + s.y_bytes + s.grouped_bytes);
+    // The grouped GEMMs' split-K counters start at zero (each launch leaves them so).
+    LATENTMOE_CUDA_CHECK(cudaMemset(static_cast<char*>(s.routed_workspace.get()) + s.layout_bytes + s.act_bytes + s.y_bytes,
+                                    0, s.grouped_bytes));
   }
   if (spec.dense_intermediate > 0 && spec.max_tokens > 0) {
     s.dense_half_bytes = align_up(static_cast<size_t>(spec.max_tokens * spec.dense_intermediate) * spec.element_size);
@@ -323,9 +342,30 @@ void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorV
   const RowMatrix out = as_rows(y, "linear output");
   LATENTMOE_CHECK(in.cols == weight.cols && out.rows == in.rows && out.cols == weight.rows, "CUDA linear: shapes ",
                   x.shape_string(), " x ", w.shape_string(), "^T -> ", y.shape_string(), " do not match");
+  if (in.rows == 0 || out.cols == 0) return;
+  if (in.dtype == weight.dtype && in.dtype == out.dtype && weight.ld == weight.cols) {
+    DenseGemm gemm;
+    gemm.dtype = in.dtype;
+    gemm.rows = in.rows;
+    gemm.n = weight.rows;
+    gemm.k = in.cols;
+    gemm.x = in.data;
+    gemm.ldx = in.ld;
+    gemm.w0 = weight.data;
+    gemm.out = out.data;
+    gemm.ldo = out.ld;
+    gemm.accumulate = accumulate;
+    if (s.try_dense_gemm(gemm)) return;
+  }
   GemmProblem problem{in.dtype, weight.dtype, out.dtype, in.rows,  weight.rows, in.cols,   in.data,
                       in.ld,    weight.data,  weight.ld, out.data, out.ld,      accumulate};
   s.blas->gemm(problem, s.blas_buffer(), kBlasWorkspaceBytes, s.current);
+}
+
+void CudaBackend::set_dense_gemm_max_rows(int64_t rows) {
+  LATENTMOE_CHECK(rows >= 0 && rows <= kDenseGemmMaxRows, "CUDA backend: dense GEMM row limit ", rows,
+                  " is outside 0..", kDenseGemmMaxRows);
+  state_->dense_gemm_max_rows = rows;
 }
 
 void CudaBackend::routed_experts(const ActivationParams& activation, const TensorView& z, const TensorView& topk_ids,
@@ -447,6 +487,39 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
   auto* base = static_cast<char*>(s.dense_workspace.get());
   const RowMatrix gate_rows{base, x.dtype(), num_tokens, intermediate, intermediate};
   const RowMatrix up_rows{base + s.dense_half_bytes, x.dtype(), num_tokens, intermediate, intermediate};
+  // Decode-sized batches: gate, up and the activation in one tensor-core launch, then down.
+  const bool same_dtype = mlp.up.dtype() == x.dtype() && mlp.down.dtype() == x.dtype() && out.dtype() == x.dtype() &&
+                          (!gated || mlp.gate.dtype() == x.dtype());
+  if (same_dtype && up.ld == up.cols && down.ld == down.cols && (!gated || gate.ld == gate.cols)) {
+    DenseGemm first;
+    first.dtype = x.dtype();
+    first.epilogue = gated ? DenseEpilogue::gated : DenseEpilogue::relu2;
+    first.act = activation;
+    first.rows = num_tokens;
+    first.n = intermediate;
+    first.k = input.cols;
+    first.x = input.data;
+    first.ldx = input.ld;
+    first.w0 = gated ? gate.data : up.data;
+    first.w1 = gated ? up.data : nullptr;
+    first.out = gate_rows.data;
+    first.ldo = intermediate;
+    DenseGemm second;
+    second.dtype = x.dtype();
+    second.rows = num_tokens;
+    second.n = output.cols;
+    second.k = intermediate;
+    second.x = gate_rows.data;
+    second.ldx = intermediate;
+    second.w0 = down.data;
+    second.out = output.data;
+    second.ldo = output.ld;
+    if (num_tokens <= s.dense_gemm_max_rows && dense_gemm_supported(first) && dense_gemm_supported(second)) {
+      s.try_dense_gemm(first);
+      s.try_dense_gemm(second);
+      return;
+    }
+  }
   void* blas_buffer = s.blas_buffer();
   auto project = [&](const RowMatrix& a, const RowMatrix& w, const RowMatrix& y) {
     GemmProblem problem{a.dtype, w.dtype, y.dtype, a.rows, w.rows, a.cols, a.data,

@@ -83,6 +83,11 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // each may run on one of the two streams per call, not on both (checked).
   void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) override;
 
+  // Rows up to which linear() and dense_mlp() use the tensor-core dense GEMM (dense_gemm in
+  // cuda/grouped_gemm.h) instead of cuBLASLt, where it takes the problem (16-bit, every dtype equal,
+  // shapes multiples of 8). Default kDenseGemmMaxRows (measured); 0 sends everything to cuBLASLt.
+  void set_dense_gemm_max_rows(int64_t rows);
+
   int device_ordinal() const;
   // cudaMalloc calls made so far (allocate() and internal workspaces); forward adds none.
   int64_t num_device_allocations() const;

@@ -86,6 +86,25 @@ int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, 
 
 namespace detail {
 
+int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident) {
+  if (ctas <= 0 || resident <= 0 || ctas >= resident) return 1;
+  // Each split keeps at least kMinKTiles k-tiles, so that its copy pipeline fills before it drains.
+  constexpr int kMinKTiles = 4;
+  const int max_splits = std::max(1, num_k_tiles / kMinKTiles);
+  // Fraction of the last wave's CTA slots that hold work; more splits only when clearly fuller.
+  auto fill = [&](int splits) {
+    const int64_t total = ctas * splits;
+    const int64_t waves = (total + resident - 1) / resident;
+    return static_cast<double>(total) / static_cast<double>(waves * resident);
+  };
+  int best = 1;
+  for (int splits = 2; splits <= max_splits; ++splits) {
+    if (fill(splits) > fill(best) + 0.02) best = splits;
+  }
+  return best;
+}
+
+
 std::string to_string(GemmVariant variant) {
   switch (variant) {
     case GemmVariant::automatic:
@@ -163,8 +182,20 @@ void check_common(DType dtype, const MoeLayout& layout, const ExpertGemmWeights&
                   ": the layout's device arrays are missing");
 }
 
+// Points the launch at the split-K workspace (none when workspace is null).
+void attach_split_k(gg::MmaLaunch& launch, void* workspace, size_t workspace_bytes) {
+  if (workspace == nullptr) return;
+  LATENTMOE_CHECK(workspace_bytes >= split_k_workspace_bytes(), "grouped GEMM: a workspace of ", workspace_bytes,
+                  " bytes is smaller than split_k_workspace_bytes() = ", split_k_workspace_bytes());
+  LATENTMOE_CHECK(aligned16(workspace), "grouped GEMM: the workspace is not 16-byte aligned");
+  launch.tile_counters = static_cast<int*>(workspace);
+  launch.num_tile_counters = gg::kSplitKCounters;
+  launch.partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + gg::kSplitKCounters * sizeof(int));
+  launch.partial_floats = gg::kSplitKPartialBytes / sizeof(float);
+}
+
 void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& args, int64_t num_tokens,
-         int64_t intermediate, int64_t latent, cudaStream_t stream) {
+         int64_t intermediate, int64_t latent, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const bool down = mode == gg::Mode::plain;
   GemmVariant variant = choice.variant;
   if (variant == GemmVariant::automatic) {
@@ -188,6 +219,8 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.trigger = hopper && !down;
   launch.sm_count = gg::sm_count();
   launch.prefer_two_tiles = down;
+  launch.k_splits = choice.k_splits;
+  attach_split_k(launch, workspace, workspace_bytes);
   if (variant == GemmVariant::wgmma) {
     LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the wgmma variant needs an sm_90 device and sm_90a code");
     gg::launch_wgmma(dtype, mode, args, launch, stream);
@@ -204,7 +237,7 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
 
 void grouped_gate_up_variant(GemmChoice choice, DType dtype, const latentmoe::detail::ActivationParams& act,
                              const void* z, const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows,
-                             cudaStream_t stream) {
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   check_common(dtype, layout, w, "grouped_gate_up");
   if (layout.num_tokens == 0) return;
   const bool gated = act.activation != Activation::relu2;
@@ -226,11 +259,12 @@ void grouped_gate_up_variant(GemmChoice choice, DType dtype, const latentmoe::de
   args.situ_beta = act.situ_beta;
   args.situ_linear_beta = act.situ_linear_beta;
   run(choice, dtype, gated ? gg::Mode::gated : gg::Mode::relu2, args, layout.num_tokens, w.intermediate, w.latent,
-      stream);
+      workspace, workspace_bytes, stream);
 }
 
 void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, const MoeLayout& layout,
-                          const ExpertGemmWeights& w, void* y_rows, cudaStream_t stream) {
+                          const ExpertGemmWeights& w, void* y_rows, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream) {
   check_common(dtype, layout, w, "grouped_down");
   if (layout.num_tokens == 0) return;
   LATENTMOE_CHECK(w.down != nullptr, "grouped_down: the down weights are missing");
@@ -245,7 +279,59 @@ void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, 
   args.num_experts = layout.num_experts;
   args.n = static_cast<int>(w.latent);
   args.k = static_cast<int>(w.intermediate);
-  run(choice, dtype, gg::Mode::plain, args, layout.num_tokens, w.intermediate, w.latent, stream);
+  run(choice, dtype, gg::Mode::plain, args, layout.num_tokens, w.intermediate, w.latent, workspace, workspace_bytes,
+      stream);
+}
+
+void dense_gemm_variant(GemmChoice choice, const DenseGemm& gemm, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream) {
+  LATENTMOE_CHECK(dense_gemm_supported(gemm), "dense GEMM: ", dtype_name(gemm.dtype), " [", gemm.rows, ", ", gemm.k,
+                  "] x [", gemm.n, ", ", gemm.k, "]^T (ldx ", gemm.ldx, ", ldo ", gemm.ldo,
+                  ") is not supported by the tensor-core kernel on this device");
+  LATENTMOE_CHECK(choice.variant != GemmVariant::simt && choice.variant != GemmVariant::wgmma,
+                  "dense GEMM: variant ", to_string(choice.variant), " has no dense form");
+  LATENTMOE_CHECK(!gemm.accumulate || gemm.epilogue == DenseEpilogue::plain,
+                  "dense GEMM: accumulate needs the plain epilogue");
+  gg::KernelArgs args;
+  args.a = gemm.x;
+  args.w0 = gemm.w0;
+  args.w1 = gemm.epilogue == DenseEpilogue::gated ? gemm.w1 : nullptr;
+  args.out = gemm.out;
+  args.num_experts = 1;
+  args.top_k = 1;
+  args.n = static_cast<int>(gemm.n);
+  args.k = static_cast<int>(gemm.k);
+  args.situ = gemm.act.activation == Activation::situ;
+  args.situ_beta = gemm.act.situ_beta;
+  args.situ_linear_beta = gemm.act.situ_linear_beta;
+  args.dense_rows = static_cast<int>(gemm.rows);
+  args.lda = gemm.ldx;
+  args.ldo = gemm.ldo;
+  args.accumulate = gemm.accumulate;
+  GemmVariant variant = choice.variant;
+  if (variant == GemmVariant::automatic) {
+    // Measured on an H200 (docs/PERFORMANCE.md): the smallest m-tile that holds the rows; split-K fills
+    // the GPU.
+    variant = gemm.rows <= 16 ? GemmVariant::mma_s
+              : gemm.rows <= 32 ? GemmVariant::mma_m32
+              : gemm.rows <= 64 ? GemmVariant::mma_m
+                                : GemmVariant::mma_l;
+  }
+  gg::MmaLaunch launch;
+  launch.max_rows = gemm.rows;
+  launch.num_tokens = gemm.rows;
+  launch.n_tiles_per_cta = choice.n_tiles_per_cta;
+  launch.sm_count = gg::sm_count();
+  launch.k_splits = choice.k_splits;
+  attach_split_k(launch, workspace, workspace_bytes);
+  const gg::Mode mode = gemm.epilogue == DenseEpilogue::gated   ? gg::Mode::gated
+                        : gemm.epilogue == DenseEpilogue::relu2 ? gg::Mode::relu2
+                                                                : gg::Mode::plain;
+  if (gemm.dtype == DType::bf16) {
+    gg::launch_mma_bf16(variant, mode, args, launch, stream);
+  } else {
+    gg::launch_mma_f16(variant, mode, args, launch, stream);
+  }
 }
 
 }  // namespace detail
@@ -253,14 +339,41 @@ void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, 
 void grouped_gate_up(DType dtype, const latentmoe::detail::ActivationParams& act, const void* z,
                      const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows, void* workspace,
                      size_t workspace_bytes, cudaStream_t stream) {
-  detail::grouped_gate_up_variant(detail::GemmVariant::automatic, dtype, act, z, layout, w, act_rows, stream);
+  detail::grouped_gate_up_variant(detail::GemmVariant::automatic, dtype, act, z, layout, w, act_rows, workspace,
+                                  workspace_bytes, stream);
 }
 
 void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, const ExpertGemmWeights& w, void* y_rows,
                   void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  detail::grouped_down_variant(detail::GemmVariant::automatic, dtype, act_rows, layout, w, y_rows, stream);
+  detail::grouped_down_variant(detail::GemmVariant::automatic, dtype, act_rows, layout, w, y_rows, workspace,
+                               workspace_bytes, stream);
 }
 
-size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts) { return 0; }
+size_t split_k_workspace_bytes() { return gg::kSplitKCounters * sizeof(int) + gg::kSplitKPartialBytes; }
+
+size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts) {
+  return split_k_workspace_bytes();
+}
+
+bool dense_gemm_supported(const DenseGemm& gemm) {
+  if (gemm.dtype != DType::bf16 && gemm.dtype != DType::f16) return false;
+  if (gemm.rows < 1 || gemm.rows > kDenseGemmMaxRows) return false;
+  if (gemm.n < 8 || gemm.k < 8 || gemm.n % 8 != 0 || gemm.k % 8 != 0) return false;
+  if (gemm.n >= (int64_t{1} << 30) || gemm.k >= (int64_t{1} << 30)) return false;
+  if (gemm.ldx < gemm.k || gemm.ldo < gemm.n || gemm.ldx % 8 != 0 || gemm.ldo % 8 != 0) return false;
+  const bool gated = gemm.epilogue == DenseEpilogue::gated;
+  if (gemm.x == nullptr || gemm.w0 == nullptr || gemm.out == nullptr || (gated && gemm.w1 == nullptr)) return false;
+  if (!detail::aligned16(gemm.x) || !detail::aligned16(gemm.w0) || !detail::aligned16(gemm.out) || (gated && !detail::aligned16(gemm.w1)))
+    return false;
+  try {
+    return gg::compute_capability() >= 80;
+  } catch (const Error&) {
+    return false;  // no usable device
+  }
+}
+
+void dense_gemm(const DenseGemm& gemm, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  detail::dense_gemm_variant(detail::GemmVariant::automatic, gemm, workspace, workspace_bytes, stream);
+}
 
 }  // namespace latentmoe::cuda

@@ -52,9 +52,41 @@ void grouped_gate_up(DType dtype, const latentmoe::detail::ActivationParams& act
 void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, const ExpertGemmWeights& w, void* y_rows,
                   void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
-// Workspace both functions need for up to max_tokens tokens. The current kernels find their tiles
-// without one and return 0; callers still pass (workspace, bytes) so that a later engine may use it.
+// Workspace of the split-K reduction (tile counters and fp32 partial sums), which the tensor-core
+// kernels use when a problem has too few output tiles to fill the GPU (decode-sized batches). The
+// same size for every shape. It must be zero-filled once before its first use (cudaMemset); every
+// launch leaves it zeroed again. One workspace serves one stream: grouped_gate_up and grouped_down
+// of the same stream may share it. With workspace == nullptr the kernels run without split-K.
 size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts);
+size_t split_k_workspace_bytes();
+
+// A dense GEMM of a few rows on the same tensor-core engine (decode-sized batches: the shared expert,
+// W_down, W_up), with the grouped kernels' epilogues: out = x·W0^T (+ out when accumulate), or
+// act(x·W0^T, x·W1^T) (gated: W0 the gate, W1 the up), or relu(x·W0^T)^2. fp32 accumulation, one rounding.
+// Split-K spreads the weights over every SM; the sum is deterministic (partials added in split order).
+enum class DenseEpilogue { plain, gated, relu2 };
+struct DenseGemm {
+  DType dtype = DType::bf16;  // of x, the weights and out (bf16 or f16)
+  DenseEpilogue epilogue = DenseEpilogue::plain;
+  latentmoe::detail::ActivationParams act;  // gated: silu or situ
+  int64_t rows = 0;                         // M
+  int64_t n = 0;                            // output columns (weight rows)
+  int64_t k = 0;                            // reduction length
+  const void* x = nullptr;                  // [rows, k], row stride ldx
+  int64_t ldx = 0;
+  const void* w0 = nullptr;  // [n, k] contiguous
+  const void* w1 = nullptr;  // [n, k] contiguous (gated only)
+  void* out = nullptr;       // [rows, n], row stride ldo
+  int64_t ldo = 0;
+  bool accumulate = false;  // plain only
+};
+// Rows up to which dense_gemm is offered (measured against cuBLASLt: docs/PERFORMANCE.md).
+constexpr int64_t kDenseGemmMaxRows = 256;
+// Whether dense_gemm runs this problem on this device: bf16/f16 on sm_80+, rows in [1, kDenseGemmMaxRows],
+// n, k, ldx and ldo multiples of 8, 16-byte aligned pointers, ldx >= k and ldo >= n. Never throws.
+bool dense_gemm_supported(const DenseGemm& gemm);
+// Throws latentmoe::Error when !dense_gemm_supported(gemm). workspace as for grouped_gate_up.
+void dense_gemm(const DenseGemm& gemm, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // --- For the benchmark and the tests: run one named kernel variant instead of the automatic choice.
 namespace detail {
@@ -73,12 +105,15 @@ enum class GemmVariant {
   wgmma,       // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N
 };
 
-// A variant and how many n-tiles one CTA computes (0: chosen from the shape).
+// A variant, how many n-tiles one CTA computes (0: chosen from the shape) and how many CTAs split the
+// reduction of one output tile (0: chosen from the shape; 1: no split-K; more needs a workspace large
+// enough, else the call throws). Split-K runs one n-tile per CTA.
 struct GemmChoice {
-  GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0)
-      : variant(v), n_tiles_per_cta(tiles_per_cta) {}
+  GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0, int splits = 0)
+      : variant(v), n_tiles_per_cta(tiles_per_cta), k_splits(splits) {}
   GemmVariant variant;
   int n_tiles_per_cta;
+  int k_splits;
 };
 
 std::string to_string(GemmVariant variant);
@@ -86,6 +121,10 @@ std::vector<GemmVariant> all_variants();
 // True when the current device can run GemmVariant::wgmma: compute capability 9.0 and a binary that
 // carries sm_90a code.
 bool wgmma_available();
+// Splits of the reduction for `ctas` output tiles of num_k_tiles k-tiles each, when `resident` CTAs fit
+// on the GPU at once: 1 when the tiles already fill it, else the count that best fills whole waves
+// (each split keeps at least 4 k-tiles).
+int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident);
 // The variant `automatic` resolves to for this problem on the current device.
 // gated: the gate/up projection of silu/situ (two weight matrices); false for relu2's and for down.
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
@@ -93,9 +132,12 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
 
 void grouped_gate_up_variant(GemmChoice choice, DType dtype, const latentmoe::detail::ActivationParams& act,
                              const void* z, const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows,
-                             cudaStream_t stream);
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream);
 void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, const MoeLayout& layout,
-                          const ExpertGemmWeights& w, void* y_rows, cudaStream_t stream);
+                          const ExpertGemmWeights& w, void* y_rows, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream);
+void dense_gemm_variant(GemmChoice choice, const DenseGemm& gemm, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
 
 }  // namespace detail
 }  // namespace latentmoe::cuda

@@ -20,7 +20,18 @@ struct MmaLaunch {
   bool trigger = false;           // let the next kernel launch early (sm_90, gate/up kernel)
   bool prefer_two_tiles = false;  // the down projection: two n-tiles per CTA where the grid stays full
   int sm_count = 0;
+  // Split-K (tensor-core kernels): 0 chosen from the shape, 1 off, > 1 forced; the workspace (null: off).
+  int k_splits = 0;
+  float* partials = nullptr;
+  size_t partial_floats = 0;
+  int* tile_counters = nullptr;
+  int64_t num_tile_counters = 0;
 };
+
+// The split-K workspace: tile counters, then fp32 partial sums.
+constexpr int64_t kSplitKCounters = 16384;
+constexpr size_t kSplitKPartialBytes = size_t{12} << 20;
+
 
 void launch_mma_bf16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
                      cudaStream_t stream);

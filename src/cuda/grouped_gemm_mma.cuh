@@ -147,13 +147,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   __shared__ TileInfo s_tile;
   __shared__ int s_scan[kThreads / 32];
   __shared__ int s_row_src[kBM];
+  __shared__ int s_is_last;
 
   if (args.trigger_dependents) grid_launch_dependents();
 
+  // blockIdx.x = (entry * n_groups + group) * k_splits + split: the splits of one output tile and the
+  // n-tile groups of one m-tile run together.
+  const int split = blockIdx.x % args.k_splits;
+  const int tile_index = blockIdx.x / args.k_splits;
   const int groups = args.n_groups;
-  const int entry = blockIdx.x / groups;
-  const int group = blockIdx.x - entry * groups;
-  if (!find_tile<kThreads>(args.expert_offsets, args.num_experts, kBM, entry, &s_tile, s_scan)) return;
+  const int entry = tile_index / groups;
+  const int group = tile_index - entry * groups;
+  if (args.expert_offsets == nullptr) {
+    if (entry * kBM >= args.dense_rows) return;  // uniform
+    if (threadIdx.x == 0) s_tile = TileInfo{0, entry * kBM, min(args.dense_rows, entry * kBM + kBM)};
+    __syncthreads();
+  } else if (!find_tile<kThreads>(args.expert_offsets, args.num_experts, kBM, entry, &s_tile, s_scan)) {
+    return;
+  }
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -168,7 +179,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   const int k = args.k;
   const int nt_first = group * args.n_tiles_per_cta;
   const int nt_count = min(args.n_tiles_per_cta, args.n_tiles - nt_first);
-  const int num_k_tiles = (k + kBK - 1) / kBK;
+  const int64_t lda = args.lda > 0 ? args.lda : k;
+  const int64_t ldo = args.ldo > 0 ? args.ldo : n;
+  // This CTA's k-tiles: [kt_first, kt_first + num_k_tiles) (all of them without split-K).
+  const int total_k_tiles = (k + kBK - 1) / kBK;
+  const int kt_first = args.k_splits > 1 ? split * args.k_tiles_per_split : 0;
+  const int num_k_tiles = args.k_splits > 1 ? min(args.k_tiles_per_split, total_k_tiles - kt_first) : total_k_tiles;
   const int num_steps = nt_count * num_k_tiles;
 
   const T* a_base = static_cast<const T*>(args.a);
@@ -193,7 +209,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
 
   auto load_b = [&](int stage, int step) {
     const int nt = step / num_k_tiles;
-    const int k0 = (step - nt * num_k_tiles) * kBK;
+    const int k0 = (kt_first + step - nt * num_k_tiles) * kBK;
     const int n0 = (nt_first + nt) * kOutPerTile;
     const bool k_ok = k0 + b_k_offset < k;
 #pragma unroll
@@ -209,7 +225,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   };
   // A: only rows of 16-row sub-tiles that hold valid rows (the others are never read).
   auto load_a = [&](int stage, int step) {
-    const int k0 = (step % num_k_tiles) * kBK;
+    const int k0 = (kt_first + step % num_k_tiles) * kBK;
     for (int c = tid; c < rows16 * kChunksK; c += kThreads) {
       const int row = c / kChunksK;
       const int chunk = c % kChunksK;
@@ -217,7 +233,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
       const int kk = k0 + chunk * 8;
       const bool ok = src >= 0 && kk < k;
       cp_async_16(s_a_u32 + (stage * kBM * kBK + swizzle<kBK>(row, chunk)) * 2,
-                  ok ? a_base + static_cast<size_t>(src) * k + kk : a_base, ok);
+                  ok ? a_base + static_cast<size_t>(src) * lda + kk : a_base, ok);
     }
   };
 
@@ -325,6 +341,43 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
     // After the last k-tile of n-tile nt: accumulator (i, j, q) is row warp_row0 + 16i + lane/4 (+8 for q >= 2),
     // column 8j + 2(lane%4) (+1 for odd q) of the warp's tile. Stored while the next n-tile's copies fly.
     const int out_col_warp = (nt_first + nt) * kOutPerTile + warp_n * (kGated ? kWarpN / 2 : kWarpN);
+    if (args.k_splits > 1) {
+      // Split-K: publish this split's sums; the last CTA of the tile adds all splits in order.
+      constexpr int kAccPerThread = kMt * kNt * 4;
+      const size_t tile_base = static_cast<size_t>(tile_index) * args.k_splits;
+      float* mine = args.partials + (tile_base + split) * (kAccPerThread * kThreads);
+#pragma unroll
+      for (int i = 0; i < kMt; ++i)
+#pragma unroll
+        for (int j = 0; j < kNt; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) __stcg(mine + ((i * kNt + j) * 4 + q) * kThreads + tid, acc[i][j][q]);
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) {
+        const int arrived = atomicAdd(args.tile_counters + tile_index, 1);
+        s_is_last = arrived == args.k_splits - 1;
+        if (s_is_last) args.tile_counters[tile_index] = 0;  // ready for the next launch
+      }
+      __syncthreads();
+      if (!s_is_last) break;  // uniform; nt_count is 1 with split-K
+      __threadfence();
+#pragma unroll
+      for (int i = 0; i < kMt; ++i)
+#pragma unroll
+        for (int j = 0; j < kNt; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+      for (int sp = 0; sp < args.k_splits; ++sp) {
+        const float* part = args.partials + (tile_base + sp) * (kAccPerThread * kThreads);
+#pragma unroll
+        for (int i = 0; i < kMt; ++i)
+#pragma unroll
+          for (int j = 0; j < kNt; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] += __ldcg(part + ((i * kNt + j) * 4 + q) * kThreads + tid);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kMt; ++i) {
       if (i >= mt_valid) continue;
@@ -332,7 +385,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
       for (int half = 0; half < 2; ++half) {
         const int row = warp_row0 + i * 16 + (lane >> 2) + half * 8;
         if (row >= rows) continue;
-        T* out_row = out + static_cast<size_t>(row_begin + row) * n;
+        T* out_row = out + static_cast<size_t>(row_begin + row) * ldo;
 #pragma unroll
         for (int j = 0; j < kOutTiles; ++j) {
           const int col = out_col_warp + j * 8 + 2 * (lane & 3);
@@ -347,6 +400,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
           } else {
             v0 = acc[i][j][half * 2 + 0];
             v1 = acc[i][j][half * 2 + 1];
+            if (args.accumulate) {
+              v0 += to_float<T>(out_row[col]);
+              v1 += to_float<T>(out_row[col + 1]);
+            }
           }
           *reinterpret_cast<uint32_t*>(out_row + col) = pack2<T>(v0, v1);
         }

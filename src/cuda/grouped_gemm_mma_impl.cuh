@@ -29,13 +29,49 @@ void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
   const int out_per_tile = kMode == Mode::gated ? Cfg::kBlockN / 2 : Cfg::kBlockN;
   args.n_tiles = (args.n + out_per_tile - 1) / out_per_tile;
   const int num_k_tiles = (args.k + Cfg::kBlockK - 1) / Cfg::kBlockK;
-  args.n_tiles_per_cta = launch.n_tiles_per_cta > 0 ? std::min(launch.n_tiles_per_cta, args.n_tiles)
-                                                    : choose_tiles_per_cta(args.n_tiles, num_k_tiles, Cfg::kStages,
-                                                                           Cfg::kBlockM, launch, args.num_experts);
+  const bool dense = args.expert_offsets == nullptr;
+  const int64_t entries = dense ? (args.dense_rows + Cfg::kBlockM - 1) / Cfg::kBlockM
+                                : tile_entries_bound(launch.max_rows, args.num_experts, Cfg::kBlockM);
+
+  // Split-K when the output tiles alone leave SMs idle (decode-sized batches).
+  int k_splits = 1;
+  if (launch.k_splits != 1 && launch.partials != nullptr) {
+    int64_t expected_ctas = entries * args.n_tiles;
+    if (!dense) {
+      const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(args.num_experts, launch.max_rows));
+      const int64_t mean_rows = (launch.max_rows + touched - 1) / touched;
+      expected_ctas = touched * ((mean_rows + Cfg::kBlockM - 1) / Cfg::kBlockM) * args.n_tiles;
+    }
+    const int64_t resident = int64_t{Cfg::kMinBlocks} * launch.sm_count;
+    k_splits = launch.k_splits > 1 ? std::min(launch.k_splits, num_k_tiles)
+                                   : detail::choose_k_splits(expected_ctas, num_k_tiles, resident);
+    auto fits = [&](int splits) {
+      const int64_t tiles = entries * args.n_tiles;
+      return tiles <= launch.num_tile_counters &&
+             static_cast<size_t>(tiles * splits) * Cfg::kBlockM * Cfg::kBlockN <= launch.partial_floats;
+    };
+    if (launch.k_splits > 1) {
+      LATENTMOE_CHECK(fits(k_splits), "grouped GEMM: the split-K workspace is too small for ", k_splits, " splits of ",
+                      entries * args.n_tiles, " tiles");
+    } else {
+      while (k_splits > 1 && !fits(k_splits)) --k_splits;
+    }
+  }
+  if (k_splits > 1) {
+    args.k_tiles_per_split = (num_k_tiles + k_splits - 1) / k_splits;
+    args.k_splits = (num_k_tiles + args.k_tiles_per_split - 1) / args.k_tiles_per_split;  // none empty
+    args.partials = launch.partials;
+    args.tile_counters = launch.tile_counters;
+    args.n_tiles_per_cta = 1;
+  } else {
+    args.k_splits = 1;
+    args.n_tiles_per_cta = launch.n_tiles_per_cta > 0 ? std::min(launch.n_tiles_per_cta, args.n_tiles)
+                                                      : choose_tiles_per_cta(args.n_tiles, num_k_tiles, Cfg::kStages,
+                                                                             Cfg::kBlockM, launch, args.num_experts);
+  }
   args.n_groups = (args.n_tiles + args.n_tiles_per_cta - 1) / args.n_tiles_per_cta;
   args.trigger_dependents = launch.trigger;
-  const int64_t entries = tile_entries_bound(launch.max_rows, args.num_experts, Cfg::kBlockM);
-  const int64_t blocks = entries * args.n_groups;
+  const int64_t blocks = entries * args.n_groups * args.k_splits;
   LATENTMOE_CHECK(blocks < (int64_t{1} << 31), "grouped GEMM: too many tiles (", blocks, ")");
 
   cudaLaunchConfig_t config = {};
