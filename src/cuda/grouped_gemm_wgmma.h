@@ -13,4 +13,8 @@ namespace latentmoe::cuda::gg {
 // detail::wgmma_available() is false). Same contract as the mma.sync kernels (grouped_gemm.h).
 void launch_wgmma(DType dtype, Mode mode, KernelArgs args, const MmaLaunch& launch, cudaStream_t stream);
 
+// Per element type (grouped_gemm_wgmma.cu, grouped_gemm_wgmma_f16.cu).
+void launch_wgmma_bf16(Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream);
+void launch_wgmma_f16(Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream);
+
 }  // namespace latentmoe::cuda::gg

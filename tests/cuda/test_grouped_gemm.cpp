@@ -353,7 +353,13 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_situ_t3_i192_l60_odd", DType::bf16, Activation::situ, 3, 5, 1, 2, 192, 60, -1},
         Case{"f32_situ_t17_i192_l200", DType::f32, Activation::situ, 17, 8, 1, 2, 192, 200, 2},
         Case{"f32_relu2_t1_i336_l1024", DType::f32, Activation::relu2, 1, 4, 0, 2, 336, 1024, -1},
-        Case{"f32_silu_t133_i336_l200", DType::f32, Activation::silu, 133, 12, 1, 3, 336, 200, -1}),
+        Case{"f32_silu_t133_i336_l200", DType::f32, Activation::silu, 133, 12, 1, 3, 336, 200, -1},
+        // Experts of 100-300 rows (several 128-row wgmma tiles and every N from 16 to 128), I_r and l
+        // multiples of 8 but not of 64 (partial n-tiles, a warpgroup with few or no valid weight rows, a
+        // partial last k-step).
+        Case{"bf16_situ_t300_i200_l264_heavy", DType::bf16, Activation::situ, 300, 8, 1, 2, 200, 264, 2},
+        Case{"f16_relu2_t160_i136_l456_heavy", DType::f16, Activation::relu2, 160, 4, 0, 2, 136, 456, 1},
+        Case{"bf16_silu_t257_i328_l136", DType::bf16, Activation::silu, 257, 6, 0, 3, 328, 136, -1}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 TEST(Cuda_GroupedGemm, graph_replay_with_new_layout) {
