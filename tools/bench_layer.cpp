@@ -4,8 +4,9 @@
 //   - weights and inputs are seeded random data made on the GPU (never zeros); router logits are
 //     U(-2, 2) with a correction bias of U(-1e-3, 1e-3), so each token's experts are close to
 //     uniformly random (the touched-expert counts are reported);
-//   - before every timed run the L2 is flushed by writing a buffer twice its size, so weights are
-//     read from HBM as they are in a real model whose other layers evict them;
+//   - before every timed run the L2 is flushed by reading a buffer twice its size, so weights are
+//     read from HBM as they are in a real model whose other layers evict them (reading, not
+//     writing: a memset would leave dirty lines whose write-back the timed kernels would pay for);
 //   - each phase is timed alone with CUDA events after warm-up; the median of the runs is reported;
 //   - floors: the fewest bytes a phase must move over the copy bandwidth, and its FLOPs over the GEMM
 //     rate; the larger is the floor; fraction_of_floor = floor / time (1.0 = at the ceiling). The
@@ -73,8 +74,10 @@ class Timer {
  public:
   Timer(cudaStream_t stream, size_t l2_bytes, detail::Backend& backend, int warmup, int iterations)
       : stream_(stream), warmup_(warmup), iterations_(iterations) {
-    flush_bytes_ = std::max<size_t>(2 * l2_bytes, 64u << 20);
+    flush_bytes_ = std::max<size_t>(2 * l2_bytes, 64u << 20) / 16 * 16;
     flush_ = backend.allocate(flush_bytes_);
+    sink_ = backend.allocate(16);
+    LATENTMOE_CUDA_CHECK(cudaMemsetAsync(flush_.get(), 0, flush_bytes_, stream));
     LATENTMOE_CUDA_CHECK(cudaEventCreate(&start_));
     LATENTMOE_CUDA_CHECK(cudaEventCreate(&stop_));
   }
@@ -87,7 +90,9 @@ class Timer {
   double median_us(Body&& body, bool flush = true) {
     std::vector<double> times;
     for (int run = 0; run < warmup_ + iterations_; ++run) {
-      if (flush) LATENTMOE_CUDA_CHECK(cudaMemsetAsync(flush_.get(), run & 0xff, flush_bytes_, stream_));
+      // Evict L2 by reading (a memset would leave it full of dirty lines, whose write-back to DRAM
+      // the timed kernels would pay for: up to 2x on a 50 MB phase).
+      if (flush) cuda::read_through(flush_.get(), flush_bytes_, static_cast<uint32_t*>(sink_.get()), stream_);
       LATENTMOE_CUDA_CHECK(cudaEventRecord(start_, stream_));
       body();
       LATENTMOE_CUDA_CHECK(cudaEventRecord(stop_, stream_));
@@ -104,6 +109,7 @@ class Timer {
   int warmup_, iterations_;
   size_t flush_bytes_;
   DeviceBuffer flush_;
+  DeviceBuffer sink_;
   cudaEvent_t start_{}, stop_{};
 };
 

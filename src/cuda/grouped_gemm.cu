@@ -87,23 +87,15 @@ int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, 
 namespace detail {
 
 int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident) {
-  if (ctas <= 0 || resident <= 0 || ctas >= resident) return 1;
-  // Each split keeps at least kMinKTiles k-tiles, so that its copy pipeline fills before it drains.
+  // The kernels are bound by streaming weights, and every CTA pays a fixed start (tile look-up, the
+  // first DRAM round trip) before it streams. So: no split while the tiles alone give most SMs a CTA;
+  // else as many splits as keep all CTAs in one wave (more bytes in flight, no second wave), each
+  // split keeping at least kMinKTiles k-tiles so that its copy pipeline fills before it drains.
   constexpr int kMinKTiles = 4;
-  const int max_splits = std::max(1, num_k_tiles / kMinKTiles);
-  // Fraction of the last wave's CTA slots that hold work; more splits only when clearly fuller.
-  auto fill = [&](int splits) {
-    const int64_t total = ctas * splits;
-    const int64_t waves = (total + resident - 1) / resident;
-    return static_cast<double>(total) / static_cast<double>(waves * resident);
-  };
-  int best = 1;
-  for (int splits = 2; splits <= max_splits; ++splits) {
-    if (fill(splits) > fill(best) + 0.02) best = splits;
-  }
-  return best;
+  if (ctas <= 0 || resident <= 0 || 2 * ctas > resident) return 1;
+  const int64_t max_splits = std::max(1, num_k_tiles / kMinKTiles);
+  return static_cast<int>(std::clamp<int64_t>(resident / ctas, 1, max_splits));
 }
-
 
 std::string to_string(GemmVariant variant) {
   switch (variant) {

@@ -122,8 +122,8 @@ std::vector<GemmVariant> all_variants();
 // carries sm_90a code.
 bool wgmma_available();
 // Splits of the reduction for `ctas` output tiles of num_k_tiles k-tiles each, when `resident` CTAs fit
-// on the GPU at once: 1 when the tiles already fill it, else the count that best fills whole waves
-// (each split keeps at least 4 k-tiles).
+// on the GPU at once: 1 when the tiles fill at least half of it, else as many as fit in one wave
+// (each split keeping at least 4 k-tiles).
 int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident);
 // The variant `automatic` resolves to for this problem on the current device.
 // gated: the gate/up projection of silu/situ (two weight matrices); false for relu2's and for down.

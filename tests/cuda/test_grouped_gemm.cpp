@@ -318,8 +318,10 @@ TEST_P(GroupedGemmCase, every_variant_matches_fp64_reference) {
     if (v == GemmVariant::wgmma && !detail::wgmma_available()) continue;
     choices.emplace_back(v);
     if (v != GemmVariant::simt) choices.emplace_back(v, 3);
-    // Split-K forced: 2 and 3 splits (the last split shorter when the k-tiles do not divide).
-    if (v != GemmVariant::simt && v != GemmVariant::wgmma) {
+    // Split-K forced: 2 and 3 splits (the last split shorter when the k-tiles do not divide), on the
+    // small-row variants split-K is chosen for (the larger ones' partial tiles outgrow the workspace).
+    if (v == GemmVariant::mma_s || v == GemmVariant::mma_s_wide || v == GemmVariant::mma_s_k128 ||
+        v == GemmVariant::mma_m32) {
       choices.emplace_back(v, 0, 2);
       choices.emplace_back(v, 0, 3);
     }
@@ -652,7 +654,9 @@ TEST(Cuda_DenseGemm, rejects_what_it_does_not_run) {
 
 TEST(Cuda_DenseGemm, split_choice_fills_waves) {
   EXPECT_EQ(detail::choose_k_splits(400, 112, 396), 1);  // the tiles fill the GPU already
-  EXPECT_EQ(detail::choose_k_splits(56, 112, 396), 7);   // 392 of 396 slots
+  EXPECT_EQ(detail::choose_k_splits(199, 112, 396), 1);  // over half of it
+  EXPECT_EQ(detail::choose_k_splits(56, 112, 396), 7);   // 392 CTAs: one wave
+  EXPECT_EQ(detail::choose_k_splits(112, 56, 396), 3);   // 336 CTAs, not a second wave
   EXPECT_EQ(detail::choose_k_splits(112, 12, 396), 3);   // capped: at least 4 k-tiles per split
   EXPECT_EQ(detail::choose_k_splits(56, 7, 396), 1);     // too short to split
   EXPECT_EQ(detail::choose_k_splits(0, 100, 396), 1);
