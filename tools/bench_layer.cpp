@@ -175,7 +175,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   const int num_matrices = config.is_gated() ? 3 : 2;
 
   cuda::CudaBackend backend(options.device);
-  if (options.dense_gemm == "cublaslt") backend.set_dense_gemm_max_rows(0);
+  if (options.dense_gemm == "cublaslt") backend.set_dense_mlp_max_rows(0);
   const auto stream = static_cast<cudaStream_t>(backend.stream());
   int l2_bytes = 0;
   LATENTMOE_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, options.device));
@@ -277,11 +277,13 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
       total.bytes += p.bytes;
       total.flops += p.flops;
     }
+    // As the runner orders it (src/core/tails.cpp): routing beside W_down, the shared expert beside
+    // the routed experts (two streams), then the tail.
     auto whole_layer = [&] {
-      backend.route(routing, logits, bias.view, ids, weights, zero);
-      backend.linear(x, down_proj.view, z, false);
-      backend.routed_experts(activation, z, ids, weights, experts, latent);
-      backend.dense_mlp(activation, x, shared, shared_out);
+      backend.run_overlapped([&] { backend.linear(x, down_proj.view, z, false); },
+                             [&] { backend.route(routing, logits, bias.view, ids, weights, zero); });
+      backend.run_overlapped([&] { backend.routed_experts(activation, z, ids, weights, experts, latent); },
+                             [&] { backend.dense_mlp(activation, x, shared, shared_out); });
       if (config.use_latent_norm) backend.rms_norm(latent, gamma.view, 1e-5f, normed);
       backend.linear(up_in, up_proj.view, out, false);
       backend.add(out, shared_out, out);

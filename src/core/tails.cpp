@@ -106,29 +106,38 @@ void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOut
   const TensorView topk_ids = rows_of(state.topk_ids, num_tokens);
   const TensorView topk_weights = rows_of(state.topk_weights, num_tokens);
   const TensorView zero_weight_sum = state.zero_weight_sum.view.slice_rows(0, num_tokens);
-  backend.route(state.routing, logits, state.score_bias.view, topk_ids, topk_weights, zero_weight_sum);
+  auto route = [&] {
+    backend.route(state.routing, logits, state.score_bias.view, topk_ids, topk_weights, zero_weight_sum);
+  };
 
-  // 2. The latent down-projection, unless the caller already ran it.
+  // 2. The latent down-projection, unless the caller already ran it. Routing does not need it, so the
+  // two run side by side (on a GPU the routing kernel hides behind the weight stream of W_down).
   TensorView latent_in = inputs.latent_states;
   if (!latent_in.defined()) {
     latent_in = rows_of(state.latent_in, num_tokens);
-    backend.linear(x, state.down_proj.view, latent_in, /*accumulate=*/false);
+    backend.run_overlapped([&] { backend.linear(x, state.down_proj.view, latent_in, /*accumulate=*/false); }, route);
+  } else {
+    route();
   }
 
-  // 3-4. This rank's routed experts: the un-reduced latent partial L_r.
+  // 3-4. This rank's routed experts: the un-reduced latent partial L_r; beside them (6.) this rank's
+  // shared-expert shard: the un-reduced partial S_r, which needs only x. Tier column_parallel writes
+  // S_r straight into the output, which its tail then accumulates into and reduces in place.
   TailTensors t;
   t.latent_partial = rows_of(state.latent_partial, num_tokens);
-  backend.routed_experts(state.activation, latent_in, topk_ids, topk_weights, routed_expert_weights(state),
-                         t.latent_partial);
-
-  // 6. This rank's shared-expert shard: the un-reduced partial S_r. Tier column_parallel writes it
-  // straight into the output, which its tail then accumulates into and reduces in place.
   t.out = outputs.output;
   t.latent_reduced = rows_of(state.latent_reduced, num_tokens);
   t.hidden_shard = rows_of(state.hidden_shard, num_tokens);
+  auto routed = [&] {
+    backend.routed_experts(state.activation, latent_in, topk_ids, topk_weights, routed_expert_weights(state),
+                           t.latent_partial);
+  };
   if (state.config.has_shared_expert()) {
     t.shared_partial = tier == TailTier::column_parallel ? t.out : rows_of(state.shared_partial, num_tokens);
-    backend.dense_mlp(state.activation, x, shared_expert_weights(state), t.shared_partial);
+    backend.run_overlapped(routed, [&] { backend.dense_mlp(state.activation, x, shared_expert_weights(state),
+                                                           t.shared_partial); });
+  } else {
+    routed();
   }
 
   // 5 + 8. The tail.
