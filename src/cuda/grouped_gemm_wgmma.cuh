@@ -38,12 +38,12 @@
 
 namespace latentmoe::cuda::gg {
 
-template <int kStages_>
+template <int kBlockM_, int kStages_>
 struct WgmmaConfig {
   static constexpr int kWarpGroups = 2;
   static constexpr int kThreads = kWarpGroups * 128;
   static constexpr int kWeightRows = kWarpGroups * 128;  // per n-tile: two m64 blocks per warpgroup
-  static constexpr int kBlockM = kWgmmaMaxN;             // expert rows per tile (the MMA's N, at most)
+  static constexpr int kBlockM = kBlockM_;               // expert rows per tile (the MMA's N, at most)
   static constexpr int kBlockK = 64;                     // one 128-byte swizzled row per weight or expert row
   static constexpr int kStages = kStages_;
   static constexpr int kRowBytes = kBlockK * 2;
@@ -51,6 +51,7 @@ struct WgmmaConfig {
   static constexpr int kStageBytes = kWeightBytes + kBlockM * kRowBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024
   static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzle atoms");
+  static_assert(kBlockM <= kWgmmaMaxN && kBlockM % 32 == 0, "rows per tile: at most the largest N, whole copy rounds");
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -67,6 +68,11 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+// Bulk prefetch of `bytes` (a multiple of 16, 16-byte aligned) into L2 with a cache policy.
+__device__ __forceinline__ void prefetch_l2(const void* p, int bytes, uint64_t policy) {
+  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n" ::"l"(p), "r"(bytes), "l"(policy));
+}
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -126,7 +132,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
   const int expert = s_tile.expert;
   const int row_begin = s_tile.row_begin;
   const int rows = s_tile.row_end - row_begin;
-  const int mma_n = (rows + 15) & ~15;
+  const int mma_n = (rows + 7) & ~7;  // the MMA's N
   const int n = args.n;
   const int k = args.k;
   const int nt_first = group * args.n_tiles_per_cta;
@@ -170,6 +176,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
                          weight_policy);
     }
   };
+
+  // One step beyond the copies: each thread asks the L2 for one weight row's 128 bytes of that step
+  // (evict-first like the copies), so that more DRAM reads are in flight than the shared-memory stages
+  // hold.
+  auto prefetch_weights = [&](int step) {
+    const int nt = nt_first + step / num_k_steps;
+    const int kc = (step % num_k_steps) * kBK;
+    const int r = tid;  // kThreads == kWeightRows
+    int col = nt * kOutPerTile + r;
+    const T* mat = w0;
+    if constexpr (kGated) {
+      col = nt * kOutPerTile + (r >> 7) * 64 + (r & 63);
+      if ((r >> 6) & 1) mat = w1;
+    }
+    if (col < n && kc < k) prefetch_l2(mat + static_cast<size_t>(col) * k + kc, min(kBK, k - kc) * 2, weight_policy);
+  };
+  static_assert(kThreads == Cfg::kWeightRows, "one prefetching thread per weight row");
 
   // The expert's rows: the source row of each of this thread's tile rows (nullptr past the tile's rows,
   // which are zero-filled up to mma_n and never copied beyond).
@@ -265,69 +288,69 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
   const uint32_t w_block0 = (2 * wg) * 64 * kRowBytes;  // this warpgroup's two m64 blocks in a weight tile
   const uint32_t w_block1 = (2 * wg + 1) * 64 * kRowBytes;
 
-  for (int step = 0; step < num_steps; ++step) {
-    const int ntl = step / num_k_steps;
-    const int kt = step - ntl * num_k_steps;
-    // Step `step` is complete when at most kStages - 2 later groups are pending; the first waits for the
-    // whole prologue (its row group was committed last).
-    if (step == 0) {
-      cp_async_wait<0>();
-    } else {
-      cp_async_wait<kStages - 2>();
-    }
-    fence_proxy_async_smem();
-    wgmma_wait_all();  // the previous step's wgmmas have read their stage
-    fence_accumulators(acc0);
-    fence_accumulators(acc1);
-    __syncthreads();
-    {
+  // One pipeline over (n-tile, k-step) steps: the copies run ahead across n-tile boundaries, so the
+  // epilogue of one n-tile overlaps the first copies of the next.
+  int step = 0;
+  for (int ntl = 0; ntl < nt_count; ++ntl) {
+    for (int kt = 0; kt < num_k_steps; ++kt, ++step) {
+      // Step `step` is complete when at most kStages - 2 later groups are pending; the first waits for
+      // the whole prologue (its row group was committed last).
+      if (step == 0) {
+        cp_async_wait<0>();
+      } else {
+        cp_async_wait<kStages - 2>();
+      }
+      fence_proxy_async_smem();
+      __syncthreads();  // every thread's copies of this step are visible to the async proxy
+      {
+        // Every warpgroup issues its wgmmas, also one whose weight rows are all past n (zero-filled; its
+        // results are not stored): a warpgroup-uniform branch around them makes ptxas serialize them.
+        const uint32_t stage = smem_base + (step % kStages) * Cfg::kStageBytes;
+        const uint64_t desc_w0 = sw128_desc(stage + w_block0);
+        const uint64_t desc_w1 = sw128_desc(stage + w_block1);
+        const uint64_t desc_x = sw128_desc(stage + Cfg::kWeightBytes);
+        const int accumulate = kt > 0 ? 1 : 0;
+        switch (mma_n >> 3) {
+#define LATENTMOE_WGMMA_CASE(N)                                          \
+  case N / 8:                                                            \
+    wgmma_stage<T, N>(acc0, acc1, desc_w0, desc_w1, desc_x, accumulate); \
+    break;
+          LATENTMOE_WGMMA_CASE(8)
+          LATENTMOE_WGMMA_CASE(16)
+          LATENTMOE_WGMMA_CASE(24)
+          LATENTMOE_WGMMA_CASE(32)
+          LATENTMOE_WGMMA_CASE(40)
+          LATENTMOE_WGMMA_CASE(48)
+          LATENTMOE_WGMMA_CASE(56)
+          LATENTMOE_WGMMA_CASE(64)
+          LATENTMOE_WGMMA_CASE(72)
+          LATENTMOE_WGMMA_CASE(80)
+          LATENTMOE_WGMMA_CASE(88)
+          LATENTMOE_WGMMA_CASE(96)
+#undef LATENTMOE_WGMMA_CASE
+          default:
+            break;
+        }
+        static_assert(kWgmmaMaxN == 96, "the dispatch above covers N = 8 .. 96");
+        wgmma_commit();
+      }
+      // The previous step's wgmmas (all warpgroups) have read their stage; this step's run while the
+      // copies of step + kStages - 1 are issued into that stage.
+      wgmma_wait_one();
+      __syncthreads();
       const int next = step + kStages - 1;
       if (next < num_steps) {
         load_weights(next % kStages, next);
         load_rows(next % kStages, next);
       }
       cp_async_commit();
+      if (next + 1 < num_steps) prefetch_weights(next + 1);
     }
-    if (kt == 0 && step > 0) epilogue(nt_first + ntl - 1);  // while the next n-tile's copies fly
-    if (wg_active(nt_first + ntl)) {
-      const uint32_t stage = smem_base + (step % kStages) * Cfg::kStageBytes;
-      const uint64_t desc_w0 = sw128_desc(stage + w_block0);
-      const uint64_t desc_w1 = sw128_desc(stage + w_block1);
-      const uint64_t desc_x = sw128_desc(stage + Cfg::kWeightBytes);
-      const int accumulate = kt > 0 ? 1 : 0;
-      switch (mma_n) {
-        case 16:
-          wgmma_stage<T, 16>(acc0, acc1, desc_w0, desc_w1, desc_x, accumulate);
-          break;
-        case 32:
-          wgmma_stage<T, 32>(acc0, acc1, desc_w0, desc_w1, desc_x, accumulate);
-          break;
-        case 48:
-          wgmma_stage<T, 48>(acc0, acc1, desc_w0, desc_w1, desc_x, accumulate);
-          break;
-        case 64:
-          wgmma_stage<T, 64>(acc0, acc1, desc_w0, desc_w1, desc_x, accumulate);
-          break;
-        case 80:
-          wgmma_stage<T, 80>(acc0, acc1, desc_w0, desc_w1, desc_x, accumulate);
-          break;
-        case 96:
-          wgmma_stage<T, 96>(acc0, acc1, desc_w0, desc_w1, desc_x, accumulate);
-          break;
-        case 112:
-          wgmma_stage<T, 112>(acc0, acc1, desc_w0, desc_w1, desc_x, accumulate);
-          break;
-        default:
-          wgmma_stage<T, 128>(acc0, acc1, desc_w0, desc_w1, desc_x, accumulate);
-          break;
-      }
-      wgmma_commit();
-    }
+    wgmma_wait_all();
+    fence_accumulators(acc0);
+    fence_accumulators(acc1);
+    epilogue(nt_first + ntl);
   }
-  wgmma_wait_all();
-  fence_accumulators(acc0);
-  fence_accumulators(acc1);
-  if (num_steps > 0) epilogue(nt_first + nt_count - 1);
   cp_async_wait<0>();
 #endif
 }
@@ -379,7 +402,9 @@ void launch_wgmma_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t str
   check_launch("grouped GEMM (wgmma kernel)");
 }
 
-using WgmmaCfg = WgmmaConfig<4>;  // 4 stages of 48 KB: 193 KB of shared memory, one CTA per SM
+// 96 rows per tile (an expert with more takes several tiles), 5 stages of 44 KB: 221 KB of shared memory,
+// one CTA per SM.
+using WgmmaCfg = WgmmaConfig<96, 5>;
 
 template <class T>
 void launch_wgmma_typed(Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
