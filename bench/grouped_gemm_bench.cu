@@ -324,15 +324,29 @@ std::string json_row(const Row& r) {
   return s;
 }
 
-// "mma_l" or "mma_l:ng4" (4 n-tiles per CTA); "automatic".
+// "mma_l", "mma_l:ng4" (4 n-tiles per CTA), "mma_s:ks2" (2 split-K CTAs per tile), "mma_s:ng1:ks1";
+// "automatic".
 GemmChoice parse_choice(const std::string& spec) {
   const size_t colon = spec.find(':');
   const std::string name = spec.substr(0, colon);
   int per_cta = 0;
-  if (colon != std::string::npos) per_cta = std::stoi(spec.substr(colon + 3));
-  if (name == "automatic") return GemmChoice(GemmVariant::automatic, per_cta);
+  int splits = 0;
+  for (size_t at = colon; at != std::string::npos;) {
+    const size_t next = spec.find(':', at + 1);
+    const std::string option = spec.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
+    if (option.rfind("ng", 0) == 0) {
+      per_cta = std::stoi(option.substr(2));
+    } else if (option.rfind("ks", 0) == 0) {
+      splits = std::stoi(option.substr(2));
+    } else {
+      std::fprintf(stderr, "unknown option %s in %s\n", option.c_str(), spec.c_str());
+      std::exit(2);
+    }
+    at = next;
+  }
+  if (name == "automatic") return GemmChoice(GemmVariant::automatic, per_cta, splits);
   for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
-    if (latentmoe::cuda::detail::to_string(v) == name) return GemmChoice(v, per_cta);
+    if (latentmoe::cuda::detail::to_string(v) == name) return GemmChoice(v, per_cta, splits);
   }
   std::fprintf(stderr, "unknown variant %s\n", spec.c_str());
   std::exit(2);
@@ -489,6 +503,7 @@ int main(int argc, char** argv) {
                     : v.variant;
             std::string name = latentmoe::cuda::detail::to_string(resolved);
             if (v.n_tiles_per_cta > 0) name += ":ng" + std::to_string(v.n_tiles_per_cta);
+            if (v.k_splits > 0) name += ":ks" + std::to_string(v.k_splits);
             return name;
           };
           r.gu_variant = resolve(false);

@@ -1,7 +1,10 @@
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
+#include "cuda/pdl.cuh"
 
 namespace latentmoe::cuda {
 
@@ -37,6 +40,27 @@ DeviceGuard::DeviceGuard(int ordinal) : ordinal_(ordinal) {
 
 DeviceGuard::~DeviceGuard() {
   if (previous_ >= 0 && previous_ != ordinal_) (void)cudaSetDevice(previous_);
+}
+
+bool pdl_supported() {
+  // Per device, read once (the attribute query is not free and this runs at every launch).
+  static std::atomic<int> cached[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  int value = cached[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    value = major >= 9 ? 1 : 2;
+    cached[device].store(value, std::memory_order_relaxed);
+  }
+  return value == 1;
 }
 
 }  // namespace latentmoe::cuda

@@ -4,6 +4,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/elementwise.cuh"
+#include "cuda/pdl.cuh"
 
 namespace latentmoe::cuda {
 namespace {
@@ -16,6 +17,7 @@ template <class T, int kVec>
 __global__ void add_kernel(const T* a, int64_t lda, const T* b, int64_t ldb, T* out, int64_t ldo, int64_t rows,
                            int64_t cols) {
   using V = Vec<T, kVec>;
+  pdl_wait();  // a programmatic dependent (src/cuda/pdl.cuh)
   const int64_t chunks = cols / kVec;
   const int64_t total = rows * chunks;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
@@ -29,6 +31,7 @@ __global__ void add_kernel(const T* a, int64_t lda, const T* b, int64_t ldb, T* 
     for (int v = 0; v < kVec; ++v) vo.values[v] = from_float<T>(to_float(va.values[v]) + to_float(vb.values[v]));
     *reinterpret_cast<V*>(out + r * ldo + c) = vo;
   }
+  pdl_trigger();
 }
 
 // Mixed dtypes: one element per thread, dtypes read at run time.
@@ -124,6 +127,7 @@ template <class Ty, class To, int kVec>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const Ty* y_rows, const int32_t* pair_rows, const float* weights, int top_k, To* out, int64_t ldo,
                    int64_t cols, int64_t vectors, int blocks_per_token) {
+  pdl_wait();  // a programmatic dependent of the down projection (src/cuda/pdl.cuh)
   const int64_t t = blockIdx.x / blocks_per_token;
   const int64_t vector = static_cast<int64_t>(blockIdx.x % blocks_per_token) * kCombineThreads + threadIdx.x;
   if (vector >= vectors) return;
@@ -185,13 +189,12 @@ void launch_add(const RowMatrix& a, const RowMatrix& b, const RowMatrix& out, cu
     const auto* pb = static_cast<const T*>(b.data);
     auto* po = static_cast<T*>(out.data);
     if (vectorised) {
-      add_kernel<T, kVec><<<grid_for(out.rows * out.cols / kVec, kThreads), kThreads, 0, stream>>>(
-          pa, a.ld, pb, b.ld, po, out.ld, out.rows, out.cols);
+      launch_dependent("add_kernel", add_kernel<T, kVec>, grid_for(out.rows * out.cols / kVec, kThreads), kThreads, 0,
+                       stream, pa, a.ld, pb, b.ld, po, out.ld, out.rows, out.cols);
     } else {
-      add_kernel<T, 1><<<grid_for(out.rows * out.cols, kThreads), kThreads, 0, stream>>>(pa, a.ld, pb, b.ld, po, out.ld,
-                                                                                         out.rows, out.cols);
+      launch_dependent("add_kernel", add_kernel<T, 1>, grid_for(out.rows * out.cols, kThreads), kThreads, 0, stream, pa,
+                       a.ld, pb, b.ld, po, out.ld, out.rows, out.cols);
     }
-    LATENTMOE_CUDA_CHECK_LAUNCH("add_kernel");
   });
 }
 
@@ -284,13 +287,12 @@ void launch_combine(DType y_dtype, const void* y_rows, const int32_t* pair_rows,
       const auto grid = static_cast<unsigned>(blocks);
       const auto per_token = static_cast<int>(blocks_per_token);
       if (vectorised) {
-        combine_kernel<Ty, To, kVec><<<grid, kCombineThreads, 0, stream>>>(y, pair_rows, weights, top_k, o, out.ld,
-                                                                           out.cols, vectors, per_token);
+        launch_dependent("combine_kernel", combine_kernel<Ty, To, kVec>, grid, kCombineThreads, 0, stream, y,
+                         pair_rows, weights, top_k, o, out.ld, out.cols, vectors, per_token);
       } else {
-        combine_kernel<Ty, To, 1><<<grid, kCombineThreads, 0, stream>>>(y, pair_rows, weights, top_k, o, out.ld,
-                                                                        out.cols, vectors, per_token);
+        launch_dependent("combine_kernel", combine_kernel<Ty, To, 1>, grid, kCombineThreads, 0, stream, y, pair_rows,
+                         weights, top_k, o, out.ld, out.cols, vectors, per_token);
       }
-      LATENTMOE_CUDA_CHECK_LAUNCH("combine_kernel");
     });
   });
 }

@@ -206,9 +206,15 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.max_rows = max_rows;
   launch.num_tokens = num_tokens;
   launch.n_tiles_per_cta = choice.n_tiles_per_cta;
+  // Programmatic dependent launches on sm_90 (src/cuda/pdl.cuh): the mma.sync gate/up kernel waits for
+  // the layout kernel before it looks up its tiles; the down kernel looks up its tiles (written two
+  // kernels back) and streams its first weights before it waits for gate/up. The wgmma gate/up kernel
+  // is launched plainly: it looks up its tiles before its wait.
   const bool hopper = gg::compute_capability() >= 90;
-  launch.programmatic = hopper && down;
-  launch.trigger = hopper && !down;
+  const bool wgmma_gate_up = variant == GemmVariant::wgmma && !down;
+  launch.programmatic = hopper && !wgmma_gate_up;
+  launch.wait_before_tile = launch.programmatic && !down;
+  launch.trigger = hopper && !(variant == GemmVariant::wgmma && down);
   launch.sm_count = gg::sm_count();
   launch.prefer_two_tiles = down;
   launch.k_splits = choice.k_splits;
@@ -312,6 +318,9 @@ void dense_gemm_variant(GemmChoice choice, const DenseGemm& gemm, void* workspac
   gg::MmaLaunch launch;
   launch.max_rows = gemm.rows;
   launch.num_tokens = gemm.rows;
+  // A programmatic dependent on sm_90: its first weight stages stream while the kernel before it ends.
+  launch.programmatic = gg::compute_capability() >= 90;
+  launch.trigger = launch.programmatic;
   launch.n_tiles_per_cta = choice.n_tiles_per_cta;
   launch.sm_count = gg::sm_count();
   launch.k_splits = choice.k_splits;

@@ -38,6 +38,10 @@ struct KernelArgs {
   int n_tiles_per_cta = 1;
   int n_groups = 1;
   bool trigger_dependents = false;
+  // Programmatic launch after the kernel that wrote expert_offsets (gate/up after the layout): wait
+  // for it before looking up the tile (src/cuda/pdl.cuh). Otherwise the tile look-up and the first
+  // weight stages run before the wait.
+  bool wait_before_tile = false;
 
   // Dense mode (expert_offsets == nullptr; tensor-core kernel only): one weight matrix (expert 0) and
   // dense_rows rows of A, with row strides lda and ldo (elements); plain mode may add into out.

@@ -16,8 +16,9 @@ struct MmaLaunch {
                                   // that many rows can make, and CTAs without a tile exit
   int64_t num_tokens = 0;         // T (an expert has at most T rows when top-k ids are distinct)
   int n_tiles_per_cta = 0;        // 0: chosen from the shape (choose_tiles_per_cta)
-  bool programmatic = false;      // launch with programmatic stream serialization (sm_90, down kernel)
-  bool trigger = false;           // let the next kernel launch early (sm_90, gate/up kernel)
+  bool programmatic = false;      // launch with programmatic stream serialization (sm_90)
+  bool wait_before_tile = false;  // programmatic, and expert_offsets come from the kernel just before
+  bool trigger = false;           // let the next kernel launch early (sm_90)
   bool prefer_two_tiles = false;  // the down projection: two n-tiles per CTA where the grid stays full
   int sm_count = 0;
   // Split-K (tensor-core kernels): 0 chosen from the shape, 1 off, > 1 forced; the workspace (null: off).

@@ -22,6 +22,7 @@
 #pragma once
 
 #include "cuda/grouped_gemm_common.cuh"
+#include "cuda/pdl.cuh"
 
 namespace latentmoe::cuda::gg {
 
@@ -149,7 +150,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   __shared__ int s_row_src[kBM];
   __shared__ int s_is_last;
 
-  if (args.trigger_dependents) grid_launch_dependents();
+  // Programmatic dependent launch (src/cuda/pdl.cuh). A kernel whose tiles come from the kernel just
+  // before it (gate/up after the layout) waits before it looks them up; the others (down, dense) find
+  // their tile and stream their first weight stages first. Every CTA waits before it exits, and
+  // triggers the next kernel only after its own wait.
+  if (args.wait_before_tile) {
+    pdl_wait();
+    if (args.trigger_dependents) pdl_trigger();
+  }
 
   // blockIdx.x = (entry * n_groups + group) * k_splits + split: the splits of one output tile and the
   // n-tile groups of one m-tile run together.
@@ -159,10 +167,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   const int entry = tile_index / groups;
   const int group = tile_index - entry * groups;
   if (args.expert_offsets == nullptr) {
-    if (entry * kBM >= args.dense_rows) return;  // uniform
+    if (entry * kBM >= args.dense_rows) {  // uniform
+      pdl_wait();
+      return;
+    }
     if (threadIdx.x == 0) s_tile = TileInfo{0, entry * kBM, min(args.dense_rows, entry * kBM + kBM)};
     __syncthreads();
   } else if (!find_tile<kThreads>(args.expert_offsets, args.num_experts, kBM, entry, &s_tile, s_scan)) {
+    pdl_wait();
     return;
   }
 
@@ -245,7 +257,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
     if (s < num_steps) load_b(s, s);
     cp_async_commit();
   }
-  grid_dependency_wait();
+  if (!args.wait_before_tile) {
+    pdl_wait();
+    if (args.trigger_dependents) pdl_trigger();
+  }
   for (int i = tid; i < kBM; i += kThreads) {
     int src = -1;
     if (i < rows) {

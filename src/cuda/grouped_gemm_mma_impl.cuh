@@ -71,6 +71,7 @@ void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
   }
   args.n_groups = (args.n_tiles + args.n_tiles_per_cta - 1) / args.n_tiles_per_cta;
   args.trigger_dependents = launch.trigger;
+  args.wait_before_tile = launch.wait_before_tile;
   const int64_t blocks = entries * args.n_groups * args.k_splits;
   LATENTMOE_CHECK(blocks < (int64_t{1} << 31), "grouped GEMM: too many tiles (", blocks, ")");
 

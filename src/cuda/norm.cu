@@ -2,6 +2,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/norm.cuh"
+#include "cuda/pdl.cuh"
 
 namespace latentmoe::cuda {
 namespace {
@@ -26,6 +27,7 @@ template <class Tin, class To, int kVec>
 __global__ void rms_norm_kernel(const Tin* in, int64_t ldi, const void* gamma, DType gamma_dtype, float eps, To* out,
                                 int64_t ldo, int64_t cols) {
   __shared__ float scratch[33];
+  pdl_wait();  // a programmatic dependent (src/cuda/pdl.cuh)
   using VIn = Vec<Tin, kVec>;
   using VOut = Vec<To, kVec>;
   const Tin* row = in + blockIdx.x * ldi;
@@ -53,6 +55,7 @@ __global__ void rms_norm_kernel(const Tin* in, int64_t ldi, const void* gamma, D
     }
     *reinterpret_cast<VOut*>(out_row + c) = o;
   }
+  pdl_trigger();
 }
 
 }  // namespace
@@ -76,13 +79,12 @@ void launch_rms_norm(const RowMatrix& in, const void* gamma, DType gamma_dtype, 
       const auto* pin = static_cast<const Tin*>(in.data);
       auto* pout = static_cast<To*>(out.data);
       if (vectorised) {
-        rms_norm_kernel<Tin, To, kVec>
-            <<<grid, threads, 0, stream>>>(pin, in.ld, gamma, gamma_dtype, eps, pout, out.ld, in.cols);
+        launch_dependent("rms_norm_kernel", rms_norm_kernel<Tin, To, kVec>, grid, threads, 0, stream, pin, in.ld, gamma,
+                         gamma_dtype, eps, pout, out.ld, in.cols);
       } else {
-        rms_norm_kernel<Tin, To, 1>
-            <<<grid, threads, 0, stream>>>(pin, in.ld, gamma, gamma_dtype, eps, pout, out.ld, in.cols);
+        launch_dependent("rms_norm_kernel", rms_norm_kernel<Tin, To, 1>, grid, threads, 0, stream, pin, in.ld, gamma,
+                         gamma_dtype, eps, pout, out.ld, in.cols);
       }
-      LATENTMOE_CUDA_CHECK_LAUNCH("rms_norm_kernel");
     });
   });
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "cuda/cuda_check.h"
+#include "cuda/pdl.cuh"
 #include "cuda/routing.cuh"
 #include "latentmoe/error.h"
 
@@ -229,6 +230,7 @@ __global__ void __launch_bounds__(1024) route_block_kernel(RouteKernelParams p) 
   const int64_t t = blockIdx.x;
   const float* logits = p.args.logits + t * p.args.ld_logits;
   if (tid == 0) num_chosen = 0;  // read after many barriers below
+  pdl_wait();  // a programmatic dependent (src/cuda/pdl.cuh); the logits may come from the kernel before
 
   float x[kSlots];
 #pragma unroll
@@ -380,6 +382,7 @@ __global__ void __launch_bounds__(1024) route_block_kernel(RouteKernelParams p) 
     }
   }
   __syncthreads();
+  pdl_trigger();  // the rest is one warp's ranking and stores
   if (tid >= 32) return;
   {
     const uint32_t my_key = lane < k ? chosen_key[lane] : 0u;
@@ -550,6 +553,7 @@ __global__ void layout_fused_kernel(const int32_t* ids, int num_pairs, int num_e
   int32_t* counts = shared_ints;
   int32_t* hist = counts + num_experts;
   int32_t* segment_ids = hist + static_cast<int64_t>(walkers) * num_experts;
+  pdl_wait();  // a programmatic dependent of the routing kernel (src/cuda/pdl.cuh)
   segment_prologue(ids, 0, num_pairs, walkers, num_experts, hist, segment_ids);
   walk_count(segment_ids, num_pairs, walkers, num_experts, hist);
   __syncthreads();
@@ -567,6 +571,7 @@ __global__ void layout_fused_kernel(const int32_t* ids, int num_pairs, int num_e
   if (threadIdx.x == 0) expert_offsets[num_experts] = total;
   __syncthreads();
   walk_scatter(segment_ids, num_pairs, walkers, num_experts, 0, hist, sorted_pairs, pair_rows);
+  pdl_trigger();
 }
 
 // Pass 1: segment_counts[s * E + e] = pairs of segment s routed to expert e.
@@ -708,21 +713,11 @@ void launch_route(const ::latentmoe::detail::RoutingParams& params, const RouteA
     const int threads = static_cast<int>(((num_outputs + slots - 1) / slots + 31) / 32 * 32);
     const size_t shared_bytes = block_shared_bytes;
     const auto blocks = static_cast<unsigned>(args.num_tokens);
-    switch (slots) {
-      case 1:
-        route_block_kernel<1><<<blocks, threads, shared_bytes, stream>>>(p);
-        break;
-      case 2:
-        route_block_kernel<2><<<blocks, threads, shared_bytes, stream>>>(p);
-        break;
-      case 3:
-        route_block_kernel<3><<<blocks, threads, shared_bytes, stream>>>(p);
-        break;
-      default:
-        route_block_kernel<4><<<blocks, threads, shared_bytes, stream>>>(p);
-        break;
-    }
-    LATENTMOE_CUDA_CHECK_LAUNCH("route_block_kernel");
+    auto* kernel = slots == 1 ? route_block_kernel<1>
+                   : slots == 2 ? route_block_kernel<2>
+                   : slots == 3 ? route_block_kernel<3>
+                                : route_block_kernel<4>;
+    launch_dependent("route_block_kernel", kernel, blocks, threads, shared_bytes, stream, p);
     return;
   }
 
@@ -790,9 +785,8 @@ MoeLayout build_moe_layout(const int32_t* topk_ids, int64_t num_tokens, int top_
   if (fused_walkers >= 1) {
     const size_t shared_bytes =
         static_cast<size_t>((1 + fused_walkers) * static_cast<int64_t>(num_experts) + num_pairs) * sizeof(int32_t);
-    layout_fused_kernel<<<1, kLayoutThreads, shared_bytes, stream>>>(
-        topk_ids, static_cast<int>(num_pairs), num_experts, fused_walkers, expert_offsets, sorted_pairs, pair_rows);
-    LATENTMOE_CUDA_CHECK_LAUNCH("layout_fused_kernel");
+    launch_dependent("layout_fused_kernel", layout_fused_kernel, 1, kLayoutThreads, shared_bytes, stream, topk_ids,
+                     static_cast<int>(num_pairs), num_experts, fused_walkers, expert_offsets, sorted_pairs, pair_rows);
     return layout;
   }
   const auto segments = static_cast<unsigned>(num_segments);
