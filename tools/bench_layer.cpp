@@ -175,7 +175,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   const int num_matrices = config.is_gated() ? 3 : 2;
 
   cuda::CudaBackend backend(options.device);
-  if (options.dense_gemm == "cublaslt") backend.set_dense_mlp_max_rows(0);
+  if (options.dense_gemm == "cublaslt") backend.set_dense_gemm_max_rows(0);
   const auto stream = static_cast<cudaStream_t>(backend.stream());
   int l2_bytes = 0;
   LATENTMOE_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, options.device));

@@ -80,8 +80,8 @@ struct CudaBackend::State {
   cudaEvent_t join = nullptr;
   std::unique_ptr<Blas> blas;
   DeviceBuffer blas_workspace[2];     // [0]: main stream, [1]: aux stream
-  DeviceBuffer split_k_workspace[2];  // dense_mlp's split-K counters and partials, per stream (zeroed once)
-  int64_t dense_mlp_max_rows = kDenseMlpMaxRows;
+  DeviceBuffer split_k_workspace[2];  // dense GEMMs' split-K counters and partials, per stream (zeroed once)
+  int64_t dense_gemm_max_rows = kDenseGemmDefaultMaxRows;
   int64_t num_allocations = 0;
 
   // Workspaces sized by prepare().
@@ -334,17 +334,35 @@ void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorV
   const RowMatrix out = as_rows(y, "linear output");
   LATENTMOE_CHECK(in.cols == weight.cols && out.rows == in.rows && out.cols == weight.rows, "CUDA linear: shapes ",
                   x.shape_string(), " x ", w.shape_string(), "^T -> ", y.shape_string(), " do not match");
-  // cuBLASLt at every row count: the tensor-core dense GEMM was measured no faster for one matrix
-  // (docs/PERFORMANCE.md); it pays off in dense_mlp, where it fuses gate, up and the activation.
+  // Decode-sized batches: the tensor-core dense GEMM, a programmatic dependent whose first weight
+  // stages stream while the kernel before it ends (docs/PERFORMANCE.md); cuBLASLt otherwise.
+  if (in.rows <= s.dense_gemm_max_rows && in.dtype == weight.dtype && in.dtype == out.dtype &&
+      weight.ld == weight.cols) {
+    DenseGemm gemm;
+    gemm.dtype = in.dtype;
+    gemm.rows = in.rows;
+    gemm.n = weight.rows;
+    gemm.k = in.cols;
+    gemm.x = in.data;
+    gemm.ldx = in.ld;
+    gemm.w0 = weight.data;
+    gemm.out = out.data;
+    gemm.ldo = out.ld;
+    gemm.accumulate = accumulate;
+    if (dense_gemm_supported(gemm)) {
+      dense_gemm(gemm, s.split_k_buffer(), split_k_workspace_bytes(), s.current);
+      return;
+    }
+  }
   GemmProblem problem{in.dtype, weight.dtype, out.dtype, in.rows,  weight.rows, in.cols,   in.data,
                       in.ld,    weight.data,  weight.ld, out.data, out.ld,      accumulate};
   s.blas->gemm(problem, s.blas_buffer(), kBlasWorkspaceBytes, s.current);
 }
 
-void CudaBackend::set_dense_mlp_max_rows(int64_t rows) {
-  LATENTMOE_CHECK(rows >= 0 && rows <= kDenseGemmMaxRows, "CUDA backend: dense MLP row limit ", rows,
+void CudaBackend::set_dense_gemm_max_rows(int64_t rows) {
+  LATENTMOE_CHECK(rows >= 0 && rows <= kDenseGemmMaxRows, "CUDA backend: dense GEMM row limit ", rows,
                   " is outside 0..", kDenseGemmMaxRows);
-  state_->dense_mlp_max_rows = rows;
+  state_->dense_gemm_max_rows = rows;
 }
 
 void CudaBackend::routed_experts(const ActivationParams& activation, const TensorView& z, const TensorView& topk_ids,
@@ -493,7 +511,7 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
     second.w0 = down.data;
     second.out = output.data;
     second.ldo = output.ld;
-    if (num_tokens <= s.dense_mlp_max_rows && dense_gemm_supported(first) && dense_gemm_supported(second)) {
+    if (num_tokens <= s.dense_gemm_max_rows && dense_gemm_supported(first) && dense_gemm_supported(second)) {
       dense_gemm(first, s.split_k_buffer(), split_k_workspace_bytes(), s.current);
       dense_gemm(second, s.split_k_buffer(), split_k_workspace_bytes(), s.current);
       return;
