@@ -1,25 +1,25 @@
 // The Hopper grouped GEMM (sm_90a): warpgroup MMA (wgmma) with the operands swapped. The weights are the
-// MMA's M side (64-row blocks) and the expert's rows its N side, N = the tile's rows rounded up to 16: a
+// MMA's M side (64-row blocks) and the expert's rows its N side, N = the tile's rows rounded up to 8: a
 // 73-row expert pads to 80, not to 128, and one CTA reads the expert's rows once for 256 weight rows.
 //
-// Tiles. A tile is up to kBlockM (128) rows of one expert (find_tile, as in the mma.sync kernel) against
+// Tiles. A tile is up to kBlockM (96) rows of one expert (find_tile, as in the mma.sync kernel) against
 // kWeightRows (256) weight rows: two warpgroups, each two m64 blocks (gated: 64 gate rows and the 64 up
 // rows of the same output columns, so the activation is applied in registers; relu2/plain: 128
 // consecutive weight rows). One CTA computes one tile against args.n_tiles_per_cta consecutive n-tiles
 // as one pipeline over (n-tile, k-step) steps, so the tile look-up and the pipeline fill are paid once.
 // The grid is 1-D, n-tile groups fastest, sized from the host's row bound; CTAs without a tile exit.
 //
-// Pipeline. kStages shared-memory stages of [256 weight rows][64 k] and [128 rows][64 k], 128-byte rows
+// Pipeline. kStages shared-memory stages of [256 weight rows][64 k] and [96 rows][64 k], 128-byte rows
 // in the canonical 128B-swizzle layout (16-byte chunk c of row r at r*128 + ((c ^ (r & 7)) * 16), 1024-byte
 // aligned 8-row atoms: what the wgmma descriptors below describe). Every thread copies (cp.async, the
 // weights evict-first in L2 with 256-byte fetches, the rows gathered through sorted_pairs, zero-filled past
 // the edges) and every warpgroup computes. Per step: wait for the step's copies, fence.proxy.async (the
-// copies are generic-proxy writes, wgmma reads through the async proxy), wait for the previous step's
-// wgmmas, barrier; then the copies of step + kStages - 1 go out into the buffer the previous step read,
-// and the step's wgmmas are issued asynchronously (they overlap the next step's wait for its copies).
+// copies are generic-proxy writes, wgmma reads through the async proxy), barrier; issue the step's
+// wgmmas; wait for the previous step's (wgmma.wait_group 1), barrier; then the copies of
+// step + kStages - 1 go into the stage the previous step read, while this step's wgmmas run.
 //
-// N is a compile-time constant of the instruction: the warpgroup dispatches (CTA-uniform) among
-// m64n{16..128}k16. The epilogue pairs lanes (shfl.xor 4) so that each thread stores two consecutive
+// N is a compile-time constant of the instruction: the warpgroups dispatch (CTA-uniform) among
+// m64n{8..96}k16. The epilogue pairs lanes (shfl.xor 4) so that each thread stores two consecutive
 // output columns of one row (4 bytes), and skips the padded rows.
 //
 // Programmatic dependent launch as in the mma.sync kernel: gate/up triggers the dependents at entry; down
@@ -69,10 +69,6 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-// Bulk prefetch of `bytes` (a multiple of 16, 16-byte aligned) into L2 with a cache policy.
-__device__ __forceinline__ void prefetch_l2(const void* p, int bytes, uint64_t policy) {
-  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n" ::"l"(p), "r"(bytes), "l"(policy));
-}
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -176,23 +172,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
                          weight_policy);
     }
   };
-
-  // One step beyond the copies: each thread asks the L2 for one weight row's 128 bytes of that step
-  // (evict-first like the copies), so that more DRAM reads are in flight than the shared-memory stages
-  // hold.
-  auto prefetch_weights = [&](int step) {
-    const int nt = nt_first + step / num_k_steps;
-    const int kc = (step % num_k_steps) * kBK;
-    const int r = tid;  // kThreads == kWeightRows
-    int col = nt * kOutPerTile + r;
-    const T* mat = w0;
-    if constexpr (kGated) {
-      col = nt * kOutPerTile + (r >> 7) * 64 + (r & 63);
-      if ((r >> 6) & 1) mat = w1;
-    }
-    if (col < n && kc < k) prefetch_l2(mat + static_cast<size_t>(col) * k + kc, min(kBK, k - kc) * 2, weight_policy);
-  };
-  static_assert(kThreads == Cfg::kWeightRows, "one prefetching thread per weight row");
 
   // The expert's rows: the source row of each of this thread's tile rows (nullptr past the tile's rows,
   // which are zero-filled up to mma_n and never copied beyond).
@@ -344,7 +323,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
         load_rows(next % kStages, next);
       }
       cp_async_commit();
-      if (next + 1 < num_steps) prefetch_weights(next + 1);
     }
     wgmma_wait_all();
     fence_accumulators(acc0);
