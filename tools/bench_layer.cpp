@@ -175,7 +175,6 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   const int num_matrices = config.is_gated() ? 3 : 2;
 
   cuda::CudaBackend backend(options.device);
-  if (options.dense_gemm == "cublaslt") backend.set_dense_gemm_max_rows(0);
   const auto stream = static_cast<cudaStream_t>(backend.stream());
   int l2_bytes = 0;
   LATENTMOE_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, options.device));
@@ -338,7 +337,6 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     row["total_fraction_of_floor"] = total.fraction_of_floor();
     row["graph_total_time_us"] = graph_total.time_us;
     row["graph_total_fraction_of_floor"] = graph_total.fraction_of_floor();
-    row["dense_gemm"] = options.dense_gemm;
     row["total_byte_floor_us"] = 1e6 * total.bytes / ceilings.copy_bytes_per_s;
     rows.push_back(row);
   }
@@ -359,8 +357,6 @@ void run_bench_layer(const BenchLayerOptions& options) {
   } else {
     detail::throw_error("--dtype must be bf16 or f16, got '", options.dtype, "'");
   }
-  LATENTMOE_CHECK(options.dense_gemm == "auto" || options.dense_gemm == "cublaslt",
-                  "--dense-gemm must be auto or cublaslt, got '", options.dense_gemm, "'");
   LATENTMOE_CHECK(cuda::cuda_device_count() > options.device && options.device >= 0, "bench layer: CUDA device ",
                   options.device, " is not present (", cuda::cuda_device_count(), " found)");
 
@@ -404,7 +400,6 @@ void run_bench_layer(const BenchLayerOptions& options) {
   join(options.tp_shards);
   repro_stream << " --tokens ";
   join(options.tokens);
-  if (options.dense_gemm != "auto") repro_stream << " --dense-gemm " << options.dense_gemm;
   const std::string repro = repro_stream.str();
   std::printf("# repro: %s\n", repro.c_str());
   report["repro"] = repro;

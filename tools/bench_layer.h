@@ -13,9 +13,6 @@ struct BenchLayerOptions {
   std::vector<int> tp_shards{8, 1};
   std::vector<int64_t> tokens{1, 8, 64, 256, 1024, 4096};
   std::string dtype = "bf16";
-  // Dense GEMMs (W_down, W_up, the shared expert) at few rows: "auto" (the backend's choice: the
-  // tensor-core dense GEMM up to kDenseGemmDefaultMaxRows) or "cublaslt" (always cuBLASLt, to compare).
-  std::string dense_gemm = "auto";
   int warmup = 3;
   int iterations = 20;
   int device = 0;

@@ -21,9 +21,6 @@ void register_bench_command(CLI::App& app) {
   layer->add_option("--warmup", options->warmup, "untimed runs per measurement")->check(CLI::Range(0, 1000));
   layer->add_option("--iterations", options->iterations, "timed runs per measurement (median)")
       ->check(CLI::Range(1, 10000));
-  layer->add_option("--dense-gemm", options->dense_gemm,
-                    "dense GEMMs at few rows: auto (the tensor-core dense GEMM) or cublaslt (for comparison)")
-      ->check(CLI::IsMember({"auto", "cublaslt"}));
   layer->add_option("--device", options->device, "CUDA device ordinal");
   layer->add_option("--seed", options->seed, "seed of the random weights and inputs");
   layer->add_option("--json", options->json_path, "write the results as JSON to this file");

@@ -79,9 +79,7 @@ struct CudaBackend::State {
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
   std::unique_ptr<Blas> blas;
-  DeviceBuffer blas_workspace[2];     // [0]: main stream, [1]: aux stream
-  DeviceBuffer split_k_workspace[2];  // dense GEMMs' split-K counters and partials, per stream (zeroed once)
-  int64_t dense_gemm_max_rows = kDenseGemmDefaultMaxRows;
+  DeviceBuffer blas_workspace[2];  // [0]: main stream, [1]: aux stream
   int64_t num_allocations = 0;
 
   // Workspaces sized by prepare().
@@ -100,7 +98,6 @@ struct CudaBackend::State {
 
   bool on_aux() const { return current == aux_stream; }
   void* blas_buffer() const { return blas_workspace[on_aux() ? 1 : 0].get(); }
-  void* split_k_buffer() const { return split_k_workspace[on_aux() ? 1 : 0].get(); }
 
   DeviceBuffer device_alloc(size_t bytes) {
     void* pointer = nullptr;
@@ -137,10 +134,6 @@ CudaBackend::CudaBackend(int device_ordinal) : state_(std::make_unique<State>())
   s.current = s.main_stream;
   s.blas = std::make_unique<Blas>();
   for (auto& buffer : s.blas_workspace) buffer = s.device_alloc(kBlasWorkspaceBytes);
-  for (auto& buffer : s.split_k_workspace) {
-    buffer = s.device_alloc(split_k_workspace_bytes());
-    LATENTMOE_CUDA_CHECK(cudaMemset(buffer.get(), 0, split_k_workspace_bytes()));
-  }
 }
 
 CudaBackend::~CudaBackend() {
@@ -155,7 +148,6 @@ CudaBackend::~CudaBackend() {
   s.dense_workspace = {};
   s.router_workspace = {};
   for (auto& buffer : s.blas_workspace) buffer = {};
-  for (auto& buffer : s.split_k_workspace) buffer = {};
   s.blas.reset();
   if (s.join != nullptr) (void)cudaEventDestroy(s.join);
   if (s.fork != nullptr) (void)cudaEventDestroy(s.fork);
@@ -334,35 +326,9 @@ void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorV
   const RowMatrix out = as_rows(y, "linear output");
   LATENTMOE_CHECK(in.cols == weight.cols && out.rows == in.rows && out.cols == weight.rows, "CUDA linear: shapes ",
                   x.shape_string(), " x ", w.shape_string(), "^T -> ", y.shape_string(), " do not match");
-  // Decode-sized batches: the tensor-core dense GEMM, a programmatic dependent whose first weight
-  // stages stream while the kernel before it ends (docs/PERFORMANCE.md); cuBLASLt otherwise.
-  if (in.rows <= s.dense_gemm_max_rows && in.dtype == weight.dtype && in.dtype == out.dtype &&
-      weight.ld == weight.cols) {
-    DenseGemm gemm;
-    gemm.dtype = in.dtype;
-    gemm.rows = in.rows;
-    gemm.n = weight.rows;
-    gemm.k = in.cols;
-    gemm.x = in.data;
-    gemm.ldx = in.ld;
-    gemm.w0 = weight.data;
-    gemm.out = out.data;
-    gemm.ldo = out.ld;
-    gemm.accumulate = accumulate;
-    if (dense_gemm_supported(gemm)) {
-      dense_gemm(gemm, s.split_k_buffer(), split_k_workspace_bytes(), s.current);
-      return;
-    }
-  }
   GemmProblem problem{in.dtype, weight.dtype, out.dtype, in.rows,  weight.rows, in.cols,   in.data,
                       in.ld,    weight.data,  weight.ld, out.data, out.ld,      accumulate};
   s.blas->gemm(problem, s.blas_buffer(), kBlasWorkspaceBytes, s.current);
-}
-
-void CudaBackend::set_dense_gemm_max_rows(int64_t rows) {
-  LATENTMOE_CHECK(rows >= 0 && rows <= kDenseGemmMaxRows, "CUDA backend: dense GEMM row limit ", rows,
-                  " is outside 0..", kDenseGemmMaxRows);
-  state_->dense_gemm_max_rows = rows;
 }
 
 void CudaBackend::routed_experts(const ActivationParams& activation, const TensorView& z, const TensorView& topk_ids,
@@ -484,39 +450,6 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
   auto* base = static_cast<char*>(s.dense_workspace.get());
   const RowMatrix gate_rows{base, x.dtype(), num_tokens, intermediate, intermediate};
   const RowMatrix up_rows{base + s.dense_half_bytes, x.dtype(), num_tokens, intermediate, intermediate};
-  // Decode-sized batches: gate, up and the activation in one tensor-core launch, then down.
-  const bool same_dtype = mlp.up.dtype() == x.dtype() && mlp.down.dtype() == x.dtype() && out.dtype() == x.dtype() &&
-                          (!gated || mlp.gate.dtype() == x.dtype());
-  if (same_dtype && up.ld == up.cols && down.ld == down.cols && (!gated || gate.ld == gate.cols)) {
-    DenseGemm first;
-    first.dtype = x.dtype();
-    first.epilogue = gated ? DenseEpilogue::gated : DenseEpilogue::relu2;
-    first.act = activation;
-    first.rows = num_tokens;
-    first.n = intermediate;
-    first.k = input.cols;
-    first.x = input.data;
-    first.ldx = input.ld;
-    first.w0 = gated ? gate.data : up.data;
-    first.w1 = gated ? up.data : nullptr;
-    first.out = gate_rows.data;
-    first.ldo = intermediate;
-    DenseGemm second;
-    second.dtype = x.dtype();
-    second.rows = num_tokens;
-    second.n = output.cols;
-    second.k = intermediate;
-    second.x = gate_rows.data;
-    second.ldx = intermediate;
-    second.w0 = down.data;
-    second.out = output.data;
-    second.ldo = output.ld;
-    if (num_tokens <= s.dense_gemm_max_rows && dense_gemm_supported(first) && dense_gemm_supported(second)) {
-      dense_gemm(first, s.split_k_buffer(), split_k_workspace_bytes(), s.current);
-      dense_gemm(second, s.split_k_buffer(), split_k_workspace_bytes(), s.current);
-      return;
-    }
-  }
   void* blas_buffer = s.blas_buffer();
   auto project = [&](const RowMatrix& a, const RowMatrix& w, const RowMatrix& y) {
     GemmProblem problem{a.dtype, w.dtype, y.dtype, a.rows, w.rows, a.cols, a.data,

@@ -40,10 +40,6 @@ struct WorkspaceSpec {
   int64_t dense_intermediate = 0;   // Is / tp; 0: no dense MLP
 };
 
-// Rows up to which linear() and dense_mlp() use the tensor-core dense GEMM by default (measured on an
-// H200: faster than cuBLASLt at 1 and 8 tokens inside the layer, slower from 64).
-constexpr int64_t kDenseGemmDefaultMaxRows = 16;
-
 class CudaBackend final : public ::latentmoe::detail::Backend {
  public:
   // Throws Error when the device does not exist or a CUDA/cuBLAS call fails.
@@ -86,12 +82,6 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // main stream with events (capturable). routed_experts and dense_mlp each own one workspace, so
   // each may run on one of the two streams per call, not on both (checked).
   void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) override;
-
-  // Rows up to which linear() and dense_mlp() run on the tensor-core dense GEMM (dense_gemm in
-  // cuda/grouped_gemm.h; for dense_mlp gate, up and the activation in one launch, then down) instead
-  // of cuBLASLt, where it takes the problem (16-bit, every dtype equal, shapes multiples of 8).
-  // Default kDenseGemmDefaultMaxRows (docs/PERFORMANCE.md); 0: always cuBLASLt.
-  void set_dense_gemm_max_rows(int64_t rows);
 
   int device_ordinal() const;
   // cudaMalloc calls made so far (allocate() and internal workspaces); forward adds none.

@@ -281,60 +281,6 @@ void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, 
       stream);
 }
 
-void dense_gemm_variant(GemmChoice choice, const DenseGemm& gemm, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream) {
-  LATENTMOE_CHECK(dense_gemm_supported(gemm), "dense GEMM: ", dtype_name(gemm.dtype), " [", gemm.rows, ", ", gemm.k,
-                  "] x [", gemm.n, ", ", gemm.k, "]^T (ldx ", gemm.ldx, ", ldo ", gemm.ldo,
-                  ") is not supported by the tensor-core kernel on this device");
-  LATENTMOE_CHECK(choice.variant != GemmVariant::simt && choice.variant != GemmVariant::wgmma,
-                  "dense GEMM: variant ", to_string(choice.variant), " has no dense form");
-  LATENTMOE_CHECK(!gemm.accumulate || gemm.epilogue == DenseEpilogue::plain,
-                  "dense GEMM: accumulate needs the plain epilogue");
-  gg::KernelArgs args;
-  args.a = gemm.x;
-  args.w0 = gemm.w0;
-  args.w1 = gemm.epilogue == DenseEpilogue::gated ? gemm.w1 : nullptr;
-  args.out = gemm.out;
-  args.num_experts = 1;
-  args.top_k = 1;
-  args.n = static_cast<int>(gemm.n);
-  args.k = static_cast<int>(gemm.k);
-  args.situ = gemm.act.activation == Activation::situ;
-  args.situ_beta = gemm.act.situ_beta;
-  args.situ_linear_beta = gemm.act.situ_linear_beta;
-  args.dense_rows = static_cast<int>(gemm.rows);
-  args.lda = gemm.ldx;
-  args.ldo = gemm.ldo;
-  args.accumulate = gemm.accumulate;
-  GemmVariant variant = choice.variant;
-  if (variant == GemmVariant::automatic) {
-    // Measured on an H200 (docs/PERFORMANCE.md): the smallest m-tile that holds the rows; split-K fills
-    // the GPU.
-    variant = gemm.rows <= 16 ? GemmVariant::mma_s
-              : gemm.rows <= 32 ? GemmVariant::mma_m32
-              : gemm.rows <= 64 ? GemmVariant::mma_m
-                                : GemmVariant::mma_l;
-  }
-  gg::MmaLaunch launch;
-  launch.max_rows = gemm.rows;
-  launch.num_tokens = gemm.rows;
-  // A programmatic dependent on sm_90: its first weight stages stream while the kernel before it ends.
-  launch.programmatic = gg::compute_capability() >= 90;
-  launch.trigger = launch.programmatic;
-  launch.n_tiles_per_cta = choice.n_tiles_per_cta;
-  launch.sm_count = gg::sm_count();
-  launch.k_splits = choice.k_splits;
-  attach_split_k(launch, workspace, workspace_bytes);
-  const gg::Mode mode = gemm.epilogue == DenseEpilogue::gated   ? gg::Mode::gated
-                        : gemm.epilogue == DenseEpilogue::relu2 ? gg::Mode::relu2
-                                                                : gg::Mode::plain;
-  if (gemm.dtype == DType::bf16) {
-    gg::launch_mma_bf16(variant, mode, args, launch, stream);
-  } else {
-    gg::launch_mma_f16(variant, mode, args, launch, stream);
-  }
-}
-
 }  // namespace detail
 
 void grouped_gate_up(DType dtype, const latentmoe::detail::ActivationParams& act, const void* z,
@@ -354,27 +300,6 @@ size_t split_k_workspace_bytes() { return gg::kSplitKCounters * sizeof(int) + gg
 
 size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts) {
   return split_k_workspace_bytes();
-}
-
-bool dense_gemm_supported(const DenseGemm& gemm) {
-  if (gemm.dtype != DType::bf16 && gemm.dtype != DType::f16) return false;
-  if (gemm.rows < 1 || gemm.rows > kDenseGemmMaxRows) return false;
-  if (gemm.n < 8 || gemm.k < 8 || gemm.n % 8 != 0 || gemm.k % 8 != 0) return false;
-  if (gemm.n >= (int64_t{1} << 30) || gemm.k >= (int64_t{1} << 30)) return false;
-  if (gemm.ldx < gemm.k || gemm.ldo < gemm.n || gemm.ldx % 8 != 0 || gemm.ldo % 8 != 0) return false;
-  const bool gated = gemm.epilogue == DenseEpilogue::gated;
-  if (gemm.x == nullptr || gemm.w0 == nullptr || gemm.out == nullptr || (gated && gemm.w1 == nullptr)) return false;
-  if (!detail::aligned16(gemm.x) || !detail::aligned16(gemm.w0) || !detail::aligned16(gemm.out) || (gated && !detail::aligned16(gemm.w1)))
-    return false;
-  try {
-    return gg::compute_capability() >= 80;
-  } catch (const Error&) {
-    return false;  // no usable device
-  }
-}
-
-void dense_gemm(const DenseGemm& gemm, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  detail::dense_gemm_variant(detail::GemmVariant::automatic, gemm, workspace, workspace_bytes, stream);
 }
 
 }  // namespace latentmoe::cuda

@@ -60,34 +60,6 @@ void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, co
 size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts);
 size_t split_k_workspace_bytes();
 
-// A dense GEMM of a few rows on the same tensor-core engine (decode-sized batches: the shared expert,
-// W_down, W_up), with the grouped kernels' epilogues: out = x·W0^T (+ out when accumulate), or
-// act(x·W0^T, x·W1^T) (gated: W0 the gate, W1 the up), or relu(x·W0^T)^2. fp32 accumulation, one rounding.
-// Split-K spreads the weights over every SM; the sum is deterministic (partials added in split order).
-enum class DenseEpilogue { plain, gated, relu2 };
-struct DenseGemm {
-  DType dtype = DType::bf16;  // of x, the weights and out (bf16 or f16)
-  DenseEpilogue epilogue = DenseEpilogue::plain;
-  latentmoe::detail::ActivationParams act;  // gated: silu or situ
-  int64_t rows = 0;                         // M
-  int64_t n = 0;                            // output columns (weight rows)
-  int64_t k = 0;                            // reduction length
-  const void* x = nullptr;                  // [rows, k], row stride ldx
-  int64_t ldx = 0;
-  const void* w0 = nullptr;  // [n, k] contiguous
-  const void* w1 = nullptr;  // [n, k] contiguous (gated only)
-  void* out = nullptr;       // [rows, n], row stride ldo
-  int64_t ldo = 0;
-  bool accumulate = false;  // plain only
-};
-// Rows up to which dense_gemm is offered (measured against cuBLASLt: docs/PERFORMANCE.md).
-constexpr int64_t kDenseGemmMaxRows = 256;
-// Whether dense_gemm runs this problem on this device: bf16/f16 on sm_80+, rows in [1, kDenseGemmMaxRows],
-// n, k, ldx and ldo multiples of 8, 16-byte aligned pointers, ldx >= k and ldo >= n. Never throws.
-bool dense_gemm_supported(const DenseGemm& gemm);
-// Throws latentmoe::Error when !dense_gemm_supported(gemm). workspace as for grouped_gate_up.
-void dense_gemm(const DenseGemm& gemm, void* workspace, size_t workspace_bytes, cudaStream_t stream);
-
 // --- For the benchmark and the tests: run one named kernel variant instead of the automatic choice.
 namespace detail {
 
@@ -136,8 +108,6 @@ void grouped_gate_up_variant(GemmChoice choice, DType dtype, const latentmoe::de
 void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, const MoeLayout& layout,
                           const ExpertGemmWeights& w, void* y_rows, void* workspace, size_t workspace_bytes,
                           cudaStream_t stream);
-void dense_gemm_variant(GemmChoice choice, const DenseGemm& gemm, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream);
 
 }  // namespace detail
 }  // namespace latentmoe::cuda

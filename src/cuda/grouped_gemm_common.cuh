@@ -43,13 +43,6 @@ struct KernelArgs {
   // weight stages run before the wait.
   bool wait_before_tile = false;
 
-  // Dense mode (expert_offsets == nullptr; tensor-core kernel only): one weight matrix (expert 0) and
-  // dense_rows rows of A, with row strides lda and ldo (elements); plain mode may add into out.
-  int dense_rows = 0;
-  int64_t lda = 0;  // 0: k
-  int64_t ldo = 0;  // 0: n
-  bool accumulate = false;
-
   // Split-K (tensor-core kernel only; then n_tiles_per_cta is 1): the k_splits CTAs of one output tile
   // each cover k_tiles_per_split k-tiles and store their fp32 sums in `partials`; the last of them to
   // arrive (counted in tile_counters, which it resets to 0) adds all of them in split order and runs the

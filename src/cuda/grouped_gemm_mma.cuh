@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   __shared__ int s_is_last;
 
   // Programmatic dependent launch (src/cuda/pdl.cuh). A kernel whose tiles come from the kernel just
-  // before it (gate/up after the layout) waits before it looks them up; the others (down, dense) find
+  // before it (gate/up after the layout) waits before it looks them up; the other (down) finds
   // their tile and stream their first weight stages first. Every CTA waits before it exits, and
   // triggers the next kernel only after its own wait.
   if (args.wait_before_tile) {
@@ -166,14 +166,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   const int groups = args.n_groups;
   const int entry = tile_index / groups;
   const int group = tile_index - entry * groups;
-  if (args.expert_offsets == nullptr) {
-    if (entry * kBM >= args.dense_rows) {  // uniform
-      pdl_wait();
-      return;
-    }
-    if (threadIdx.x == 0) s_tile = TileInfo{0, entry * kBM, min(args.dense_rows, entry * kBM + kBM)};
-    __syncthreads();
-  } else if (!find_tile<kThreads>(args.expert_offsets, args.num_experts, kBM, entry, &s_tile, s_scan)) {
+  if (!find_tile<kThreads>(args.expert_offsets, args.num_experts, kBM, entry, &s_tile, s_scan)) {
     pdl_wait();
     return;
   }
@@ -191,8 +184,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   const int k = args.k;
   const int nt_first = group * args.n_tiles_per_cta;
   const int nt_count = min(args.n_tiles_per_cta, args.n_tiles - nt_first);
-  const int64_t lda = args.lda > 0 ? args.lda : k;
-  const int64_t ldo = args.ldo > 0 ? args.ldo : n;
   // This CTA's k-tiles: [kt_first, kt_first + num_k_tiles) (all of them without split-K).
   const int total_k_tiles = (k + kBK - 1) / kBK;
   const int kt_first = args.k_splits > 1 ? split * args.k_tiles_per_split : 0;
@@ -245,7 +236,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
       const int kk = k0 + chunk * 8;
       const bool ok = src >= 0 && kk < k;
       cp_async_16(s_a_u32 + (stage * kBM * kBK + swizzle<kBK>(row, chunk)) * 2,
-                  ok ? a_base + static_cast<size_t>(src) * lda + kk : a_base, ok);
+                  ok ? a_base + static_cast<size_t>(src) * k + kk : a_base, ok);
     }
   };
 
@@ -400,7 +391,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
       for (int half = 0; half < 2; ++half) {
         const int row = warp_row0 + i * 16 + (lane >> 2) + half * 8;
         if (row >= rows) continue;
-        T* out_row = out + static_cast<size_t>(row_begin + row) * ldo;
+        T* out_row = out + static_cast<size_t>(row_begin + row) * n;
 #pragma unroll
         for (int j = 0; j < kOutTiles; ++j) {
           const int col = out_col_warp + j * 8 + 2 * (lane & 3);
@@ -415,10 +406,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
           } else {
             v0 = acc[i][j][half * 2 + 0];
             v1 = acc[i][j][half * 2 + 1];
-            if (args.accumulate) {
-              v0 += to_float<T>(out_row[col]);
-              v1 += to_float<T>(out_row[col + 1]);
-            }
           }
           *reinterpret_cast<uint32_t*>(out_row + col) = pack2<T>(v0, v1);
         }

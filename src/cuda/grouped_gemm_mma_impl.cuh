@@ -29,19 +29,15 @@ void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
   const int out_per_tile = kMode == Mode::gated ? Cfg::kBlockN / 2 : Cfg::kBlockN;
   args.n_tiles = (args.n + out_per_tile - 1) / out_per_tile;
   const int num_k_tiles = (args.k + Cfg::kBlockK - 1) / Cfg::kBlockK;
-  const bool dense = args.expert_offsets == nullptr;
-  const int64_t entries = dense ? (args.dense_rows + Cfg::kBlockM - 1) / Cfg::kBlockM
-                                : tile_entries_bound(launch.max_rows, args.num_experts, Cfg::kBlockM);
+  const int64_t entries = tile_entries_bound(launch.max_rows, args.num_experts, Cfg::kBlockM);
 
   // Split-K when the output tiles alone leave SMs idle (decode-sized batches).
   int k_splits = 1;
   if (launch.k_splits != 1 && launch.partials != nullptr) {
-    int64_t expected_ctas = entries * args.n_tiles;
-    if (!dense) {
-      const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(args.num_experts, launch.max_rows));
-      const int64_t mean_rows = (launch.max_rows + touched - 1) / touched;
-      expected_ctas = touched * ((mean_rows + Cfg::kBlockM - 1) / Cfg::kBlockM) * args.n_tiles;
-    }
+    // Expected CTAs: touched experts times the m-tiles of an average one, times the n-tiles.
+    const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(args.num_experts, launch.max_rows));
+    const int64_t mean_rows = (launch.max_rows + touched - 1) / touched;
+    const int64_t expected_ctas = touched * ((mean_rows + Cfg::kBlockM - 1) / Cfg::kBlockM) * args.n_tiles;
     const int64_t resident = int64_t{Cfg::kMinBlocks} * launch.sm_count;
     k_splits = launch.k_splits > 1 ? std::min(launch.k_splits, num_k_tiles)
                                    : detail::choose_k_splits(expected_ctas, num_k_tiles, resident);

@@ -442,217 +442,33 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
 }
 
 
-// --- The dense GEMM of few rows (dense_gemm) on the same engine, with split-K.
-
-struct DenseCase {
-  std::string name;
-  DType dtype;
-  DenseEpilogue epilogue;
-  Activation activation;  // gated: silu or situ
-  int64_t rows, n, k;
-  int64_t ldx_pad, ldo_pad;  // extra columns of x and out (strided rows)
-  bool accumulate;
-};
-
-std::ostream& operator<<(std::ostream& os, const DenseCase& c) { return os << c.name; }
-
-class DenseProblem {
- public:
-  explicit DenseProblem(const DenseCase& c) : c_(c), rng_(4321u + static_cast<uint32_t>(c.rows * 7 + c.n)) {
-    act_.activation = c.activation;
-    ldx_ = c.k + c.ldx_pad;
-    ldo_ = c.n + c.ldo_pad;
-    const float w_scale = 1.0f / std::sqrt(static_cast<float>(c.k));
-    x_ = random_array(c.dtype, c.rows * ldx_, 1.0f, rng_);
-    w0_ = random_array(c.dtype, c.n * c.k, 2.0f * w_scale, rng_);
-    if (c.epilogue == DenseEpilogue::gated) w1_ = random_array(c.dtype, c.n * c.k, 2.0f * w_scale, rng_);
-    out0_ = random_array(c.dtype, c.rows * ldo_, 1.0f, rng_);  // what accumulate adds to
-    d_x_ = upload(x_);
-    d_w0_ = upload(w0_);
-    if (c.epilogue == DenseEpilogue::gated) d_w1_ = upload(w1_);
-    d_out_ = std::make_unique<DeviceMem>(out0_.bytes.size());
-    d_workspace_ = std::make_unique<DeviceMem>(split_k_workspace_bytes());
-    cudaMemset(d_workspace_->get(), 0, d_workspace_->bytes());
-  }
-
-  DenseGemm gemm() const {
-    DenseGemm g;
-    g.dtype = c_.dtype;
-    g.epilogue = c_.epilogue;
-    g.act = act_;
-    g.rows = c_.rows;
-    g.n = c_.n;
-    g.k = c_.k;
-    g.x = d_x_->get();
-    g.ldx = ldx_;
-    g.w0 = d_w0_->get();
-    g.w1 = d_w1_ ? d_w1_->get() : nullptr;
-    g.out = d_out_->get();
-    g.ldo = ldo_;
-    g.accumulate = c_.accumulate;
-    return g;
-  }
-
-  // Output rows hold their start values (accumulate) or NaN; padding columns always NaN.
-  void reset_output() {
-    std::vector<unsigned char> bytes = out0_.bytes;
-    for (int64_t r = 0; r < c_.rows; ++r) {
-      for (int64_t col = 0; col < ldo_; ++col) {
-        if (!c_.accumulate || col >= c_.n) store_from_float(bytes.data(), c_.dtype, r * ldo_ + col, NAN);
-      }
-    }
-    cudaMemcpy(d_out_->get(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
-  }
-
-  void run(GemmChoice choice, cudaStream_t stream) {
-    detail::dense_gemm_variant(choice, gemm(), d_workspace_->get(), d_workspace_->bytes(), stream);
-  }
-
-  void check(const std::string& what) {
-    std::vector<unsigned char> bytes(out0_.bytes.size());
-    ASSERT_EQ(cudaMemcpy(bytes.data(), d_out_->get(), bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    double err = 0, norm = 0;
-    int64_t unwritten = 0, padding_written = 0;
-    for (int64_t r = 0; r < c_.rows; ++r) {
-      const double* x = &x_.values[r * ldx_];
-      for (int64_t col = 0; col < c_.n; ++col) {
-        double a = 0, b = 0;
-        for (int64_t i = 0; i < c_.k; ++i) a += x[i] * w0_.values[col * c_.k + i];
-        if (c_.epilogue == DenseEpilogue::gated) {
-          for (int64_t i = 0; i < c_.k; ++i) b += x[i] * w1_.values[col * c_.k + i];
-        }
-        double ref = a;
-        if (c_.epilogue == DenseEpilogue::gated) ref = activate(act_, a, b);
-        if (c_.epilogue == DenseEpilogue::relu2) ref = std::max(a, 0.0) * std::max(a, 0.0);
-        if (c_.accumulate) ref += out0_.values[r * ldo_ + col];
-        const double got = load_as_float(bytes.data(), c_.dtype, r * ldo_ + col);
-        if (std::isnan(got)) ++unwritten;
-        err += (got - ref) * (got - ref);
-        norm += ref * ref;
-      }
-      for (int64_t col = c_.n; col < ldo_; ++col) {
-        padding_written += !std::isnan(load_as_float(bytes.data(), c_.dtype, r * ldo_ + col));
-      }
-    }
-    EXPECT_EQ(unwritten, 0) << what;
-    EXPECT_EQ(padding_written, 0) << what << ": columns past n were written";
-    EXPECT_GT(norm, 0.0) << what;
-    EXPECT_LT(std::sqrt(err / std::max(norm, 1e-300)), tolerance(c_.dtype)) << what;
-  }
-
- private:
-  std::unique_ptr<DeviceMem> upload(const HostArray& a) {
-    auto mem = std::make_unique<DeviceMem>(a.bytes.size());
-    cudaMemcpy(mem->get(), a.bytes.data(), a.bytes.size(), cudaMemcpyHostToDevice);
-    return mem;
-  }
-
-  DenseCase c_;
-  std::mt19937 rng_;
-  ActivationParams act_;
-  int64_t ldx_ = 0, ldo_ = 0;
-  HostArray x_, w0_, w1_, out0_;
-  std::unique_ptr<DeviceMem> d_x_, d_w0_, d_w1_, d_out_, d_workspace_;
-};
-
-class DenseGemmCase : public ::testing::TestWithParam<DenseCase> {};
-
-TEST_P(DenseGemmCase, every_split_matches_fp64_reference) {
+// Split-K inside a CUDA graph: the tile counters must be back at zero after every replay, or the
+// next replay's last-arriving CTA would be the wrong one and its sums incomplete.
+TEST(Cuda_GroupedGemm, split_k_graph_replays_reset_the_counters) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
-  const DenseCase& c = GetParam();
-  DenseProblem problem(c);
-  if (!dense_gemm_supported(problem.gemm())) GTEST_SKIP() << "dense GEMM needs sm_80";
-  std::vector<GemmChoice> choices = {GemmChoice(GemmVariant::automatic), GemmChoice(GemmVariant::automatic, 0, 1),
-                                     GemmChoice(GemmVariant::automatic, 0, 2), GemmChoice(GemmVariant::automatic, 0, 5),
-                                     GemmChoice(GemmVariant::mma_s_k128, 0, 3), GemmChoice(GemmVariant::mma_m, 0, 4),
-                                     GemmChoice(GemmVariant::mma_l4, 2, 1)};
-  for (const GemmChoice& choice : choices) {
-    const std::string what = c.name + " / " + detail::to_string(choice.variant) + " split " +
-                             std::to_string(choice.k_splits);
-    problem.reset_output();
-    problem.run(choice, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
-    problem.check(what);
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Cuda_DenseGemm, DenseGemmCase,
-    ::testing::Values(
-        // name, dtype, epilogue, activation, rows, n, k, ldx pad, ldo pad, accumulate
-        DenseCase{"bf16_plain_r1", DType::bf16, DenseEpilogue::plain, Activation::silu, 1, 1000, 1536, 0, 0, false},
-        DenseCase{"bf16_plain_r5_strided", DType::bf16, DenseEpilogue::plain, Activation::silu, 5, 520, 1032, 16, 24,
-                  false},
-        DenseCase{"bf16_accumulate_r17", DType::bf16, DenseEpilogue::plain, Activation::silu, 17, 264, 2048, 0, 8, true},
-        DenseCase{"f16_gated_situ_r3", DType::f16, DenseEpilogue::gated, Activation::situ, 3, 336, 1024, 8, 0, false},
-        DenseCase{"bf16_gated_silu_r40", DType::bf16, DenseEpilogue::gated, Activation::silu, 40, 192, 776, 0, 0, false},
-        DenseCase{"bf16_relu2_r130", DType::bf16, DenseEpilogue::relu2, Activation::relu2, 130, 200, 512, 0, 0, false}),
-    [](const ::testing::TestParamInfo<DenseCase>& info) { return info.param.name; });
-
-// Split-K inside a CUDA graph: the tile counters must be back at zero after every replay.
-TEST(Cuda_DenseGemm, split_k_graph_replays_reset_the_counters) {
-  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
-  DenseProblem problem(
-      DenseCase{"graph", DType::bf16, DenseEpilogue::plain, Activation::silu, 2, 512, 4096, 0, 0, false});
-  if (!dense_gemm_supported(problem.gemm())) GTEST_SKIP() << "dense GEMM needs sm_80";
+  const Case c{"split_graph", DType::bf16, Activation::silu, 3, 16, 0, 2, 192, 1024, -1};
+  Problem problem(c, 77u);
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  problem.run(GemmChoice(GemmVariant::automatic, 0, 6), stream);
+  problem.run(GemmChoice(GemmVariant::mma_s, 0, 4), stream);
   CUDA_OK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 3; ++replay) {
-    problem.reset_output();
+    if (replay > 0) problem.new_inputs();
+    problem.poison();
     CUDA_OK(cudaGraphLaunch(exec, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
-    problem.check("graph replay " + std::to_string(replay));
+    problem.check("split-K graph replay " + std::to_string(replay));
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 
-// Argument checks and the split choice: no GPU needed.
-TEST(Cuda_DenseGemm, rejects_what_it_does_not_run) {
-  alignas(16) static unsigned char buffer[256];
-  DenseGemm g;
-  g.dtype = DType::bf16;
-  g.rows = 4;
-  g.n = 64;
-  g.k = 64;
-  g.x = buffer;
-  g.ldx = 64;
-  g.w0 = buffer;
-  g.out = buffer;
-  g.ldo = 64;
-  DenseGemm bad = g;
-  bad.dtype = DType::f32;
-  EXPECT_FALSE(dense_gemm_supported(bad));
-  bad = g;
-  bad.rows = 0;
-  EXPECT_FALSE(dense_gemm_supported(bad));
-  bad.rows = kDenseGemmMaxRows + 1;
-  EXPECT_FALSE(dense_gemm_supported(bad));
-  bad = g;
-  bad.n = 60;  // not a multiple of 8
-  EXPECT_FALSE(dense_gemm_supported(bad));
-  bad = g;
-  bad.ldx = 32;  // shorter than k
-  EXPECT_FALSE(dense_gemm_supported(bad));
-  bad = g;
-  bad.epilogue = DenseEpilogue::gated;  // no up weight
-  EXPECT_FALSE(dense_gemm_supported(bad));
-  bad = g;
-  bad.x = buffer + 2;  // misaligned
-  EXPECT_FALSE(dense_gemm_supported(bad));
-  bad = g;
-  bad.dtype = DType::f32;
-  EXPECT_THROW(dense_gemm(bad, nullptr, 0, nullptr), Error);
-}
-
-TEST(Cuda_DenseGemm, split_choice_fills_waves) {
+TEST(Cuda_GroupedGemm, split_choice_fills_one_wave) {
   EXPECT_EQ(detail::choose_k_splits(400, 112, 396), 1);  // the tiles fill the GPU already
   EXPECT_EQ(detail::choose_k_splits(199, 112, 396), 1);  // over half of it
   EXPECT_EQ(detail::choose_k_splits(56, 112, 396), 7);   // 392 CTAs: one wave
