@@ -22,8 +22,9 @@
 // m64n{8..96}k16. The epilogue pairs lanes (shfl.xor 4) so that each thread stores two consecutive
 // output columns of one row (4 bytes), and skips the padded rows.
 //
-// Programmatic dependent launch as in the mma.sync kernel: gate/up triggers the dependents at entry; down
-// streams its first weight stages before griddepcontrol.wait and reads the rows only after it.
+// Programmatic dependent launch as in the mma.sync kernel (src/cuda/pdl.cuh): unless the tiles come from
+// the kernel just before, the first weight stages stream before the wait, and the rows are read and the
+// outputs written only after it.
 #pragma once
 
 #include <algorithm>
@@ -32,8 +33,9 @@
 
 #include "cuda/grouped_gemm_common.cuh"
 #include "cuda/grouped_gemm_launch.h"
-#include "cuda/grouped_gemm_mma.cuh"  // cp.async copies, the L2 policy, pack2, the PDL instructions
+#include "cuda/grouped_gemm_mma.cuh"  // cp.async copies, the L2 policy, pack2
 #include "cuda/grouped_gemm_wgmma_ops.cuh"
+#include "cuda/pdl.cuh"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda::gg {
@@ -113,12 +115,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
   __shared__ TileInfo s_tile;
   __shared__ int s_scan[kThreads / 32];
 
-  if (args.trigger_dependents) grid_launch_dependents();
+  // Programmatic dependent launch (src/cuda/pdl.cuh), as in the mma.sync kernel: a kernel whose tiles
+  // come from the kernel just before it waits before it looks them up; otherwise the tile look-up and the
+  // first weight stages run before the wait. Every CTA waits before it exits, and triggers the next
+  // kernel only after its own wait.
+  if (args.wait_before_tile) {
+    pdl_wait();
+    if (args.trigger_dependents) pdl_trigger();
+  }
 
   const int groups = args.n_groups;
   const int entry = blockIdx.x / groups;
   const int group = blockIdx.x - entry * groups;
-  if (!find_tile<kThreads>(args.expert_offsets, args.num_experts, Cfg::kBlockM, entry, &s_tile, s_scan)) return;
+  if (!find_tile<kThreads>(args.expert_offsets, args.num_experts, Cfg::kBlockM, entry, &s_tile, s_scan)) {
+    pdl_wait();
+    return;
+  }
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -196,7 +208,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
     if (s < num_steps) load_weights(s, s);
     cp_async_commit();
   }
-  grid_dependency_wait();
+  pdl_wait();
+  if (!args.wait_before_tile && args.trigger_dependents) pdl_trigger();
 #pragma unroll
   for (int j = 0; j < kXIters; ++j) {
     const int t = row0 + j * kRowStep;
@@ -361,6 +374,7 @@ void launch_wgmma_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t str
                              : wgmma_tiles_per_cta(args.n_tiles, num_k_steps, expected_tiles, launch.sm_count);
   args.n_groups = (args.n_tiles + args.n_tiles_per_cta - 1) / args.n_tiles_per_cta;
   args.trigger_dependents = launch.trigger;
+  args.wait_before_tile = launch.wait_before_tile;
   const int64_t entries = tile_entries_bound(launch.max_rows, args.num_experts, Cfg::kBlockM);
   const int64_t blocks = entries * args.n_groups;
   LATENTMOE_CHECK(blocks < (int64_t{1} << 31), "grouped GEMM (wgmma): too many tiles (", blocks, ")");
