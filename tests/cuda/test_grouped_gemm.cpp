@@ -361,7 +361,9 @@ INSTANTIATE_TEST_SUITE_P(
         // partial last k-step).
         Case{"bf16_situ_t300_i200_l264_heavy", DType::bf16, Activation::situ, 300, 8, 1, 2, 200, 264, 2},
         Case{"f16_relu2_t160_i136_l456_heavy", DType::f16, Activation::relu2, 160, 4, 0, 2, 136, 456, 1},
-        Case{"bf16_silu_t257_i328_l136", DType::bf16, Activation::silu, 257, 6, 0, 3, 328, 136, -1}),
+        Case{"bf16_silu_t257_i328_l136", DType::bf16, Activation::silu, 257, 6, 0, 3, 328, 136, -1},
+        // 16 rows per expert and 384+ output columns: the automatic choice is wgmma on an H200.
+        Case{"bf16_silu_t64_i384_l512_auto", DType::bf16, Activation::silu, 64, 8, 0, 2, 384, 512, -1}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 TEST(Cuda_GroupedGemm, graph_replay_with_new_layout) {
@@ -439,6 +441,16 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
   EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 64, 16, 896, 100, 3584), GemmVariant::simt);
   if (major >= 8)
     EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 64, 16, 896, 384, 3584), GemmVariant::simt);
+  // Hopper: the wgmma kernel from 16 rows per touched expert and 384 output columns (Kimi at 1024
+  // tokens); mma.sync below either (Kimi at 256 tokens, Nemotron's 336-column gate/up).
+  if (detail::wgmma_available()) {
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
+    EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 256, 16, 896, 384, 3584), GemmVariant::wgmma);
+    EXPECT_NE(detail::choose_variant(DType::bf16, false, false, 1024, 22, 512, 336, 1024), GemmVariant::wgmma);
+  } else {
+    EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
+  }
 }
 
 
