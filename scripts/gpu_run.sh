@@ -21,21 +21,21 @@ if has tests; then
   timeout 60 "$bin/latentmoe" run --help > /dev/null && echo "cli starts"
 fi
 if has bench; then
-  timeout 190 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 \
+  timeout 180 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 \
     --tokens 1,8,64,256,1024,4096 --commit "$commit" --json "$out/layer.json" 2>&1 | tee "$out/layer.log"
   echo "bench rc=${PIPESTATUS[0]}"
 fi
 if has peers; then
-  timeout 100 python3 bench/peers/torch_eager_layer.py --json "$out/peer_eager_layer.json" 2>&1
+  timeout 90 python3 bench/peers/torch_eager_layer.py --json "$out/peer_eager_layer.json" 2>&1
   echo "eager peer rc=${PIPESTATUS[0]}"
-  timeout 90 python3 bench/peers/torch_grouped_mm.py --json "$out/peer_grouped_mm.json" 2>&1 | tail -30
+  timeout 85 python3 bench/peers/torch_grouped_mm.py --json "$out/peer_grouped_mm.json" 2>&1 | tail -30
   echo "grouped_mm peer rc=${PIPESTATUS[0]}"
 fi
 if has sanitize; then
-  timeout 70 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
+  timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
     --gtest_filter='*route_block*:*combine_is_exact*:*CudaGraph*:*Runner*:*split_k*:*f16_relu2_t160*' > "$out/memcheck.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|tests ran|FAILED" "$out/memcheck.log" | head -5
-  timeout 50 compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
+  timeout 45 compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
     --gtest_filter='*route_block_and_warp*:*split_k*:*f16_relu2_t160*' > "$out/racecheck.log" 2>&1
   echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests ran|FAILED" "$out/racecheck.log" | head -5
 fi
