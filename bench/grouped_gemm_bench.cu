@@ -241,12 +241,12 @@ double time_phase(Phase phase, GemmChoice gu_variant, GemmChoice down_variant, c
     layout.num_tokens = tokens;
     const void* z = static_cast<const char*>(z_all) + li * tokens * w.latent * 2;
     if (phase != Phase::down) {
-      latentmoe::cuda::detail::grouped_gate_up_variant(gu_variant, DType::bf16, act_params, z, layout, w, act, workspace,
-                                                       workspace_bytes, stream);
+      latentmoe::cuda::detail::grouped_gate_up_variant(gu_variant, DType::bf16, act_params, z, layout, w, act,
+                                                       workspace, workspace_bytes, stream);
     }
     if (phase != Phase::gate_up) {
-      latentmoe::cuda::detail::grouped_down_variant(down_variant, DType::bf16, act, layout, w, y, workspace, workspace_bytes,
-                                                    stream);
+      latentmoe::cuda::detail::grouped_down_variant(down_variant, DType::bf16, act, layout, w, y, workspace,
+                                                    workspace_bytes, stream);
     }
   }
   CK(cudaStreamEndCapture(stream, &graph));

@@ -134,8 +134,8 @@ void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOut
   };
   if (state.config.has_shared_expert()) {
     t.shared_partial = tier == TailTier::column_parallel ? t.out : rows_of(state.shared_partial, num_tokens);
-    backend.run_overlapped(routed, [&] { backend.dense_mlp(state.activation, x, shared_expert_weights(state),
-                                                           t.shared_partial); });
+    backend.run_overlapped(
+        routed, [&] { backend.dense_mlp(state.activation, x, shared_expert_weights(state), t.shared_partial); });
   } else {
     routed();
   }

@@ -236,8 +236,8 @@ void CudaBackend::prepare(const WorkspaceSpec& spec) {
     s.grouped_bytes = align_up(grouped_gemm_workspace_bytes(spec.max_tokens, top_k, num_experts));
     s.routed_workspace = s.device_alloc(s.layout_bytes + s.act_bytes + s.y_bytes + s.grouped_bytes);
     // The grouped GEMMs' split-K counters start at zero (each launch leaves them so).
-    LATENTMOE_CUDA_CHECK(cudaMemset(static_cast<char*>(s.routed_workspace.get()) + s.layout_bytes + s.act_bytes + s.y_bytes,
-                                    0, s.grouped_bytes));
+    LATENTMOE_CUDA_CHECK(cudaMemset(
+        static_cast<char*>(s.routed_workspace.get()) + s.layout_bytes + s.act_bytes + s.y_bytes, 0, s.grouped_bytes));
   }
   if (spec.dense_intermediate > 0 && spec.max_tokens > 0) {
     s.dense_half_bytes = align_up(static_cast<size_t>(spec.max_tokens * spec.dense_intermediate) * spec.element_size);

@@ -287,8 +287,8 @@ void launch_combine(DType y_dtype, const void* y_rows, const int32_t* pair_rows,
       const auto grid = static_cast<unsigned>(blocks);
       const auto per_token = static_cast<int>(blocks_per_token);
       if (vectorised) {
-        launch_dependent("combine_kernel", combine_kernel<Ty, To, kVec>, grid, kCombineThreads, 0, stream, y,
-                         pair_rows, weights, top_k, o, out.ld, out.cols, vectors, per_token);
+        launch_dependent("combine_kernel", combine_kernel<Ty, To, kVec>, grid, kCombineThreads, 0, stream, y, pair_rows,
+                         weights, top_k, o, out.ld, out.cols, vectors, per_token);
       } else {
         launch_dependent("combine_kernel", combine_kernel<Ty, To, 1>, grid, kCombineThreads, 0, stream, y, pair_rows,
                          weights, top_k, o, out.ld, out.cols, vectors, per_token);

@@ -33,7 +33,6 @@ struct MmaLaunch {
 constexpr int64_t kSplitKCounters = 16384;
 constexpr size_t kSplitKPartialBytes = size_t{12} << 20;
 
-
 void launch_mma_bf16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
                      cudaStream_t stream);
 void launch_mma_f16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,

@@ -713,7 +713,7 @@ void launch_route(const ::latentmoe::detail::RoutingParams& params, const RouteA
     const int threads = static_cast<int>(((num_outputs + slots - 1) / slots + 31) / 32 * 32);
     const size_t shared_bytes = block_shared_bytes;
     const auto blocks = static_cast<unsigned>(args.num_tokens);
-    auto* kernel = slots == 1 ? route_block_kernel<1>
+    auto* kernel = slots == 1   ? route_block_kernel<1>
                    : slots == 2 ? route_block_kernel<2>
                    : slots == 3 ? route_block_kernel<3>
                                 : route_block_kernel<4>;

@@ -327,9 +327,8 @@ TEST_P(GroupedGemmCase, every_variant_matches_fp64_reference) {
     }
   }
   for (const GemmChoice& choice : choices) {
-    const std::string what =
-        c.name + " / " + detail::to_string(choice.variant) + " x" + std::to_string(choice.n_tiles_per_cta) + " split " +
-        std::to_string(choice.k_splits);
+    const std::string what = c.name + " / " + detail::to_string(choice.variant) + " x" +
+                             std::to_string(choice.n_tiles_per_cta) + " split " + std::to_string(choice.k_splits);
     problem.poison();
     problem.run(choice, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
@@ -452,7 +451,6 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
     EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
   }
 }
-
 
 // Split-K inside a CUDA graph: the tile counters must be back at zero after every replay, or the
 // next replay's last-arriving CTA would be the wrong one and its sums incomplete.
