@@ -116,17 +116,6 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * kBlockK + ((chunk ^ (row & 7)) << 3);
 }
 
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 template <class T, class Cfg, Mode kMode>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_kernel(const KernelArgs args) {
   constexpr int kBM = Cfg::kBlockM;
@@ -268,12 +257,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   cp_async_commit();
 
   float acc[kMt][kNt][4];
+  auto zero_accumulators = [&] {
 #pragma unroll
-  for (int i = 0; i < kMt; ++i)
+    for (int i = 0; i < kMt; ++i)
 #pragma unroll
-    for (int j = 0; j < kNt; ++j)
+      for (int j = 0; j < kNt; ++j)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+        for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+  };
+  zero_accumulators();
 
   // Sub-tiles of this warp that hold valid rows (warp-uniform).
   const int warp_row0 = warp_m * kWarpM;
@@ -368,12 +360,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
       __syncthreads();
       if (!s_is_last) break;  // uniform; nt_count is 1 with split-K
       __threadfence();
-#pragma unroll
-      for (int i = 0; i < kMt; ++i)
-#pragma unroll
-        for (int j = 0; j < kNt; ++j)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+      zero_accumulators();
       for (int sp = 0; sp < args.k_splits; ++sp) {
         const float* part = args.partials + (tile_base + sp) * (kAccPerThread * kThreads);
 #pragma unroll
@@ -411,12 +398,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
         }
       }
     }
-#pragma unroll
-    for (int i = 0; i < kMt; ++i)
-#pragma unroll
-      for (int j = 0; j < kNt; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+    zero_accumulators();
   }
   cp_async_wait<0>();
 }

@@ -379,19 +379,8 @@ void launch_wgmma_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t str
   const int64_t blocks = entries * args.n_groups;
   LATENTMOE_CHECK(blocks < (int64_t{1} << 31), "grouped GEMM (wgmma): too many tiles (", blocks, ")");
 
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(Cfg::kThreads);
-  config.dynamicSmemBytes = Cfg::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = launch.programmatic ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args);
-  LATENTMOE_CHECK(err == cudaSuccess, "grouped GEMM (wgmma kernel): launch failed: ", cudaGetErrorString(err));
-  check_launch("grouped GEMM (wgmma kernel)");
+  launch_kernel("grouped GEMM (wgmma kernel)", launch.programmatic, kernel, dim3(static_cast<unsigned>(blocks)),
+                dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, args);
 }
 
 // 96 rows per tile (an expert with more takes several tiles), 5 stages of 44 KB: 221 KB of shared memory,

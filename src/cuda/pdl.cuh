@@ -36,11 +36,11 @@ __device__ __forceinline__ void pdl_trigger() {
 // Whether the current device runs programmatic dependent launches (compute capability 9.0 or later).
 bool pdl_supported();
 
-// Launches `kernel` on `stream` as a programmatic dependent of the previous kernel where the device
-// supports it (a plain launch otherwise). Throws latentmoe::Error naming `what` if the launch fails.
+// Launches `kernel` on `stream`, as a programmatic dependent of the previous kernel when `programmatic`
+// (the caller has checked pdl_supported()). Throws latentmoe::Error naming `what` if the launch fails.
 template <class... Params, class... Args>
-void launch_dependent(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
-                      cudaStream_t stream, Args&&... args) {
+void launch_kernel(const char* what, bool programmatic, void (*kernel)(Params...), dim3 grid, dim3 block,
+                   size_t shared_bytes, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -50,12 +50,19 @@ void launch_dependent(const char* what, void (*kernel)(Params...), dim3 grid, di
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = pdl_supported() ? 1 : 0;
+  config.numAttrs = programmatic ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     ::latentmoe::detail::throw_error("launch of ", what, " failed: ", cudaGetErrorString(err));
   }
+}
+
+// launch_kernel as a programmatic dependent wherever the device supports it.
+template <class... Params, class... Args>
+void launch_dependent(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                      cudaStream_t stream, Args&&... args) {
+  launch_kernel(what, pdl_supported(), kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace latentmoe::cuda

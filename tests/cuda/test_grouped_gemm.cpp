@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -365,15 +366,14 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_silu_t64_i384_l512_auto", DType::bf16, Activation::silu, 64, 8, 0, 2, 384, 512, -1}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
-TEST(Cuda_GroupedGemm, graph_replay_with_new_layout) {
-  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
-  const Case c{"graph", DType::bf16, Activation::situ, 64, 24, 1, 4, 192, 1024, 7};
-  Problem problem(c, 99u);
+// Captures `enqueue` into a CUDA graph once and replays it three times, with a new layout and new inputs
+// written into the same buffers before the second and third replay, checking every replay.
+void check_graph_replays(Problem& problem, const std::function<void(cudaStream_t)>& enqueue, const std::string& what) {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  problem.run_public(stream);
+  enqueue(stream);
   CUDA_OK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
@@ -382,11 +382,19 @@ TEST(Cuda_GroupedGemm, graph_replay_with_new_layout) {
     problem.poison();
     CUDA_OK(cudaGraphLaunch(exec, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
-    problem.check("graph replay " + std::to_string(replay));
+    problem.check(what + " " + std::to_string(replay));
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+TEST(Cuda_GroupedGemm, graph_replay_with_new_layout) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Case c{"graph", DType::bf16, Activation::situ, 64, 24, 1, 4, 192, 1024, 7};
+  Problem problem(c, 99u);
+  check_graph_replays(
+      problem, [&](cudaStream_t stream) { problem.run_public(stream); }, "graph replay");
 }
 
 TEST(Cuda_GroupedGemm, no_tokens_launches_nothing) {
@@ -458,24 +466,9 @@ TEST(Cuda_GroupedGemm, split_k_graph_replays_reset_the_counters) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   const Case c{"split_graph", DType::bf16, Activation::silu, 3, 16, 0, 2, 192, 1024, -1};
   Problem problem(c, 77u);
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  problem.run(GemmChoice(GemmVariant::mma_s, 0, 4), stream);
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 3; ++replay) {
-    if (replay > 0) problem.new_inputs();
-    problem.poison();
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
-    problem.check("split-K graph replay " + std::to_string(replay));
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  check_graph_replays(
+      problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::mma_s, 0, 4), stream); },
+      "split-K graph replay");
 }
 
 TEST(Cuda_GroupedGemm, split_choice_fills_one_wave) {
