@@ -229,48 +229,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
     }
   };
 
-  // Prologue. A kernel that waited before its tile look-up (gate/up) has everything it reads in place:
-  // one copy group per stage (weights and rows), so that step 0 waits for stage 0 alone. Otherwise (down)
-  // the weights need only the expert, so their first stages go out before the row indices are read and
-  // before the wait on the previous kernel (one group per stage); then the rows and the A stages (one
-  // group, which step 0 waits for with all the others).
-  auto load_row_sources = [&] {
-    for (int i = tid; i < kBM; i += kThreads) {
-      int src = -1;
-      if (i < rows) {
-        const int r = row_begin + i;
-        src = args.sorted_pairs != nullptr ? __ldg(args.sorted_pairs + r) / args.top_k : r;
-      }
-      s_row_src[i] = src;
-    }
-    __syncthreads();
-  };
-  const bool stage_groups = args.wait_before_tile;
-  if (stage_groups) {
-    load_row_sources();
+  // Prologue. The weights need only the expert, so their first stages go out before the row indices
+  // are read and before the wait on the previous kernel (one group per stage); then the rows and the
+  // A stages (one group).
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < num_steps) {
-        load_b(s, s);
-        load_a(s, s);
-      }
-      cp_async_commit();
-    }
-  } else {
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < num_steps) load_b(s, s);
-      cp_async_commit();
-    }
-    pdl_wait();
-    if (args.trigger_dependents) pdl_trigger();
-    load_row_sources();
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < num_steps) load_a(s, s);
-    }
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_steps) load_b(s, s);
     cp_async_commit();
   }
+  if (!args.wait_before_tile) {
+    pdl_wait();
+    if (args.trigger_dependents) pdl_trigger();
+  }
+  for (int i = tid; i < kBM; i += kThreads) {
+    int src = -1;
+    if (i < rows) {
+      const int r = row_begin + i;
+      src = args.sorted_pairs != nullptr ? __ldg(args.sorted_pairs + r) / args.top_k : r;
+    }
+    s_row_src[i] = src;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_steps) load_a(s, s);
+  }
+  cp_async_commit();
 
   float acc[kMt][kNt][4];
   auto zero_accumulators = [&] {
@@ -307,9 +291,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   for (int nt = 0; nt < nt_count; ++nt) {
     for (int kt = 0; kt < num_k_tiles; ++kt) {
       const int step = nt * num_k_tiles + kt;
-      // Step `step` is complete when at most kStages - 2 later groups are pending; with the split
-      // prologue (down) the first step waits for all of it (its A group was committed last).
-      if (step == 0 && !stage_groups) {
+      // Step `step` is complete when at most kStages - 2 later groups are pending; the first waits for
+      // the whole prologue (its A group was committed last).
+      if (step == 0) {
         cp_async_wait<0>();
       } else {
         cp_async_wait<kStages - 2>();
