@@ -20,11 +20,7 @@ void register_inspect_command(CLI::App& app) {
     for (const auto& entry : file.entries()) name_width = std::max(name_width, entry.name.size());
     std::printf("%-*s  %-7s  %-24s  %s\n", static_cast<int>(name_width), "name", "dtype", "shape", "bytes");
     for (const auto& entry : file.entries()) {
-      std::string shape = "[";
-      for (size_t dim = 0; dim < entry.shape.size(); ++dim) {
-        shape += (dim ? ", " : "") + std::to_string(entry.shape[dim]);
-      }
-      shape += "]";
+      const std::string shape = shape_string(entry.shape);
       const uint64_t bytes = entry.end - entry.begin;
       total_bytes += bytes;
       std::printf("%-*s  %-7s  %-24s  %llu\n", static_cast<int>(name_width), entry.name.c_str(),

@@ -31,11 +31,8 @@ HostTensor read_optional(const SafetensorsFile& file, const char* name) {
 
 void check_input(const HostTensor& tensor, const std::string& file, const char* name, std::vector<int64_t> shape,
                  DType dtype) {
-  std::string expected = "[";
-  for (size_t dim = 0; dim < shape.size(); ++dim) expected += (dim ? ", " : "") + std::to_string(shape[dim]);
-  expected += "]";
   LATENTMOE_CHECK(tensor.shape() == shape, file, ": ", name, " has shape ", tensor.view().shape_string(), ", expected ",
-                  expected);
+                  shape_string(shape));
   LATENTMOE_CHECK(tensor.dtype() == dtype, file, ": ", name, " has dtype ", dtype_name(tensor.dtype()), ", expected ",
                   dtype_name(dtype));
 }

@@ -16,6 +16,9 @@ namespace latentmoe {
 
 enum class Device : uint8_t { cpu, cuda };
 
+// "[3, 17]": how every message names a shape.
+std::string shape_string(const std::vector<int64_t>& shape);
+
 class TensorView {
  public:
   static constexpr int kMaxRank = 4;

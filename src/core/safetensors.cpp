@@ -29,14 +29,6 @@ constexpr const char* kMetadataKey = "__metadata__";
 
 std::string errno_text(int error) { return std::strerror(error); }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << ']';
-  return out.str();
-}
-
 // A non-negative JSON integer that fits in uint64 (nlohmann parses "-0" as a signed zero).
 std::optional<uint64_t> as_non_negative_integer(const json& value) {
   if (value.is_number_unsigned()) return value.get<uint64_t>();
@@ -116,7 +108,7 @@ SafetensorsEntry parse_entry(const std::string& path, const std::string& name, c
   }
   uint64_t nbytes = 0;
   LATENTMOE_CHECK(!numel_overflow && !__builtin_mul_overflow(numel, dtype_size(entry.dtype), &nbytes), path,
-                  ": tensor \"", name, "\": shape ", shape_text(entry.shape), " is too large (size overflows)");
+                  ": tensor \"", name, "\": shape ", shape_string(entry.shape), " is too large (size overflows)");
 
   const json& offsets = value.at("data_offsets");
   LATENTMOE_CHECK(offsets.is_array() && offsets.size() == 2, path, ": tensor \"", name,
@@ -130,7 +122,7 @@ SafetensorsEntry parse_entry(const std::string& path, const std::string& name, c
   entry.begin = *begin;
   entry.end = *end;
   LATENTMOE_CHECK(entry.end - entry.begin == nbytes, path, ": tensor \"", name, "\": ", dtype_name(entry.dtype),
-                  " shape ", shape_text(entry.shape), " needs ", nbytes, " bytes but data_offsets [", entry.begin, ", ",
+                  " shape ", shape_string(entry.shape), " needs ", nbytes, " bytes but data_offsets [", entry.begin, ", ",
                   entry.end, "] span ", entry.end - entry.begin);
   return entry;
 }

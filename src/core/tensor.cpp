@@ -47,13 +47,15 @@ bool TensorView::is_contiguous() const {
   return true;
 }
 
-std::string TensorView::shape_string() const {
+std::string shape_string(const std::vector<int64_t>& shape) {
   std::ostringstream out;
   out << '[';
-  for (int dim = 0; dim < rank_; ++dim) out << (dim ? ", " : "") << shape_[dim];
+  for (size_t dim = 0; dim < shape.size(); ++dim) out << (dim ? ", " : "") << shape[dim];
   out << ']';
   return out.str();
 }
+
+std::string TensorView::shape_string() const { return latentmoe::shape_string(shape()); }
 
 TensorView TensorView::slice_rows(int64_t begin, int64_t end) const {
   LATENTMOE_CHECK(rank_ >= 1 && 0 <= begin && begin <= end && end <= shape_[0], "row slice [", begin, ", ", end,

@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <sstream>
 #include <utility>
 #include <vector>
 
@@ -11,14 +10,6 @@
 
 namespace latentmoe {
 namespace {
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << ']';
-  return out.str();
-}
 
 // Converts `count` elements of a compute dtype; the source may be unaligned (it points into a
 // mapped file), so elements are loaded with memcpy.
@@ -134,14 +125,14 @@ class Loader {
     }
     if (entry == nullptr) {
       LATENTMOE_CHECK(!required, file_.path(), ": missing tensor ", full_name,
-                      alias.empty() ? "" : " (or " + prefix_ + alias + ")", " (expected shape ", shape_text(shape),
+                      alias.empty() ? "" : " (or " + prefix_ + alias + ")", " (expected shape ", shape_string(shape),
                       ")");
       return nullptr;
     }
     LATENTMOE_CHECK(is_compute_dtype(entry->dtype), file_.path(), ": tensor ", found_name, " has dtype ",
                     dtype_name(entry->dtype), "; weights must be F32, BF16 or F16");
     LATENTMOE_CHECK(entry->shape == shape, file_.path(), ": tensor ", found_name, " has shape ",
-                    shape_text(entry->shape), ", expected ", shape_text(shape));
+                    shape_string(entry->shape), ", expected ", shape_string(shape));
     return entry;
   }
 
@@ -192,14 +183,14 @@ void check_field(const char* field, const HostTensor& tensor, Presence presence,
                  const std::vector<int64_t>& shape) {
   if (!tensor.defined()) {
     LATENTMOE_CHECK(presence != Presence::required, "layer weights: ", field, " is missing (expected ",
-                    dtype_name(dtype), " ", shape_text(shape), ")");
+                    dtype_name(dtype), " ", shape_string(shape), ")");
     return;
   }
   LATENTMOE_CHECK(presence != Presence::absent, "layer weights: ", field, " is present but ", absent_reason);
   LATENTMOE_CHECK(tensor.dtype() == dtype, "layer weights: ", field, " has dtype ", dtype_name(tensor.dtype()),
                   ", expected ", dtype_name(dtype));
-  LATENTMOE_CHECK(tensor.shape() == shape, "layer weights: ", field, " has shape ", shape_text(tensor.shape()),
-                  ", expected ", shape_text(shape));
+  LATENTMOE_CHECK(tensor.shape() == shape, "layer weights: ", field, " has shape ", shape_string(tensor.shape()),
+                  ", expected ", shape_string(shape));
 }
 
 // --- random weights ---------------------------------------------------------------------------
