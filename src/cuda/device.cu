@@ -1,5 +1,6 @@
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <atomic>
 
 #include "cuda/cuda_check.h"
@@ -42,25 +43,35 @@ DeviceGuard::~DeviceGuard() {
   if (previous_ >= 0 && previous_ != ordinal_) (void)cudaSetDevice(previous_);
 }
 
-bool pdl_supported() {
-  // Per device, read once (the attribute query is not free and this runs at every launch).
-  static std::atomic<int> cached[64] = {};
+namespace {
+
+// One attribute of the current device, read once per device and cached (device ordinals < 64; the
+// cache holds value + 1, so that 0 means "not read yet" even for an attribute that is 0).
+int cached_current_attribute(cudaDeviceAttr attribute, std::array<std::atomic<int>, 64>& cache) {
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  int value = cached[device].load(std::memory_order_relaxed);
-  if (value == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    value = major >= 9 ? 1 : 2;
-    cached[device].store(value, std::memory_order_relaxed);
-  }
-  return value == 1;
+  LATENTMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const bool cacheable = device >= 0 && device < static_cast<int>(cache.size());
+  const int cached = cacheable ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (cached != 0) return cached - 1;
+  int value = 0;
+  LATENTMOE_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  if (cacheable) cache[device].store(value + 1, std::memory_order_relaxed);
+  return value;
 }
+
+}  // namespace
+
+int current_compute_capability() {
+  static std::array<std::atomic<int>, 64> major_cache{}, minor_cache{};
+  return 10 * cached_current_attribute(cudaDevAttrComputeCapabilityMajor, major_cache) +
+         cached_current_attribute(cudaDevAttrComputeCapabilityMinor, minor_cache);
+}
+
+int current_sm_count() {
+  static std::array<std::atomic<int>, 64> cache{};
+  return cached_current_attribute(cudaDevAttrMultiProcessorCount, cache);
+}
+
+bool pdl_supported() { return current_compute_capability() >= 90; }
 
 }  // namespace latentmoe::cuda

@@ -22,6 +22,11 @@ struct DeviceInfo {
 // Throws Error when the ordinal does not exist.
 DeviceInfo device_info(int ordinal);
 
+// The current device's compute capability (major * 10 + minor) and SM count, each read once per
+// device (they are consulted on every launch). Throw Error when there is no current device.
+int current_compute_capability();
+int current_sm_count();
+
 // Makes `ordinal` the calling thread's current device for its lifetime and restores the previous
 // one afterwards (several ranks may share a thread pool or a process).
 class DeviceGuard {

@@ -4,6 +4,7 @@
 #include <array>
 #include <atomic>
 
+#include "cuda/device.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_gemm_launch.h"
 #include "cuda/grouped_gemm_wgmma.h"
@@ -26,23 +27,6 @@ int current_device() {
   return device;
 }
 
-// Compute capability (major * 10 + minor) of the current device, read once per device.
-int compute_capability() {
-  static std::array<std::atomic<int>, 64> cache{};
-  const int device = current_device();
-  if (device < 0 || device >= static_cast<int>(cache.size())) return 0;
-  int cc = cache[device].load(std::memory_order_relaxed);
-  if (cc == 0) {
-    int major = 0;
-    int minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    cc = major * 10 + minor;
-    cache[device].store(cc, std::memory_order_relaxed);
-  }
-  return cc;
-}
-
 }  // namespace
 
 void ensure_smem_limit(const void* kernel, int bytes, std::atomic<uint64_t>* done_mask) {
@@ -53,19 +37,6 @@ void ensure_smem_limit(const void* kernel, int bytes, std::atomic<uint64_t>* don
   LATENTMOE_CHECK(err == cudaSuccess, "grouped GEMM: cannot give a kernel ", bytes,
                   " bytes of shared memory: ", cudaGetErrorString(err));
   done_mask->fetch_or(bit, std::memory_order_acq_rel);
-}
-
-int sm_count() {
-  static std::array<std::atomic<int>, 64> cache{};
-  const int device = current_device();
-  if (device < 0 || device >= static_cast<int>(cache.size())) return 1;
-  int count = cache[device].load(std::memory_order_relaxed);
-  if (count == 0) {
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    count = count > 0 ? count : 1;
-    cache[device].store(count, std::memory_order_relaxed);
-  }
-  return count;
 }
 
 int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,
@@ -133,7 +104,7 @@ std::vector<GemmVariant> all_variants() {
 
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                            int64_t intermediate, int64_t latent) {
-  if (dtype == DType::f32 || gg::compute_capability() < 80) return GemmVariant::simt;
+  if (dtype == DType::f32 || current_compute_capability() < 80) return GemmVariant::simt;
   if (latent % 8 != 0 || intermediate % 8 != 0) return GemmVariant::simt;
   // Measured on an H200 (docs/GROUPED_GEMM.md). Decode-sized batches: small m-tiles; deep copy
   // pipelines (mma_s_k128) while the CTAs fit in about one wave, wider tiles (mma_s_wide) when there are
@@ -146,7 +117,7 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
     if (down) return GemmVariant::mma_s_wide;
     const int64_t cols = gated ? 32 : 64;  // output columns of an mma_s_k128 gate/up CTA
     const int64_t ctas = touched * ((intermediate + cols - 1) / cols);
-    return ctas <= 9 * gg::sm_count() ? GemmVariant::mma_s_k128 : GemmVariant::mma_s_wide;
+    return ctas <= 9 * current_sm_count() ? GemmVariant::mma_s_k128 : GemmVariant::mma_s_wide;
   }
   // Hopper, at least 16 rows per touched expert and 384 output columns: the wgmma kernel (5-23 % faster
   // than mma.sync at 1024 and 4096 tokens; at 336 columns, Nemotron's I/8, mma.sync stays ahead).
@@ -197,7 +168,7 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
     variant = choose_variant(dtype, down, mode == gg::Mode::gated, num_tokens, args.top_k, args.num_experts,
                              intermediate, latent);
   }
-  const bool tensor_core_ok = dtype != DType::f32 && gg::compute_capability() >= 80 && args.n % 8 == 0 &&
+  const bool tensor_core_ok = dtype != DType::f32 && current_compute_capability() >= 80 && args.n % 8 == 0 &&
                               args.k % 8 == 0 && aligned16(args.a) && aligned16(args.w0) &&
                               (args.w1 == nullptr || aligned16(args.w1)) && aligned16(args.out);
   const int64_t max_rows = num_tokens * args.top_k;
@@ -213,11 +184,11 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   // layout kernel before it looks up its tiles; the down kernel looks up its tiles (written two kernels
   // back) and streams its first weights before it waits for gate/up. Both kernels (mma.sync and wgmma)
   // trigger their dependent after their own wait.
-  const bool hopper = gg::compute_capability() >= 90;
+  const bool hopper = current_compute_capability() >= 90;
   launch.programmatic = hopper;
   launch.wait_before_tile = hopper && !down;
   launch.trigger = hopper;
-  launch.sm_count = gg::sm_count();
+  launch.sm_count = current_sm_count();
   launch.prefer_two_tiles = down;
   launch.k_splits = choice.k_splits;
   attach_split_k(launch, workspace, workspace_bytes);
