@@ -222,9 +222,9 @@ double time_phase(Phase phase, GemmChoice gu_variant, GemmChoice down_variant, c
   latentmoe::detail::ActivationParams act_params;
   act_params.activation = p.activation;
   const int64_t pairs = tokens * p.top_k;
-  // The split-K workspace, zeroed once (every launch leaves it zeroed).
+  // The split-K workspace (the same size for every shape), zeroed once (every launch leaves it zeroed).
   static void* workspace = nullptr;
-  const size_t workspace_bytes = latentmoe::cuda::split_k_workspace_bytes();
+  const size_t workspace_bytes = latentmoe::cuda::grouped_gemm_workspace_bytes(tokens, p.top_k, p.num_experts);
   if (workspace == nullptr) {
     workspace = device_alloc(workspace_bytes);
     CK(cudaMemset(workspace, 0, workspace_bytes));

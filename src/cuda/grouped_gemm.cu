@@ -151,8 +151,8 @@ void check_common(DType dtype, const MoeLayout& layout, const ExpertGemmWeights&
 // Points the launch at the split-K workspace (none when workspace is null).
 void attach_split_k(gg::MmaLaunch& launch, void* workspace, size_t workspace_bytes) {
   if (workspace == nullptr) return;
-  LATENTMOE_CHECK(workspace_bytes >= split_k_workspace_bytes(), "grouped GEMM: a workspace of ", workspace_bytes,
-                  " bytes is smaller than split_k_workspace_bytes() = ", split_k_workspace_bytes());
+  LATENTMOE_CHECK(workspace_bytes >= gg::kSplitKWorkspaceBytes, "grouped GEMM: a workspace of ", workspace_bytes,
+                  " bytes is smaller than grouped_gemm_workspace_bytes() = ", gg::kSplitKWorkspaceBytes);
   LATENTMOE_CHECK(aligned16(workspace), "grouped GEMM: the workspace is not 16-byte aligned");
   launch.tile_counters = static_cast<int*>(workspace);
   launch.num_tile_counters = gg::kSplitKCounters;
@@ -269,10 +269,8 @@ void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, co
                                workspace_bytes, stream);
 }
 
-size_t split_k_workspace_bytes() { return gg::kSplitKCounters * sizeof(int) + gg::kSplitKPartialBytes; }
-
 size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts) {
-  return split_k_workspace_bytes();
+  return gg::kSplitKWorkspaceBytes;
 }
 
 }  // namespace latentmoe::cuda

@@ -58,7 +58,6 @@ void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, co
 // launch leaves it zeroed again. One workspace serves one stream: grouped_gate_up and grouped_down
 // of the same stream may share it. With workspace == nullptr the kernels run without split-K.
 size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts);
-size_t split_k_workspace_bytes();
 
 // --- For the benchmark and the tests: run one named kernel variant instead of the automatic choice.
 namespace detail {

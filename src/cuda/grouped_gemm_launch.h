@@ -29,9 +29,10 @@ struct MmaLaunch {
   int64_t num_tile_counters = 0;
 };
 
-// The split-K workspace: tile counters, then fp32 partial sums.
+// The split-K workspace (grouped_gemm_workspace_bytes): tile counters, then fp32 partial sums.
 constexpr int64_t kSplitKCounters = 16384;
 constexpr size_t kSplitKPartialBytes = size_t{12} << 20;
+constexpr size_t kSplitKWorkspaceBytes = kSplitKCounters * sizeof(int) + kSplitKPartialBytes;
 
 void launch_mma_bf16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
                      cudaStream_t stream);
