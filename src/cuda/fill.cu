@@ -2,6 +2,7 @@
 #include <cuda_fp16.h>
 
 #include "cuda/cuda_check.h"
+#include "cuda/device.h"
 #include "cuda/elementwise.cuh"
 #include "cuda/fill.h"
 #include "latentmoe/random.h"
@@ -34,7 +35,8 @@ void read_through(const void* buffer, size_t bytes, uint32_t* sink, cudaStream_t
                   "read_through: the buffer must be 16-byte aligned and a multiple of 16 bytes");
   const int64_t words = static_cast<int64_t>(bytes / 16);
   if (words == 0) return;
-  read_through_kernel<<<132 * 8, 256, 0, stream>>>(static_cast<const uint4*>(buffer), words, 0x9e3779b9u, sink);
+  read_through_kernel<<<current_sm_count() * 8, 256, 0, stream>>>(static_cast<const uint4*>(buffer), words, 0x9e3779b9u,
+                                                                  sink);
   LATENTMOE_CUDA_CHECK_LAUNCH("read_through_kernel");
 }
 
@@ -42,7 +44,8 @@ void fill_uniform(void* data, DType dtype, int64_t count, uint64_t seed, float s
                   cudaStream_t stream) {
   if (count == 0) return;
   constexpr int kThreads = 256;
-  const int blocks = static_cast<int>(std::min<int64_t>((count + kThreads - 1) / kThreads, 132 * 32));
+  const int blocks =
+      static_cast<int>(std::min<int64_t>((count + kThreads - 1) / kThreads, int64_t{32} * current_sm_count()));
   switch (dtype) {
     case DType::f32:
       fill_uniform_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<float*>(data), count, seed, scale, offset);
