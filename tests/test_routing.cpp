@@ -59,6 +59,13 @@ RoutingParams make_params(int64_t num_experts, int64_t top_k, ScoringFunc scorin
 // The logit whose sigmoid is p.
 float logit_of(double p) { return static_cast<float>(std::log(p / (1.0 - p))); }
 
+// The scores of the two group tests below, as logits: (0.6, 0.55 | 0.7, 0.5 | 0.9, 0.1 | 0.3, 0.2).
+std::vector<float> group_test_logits() {
+  std::vector<float> logits;
+  for (double p : {0.6, 0.55, 0.7, 0.5, 0.9, 0.1, 0.3, 0.2}) logits.push_back(logit_of(p));
+  return logits;
+}
+
 const float kLn3 = static_cast<float>(std::log(3.0));
 const float kLn9 = static_cast<float>(std::log(9.0));
 constexpr float kTol = 1e-6f;
@@ -116,9 +123,7 @@ TEST(Routing, group_limited_drops_best_single_expert) {
   // Group scores (sum of the best two): 1.15, 1.2, 1.0, 0.5 -> keep groups 1 and 0. The best single
   // expert, id 4 (0.9), is in dropped group 2. Top 2 of ids 0..3: id 2 (0.7), id 0 (0.6);
   // weights 0.7 / 1.3 = 0.538462, 0.6 / 1.3 = 0.461538.
-  const std::vector<double> scores = {0.6, 0.55, 0.7, 0.5, 0.9, 0.1, 0.3, 0.2};
-  std::vector<float> logits;
-  for (double p : scores) logits.push_back(logit_of(p));
+  const std::vector<float> logits = group_test_logits();
   RoutingParams params = make_params(8, 2);
   params.n_group = 4;
   params.topk_group = 2;
@@ -135,9 +140,7 @@ TEST(Routing, group_scores_use_biased_scores) {
   // Same scores as above plus bias 0.5 on id 5 (biased 0.6): group scores 1.15, 1.2, 0.9 + 0.6 = 1.5, 0.5
   // -> keep groups 2 and 1. Top 2 of ids 2..5 by biased score (0.7, 0.5, 0.9, 0.6): id 4, id 2.
   // Weights from the unbiased scores: 0.9 / 1.6 = 0.5625, 0.7 / 1.6 = 0.4375.
-  const std::vector<double> scores = {0.6, 0.55, 0.7, 0.5, 0.9, 0.1, 0.3, 0.2};
-  std::vector<float> logits;
-  for (double p : scores) logits.push_back(logit_of(p));
+  const std::vector<float> logits = group_test_logits();
   RoutingParams params = make_params(8, 2);
   params.n_group = 4;
   params.topk_group = 2;
