@@ -13,6 +13,7 @@
 #include "cuda/grouped_gemm.h"
 #include "cuda/norm.cuh"
 #include "cuda/routing.cuh"
+#include "cuda/skinny_gemm.h"
 
 namespace latentmoe::cuda {
 
@@ -92,6 +93,10 @@ struct CudaBackend::State {
   DeviceBuffer router_workspace;  // x widened to f32 [max_tokens, d]
   size_t router_bytes = 0;
 
+  // Rows up to which linear, dense_mlp and routed_experts take the skinny kernels (0: never).
+  int skinny_max_tokens = kSkinnyMaxRows;
+  bool skinny(int64_t rows) const { return rows >= 1 && rows <= skinny_max_tokens; }
+
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
   bool overlapping = false;
   unsigned routed_slots = 0, dense_slots = 0, router_slots = 0;
@@ -160,6 +165,13 @@ int CudaBackend::device_ordinal() const { return state_->ordinal; }
 int64_t CudaBackend::num_device_allocations() const { return state_->num_allocations; }
 StreamHandle CudaBackend::stream() const { return state_->current; }
 const WorkspaceSpec& CudaBackend::workspace_spec() const { return state_->spec; }
+
+void CudaBackend::set_skinny_max_tokens(int tokens) {
+  LATENTMOE_CHECK(tokens >= 0 && tokens <= kSkinnyMaxRows, "CUDA backend: skinny_max_tokens ", tokens,
+                  " is outside 0..", kSkinnyMaxRows);
+  state_->skinny_max_tokens = tokens;
+}
+int CudaBackend::skinny_max_tokens() const { return state_->skinny_max_tokens; }
 
 DeviceBuffer CudaBackend::allocate(size_t bytes) {
   State& s = *state_;
@@ -326,6 +338,12 @@ void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorV
   const RowMatrix out = as_rows(y, "linear output");
   LATENTMOE_CHECK(in.cols == weight.cols && out.rows == in.rows && out.cols == weight.rows, "CUDA linear: shapes ",
                   x.shape_string(), " x ", w.shape_string(), "^T -> ", y.shape_string(), " do not match");
+  if (s.skinny(in.rows) && weight.dtype == in.dtype && out.dtype == in.dtype &&
+      skinny_supported(in.dtype, in.rows, in.cols, {{in.data, in.ld}, {weight.data, weight.ld}})) {
+    SkinnyWeights w{nullptr, weight.data, weight.rows, weight.cols, weight.ld, 0};
+    skinny_down(in.dtype, SkinnyRouting{}, {in.data, in.ld}, in.rows, w, out.data, out.ld, accumulate, s.current);
+    return;
+  }
   GemmProblem problem{in.dtype, weight.dtype, out.dtype, in.rows,  weight.rows, in.cols,   in.data,
                       in.ld,    weight.data,  weight.ld, out.data, out.ld,      accumulate};
   s.blas->gemm(problem, s.blas_buffer(), kBlasWorkspaceBytes, s.current);
@@ -397,6 +415,26 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   void* y_rows = base + s.layout_bytes + s.act_bytes;
   void* grouped_workspace = base + s.layout_bytes + s.act_bytes + s.y_bytes;
 
+  // Decode: two skinny kernels do the whole step, the distinct experts found from topk_ids and the
+  // combine folded into the down projection (act rows indexed by pair).
+  const bool same_dtype = out.dtype() == z.dtype();
+  if (s.skinny(num_tokens) && same_dtype && k <= kSkinnyMaxTopK &&
+      skinny_supported(
+          z.dtype(), num_tokens, latent,
+          {{z.data(), latent}, {experts.up.data(), latent}, {gated ? experts.gate.data() : nullptr, latent}}) &&
+      skinny_supported(z.dtype(), num_tokens, intermediate,
+                       {{act_rows, intermediate}, {experts.down.data(), intermediate}})) {
+    const SkinnyRouting routing{topk_ids.data_as<const int32_t>(), topk_weights.data_as<const float>(),
+                                static_cast<int>(k), static_cast<int>(num_experts)};
+    const SkinnyWeights gate_up{
+        gated ? experts.gate.data() : nullptr, experts.up.data(), intermediate, latent, latent, intermediate * latent};
+    const SkinnyWeights down{nullptr, experts.down.data(), latent, intermediate, intermediate, latent * intermediate};
+    skinny_gate_up(z.dtype(), activation, routing, {z.data(), latent}, num_tokens, gate_up, act_rows, intermediate,
+                   s.current);
+    skinny_down(z.dtype(), routing, {act_rows, intermediate}, num_tokens, down, output.data, output.ld, false,
+                s.current);
+    return;
+  }
   const MoeLayout layout = build_moe_layout(topk_ids.data_as<const int32_t>(), num_tokens, static_cast<int>(k),
                                             static_cast<int>(num_experts), layout_workspace, s.layout_bytes, s.current);
   ExpertGemmWeights weights;
@@ -448,6 +486,20 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
                   " tokens with intermediate size ", intermediate, "; call prepare() with the layer's shapes first");
   // The intermediate [T, Is] is stored in the input's dtype.
   auto* base = static_cast<char*>(s.dense_workspace.get());
+  const bool one_dtype = up.dtype == x.dtype() && down.dtype == x.dtype() && out.dtype() == x.dtype() &&
+                         (!gated || gate.dtype == x.dtype());
+  if (s.skinny(num_tokens) && one_dtype && (!gated || up.ld == gate.ld) &&
+      skinny_supported(x.dtype(), num_tokens, input.cols,
+                       {{input.data, input.ld}, {up.data, up.ld}, {gated ? gate.data : nullptr, gate.ld}}) &&
+      skinny_supported(x.dtype(), num_tokens, intermediate, {{base, intermediate}, {down.data, down.ld}})) {
+    const SkinnyWeights gate_up{gated ? gate.data : nullptr, up.data, intermediate, input.cols, up.ld, 0};
+    const SkinnyWeights projection{nullptr, down.data, down.rows, intermediate, down.ld, 0};
+    skinny_gate_up(x.dtype(), activation, SkinnyRouting{}, {input.data, input.ld}, num_tokens, gate_up, base,
+                   intermediate, s.current);
+    skinny_down(x.dtype(), SkinnyRouting{}, {base, intermediate}, num_tokens, projection, output.data, output.ld, false,
+                s.current);
+    return;
+  }
   const RowMatrix gate_rows{base, x.dtype(), num_tokens, intermediate, intermediate};
   const RowMatrix up_rows{base + s.dense_half_bytes, x.dtype(), num_tokens, intermediate, intermediate};
   void* blas_buffer = s.blas_buffer();

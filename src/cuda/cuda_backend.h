@@ -83,6 +83,12 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // each may run on one of the two streams per call, not on both (checked).
   void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) override;
 
+  // Up to how many rows (tokens) linear, dense_mlp and routed_experts run on the skinny kernels
+  // (cuda/skinny_gemm.h) instead of cuBLASLt and the grouped GEMMs: 0..kSkinnyMaxRows (8, the default);
+  // 0 turns them off (the benchmark compares both). Throws Error outside that range.
+  void set_skinny_max_tokens(int tokens);
+  int skinny_max_tokens() const;
+
   int device_ordinal() const;
   // cudaMalloc calls made so far (allocate() and internal workspaces); forward adds none.
   int64_t num_device_allocations() const;

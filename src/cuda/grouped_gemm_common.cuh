@@ -141,18 +141,22 @@ __device__ __forceinline__ float tanh_fast(float x) {
 }
 
 // kFast: hardware approximations of exp and tanh, for outputs rounded to bf16/f16 (the tensor-core
-// kernels); the fp32 path keeps the accurate functions.
+// kernels); the fp32 path keeps the accurate functions. silu(g, u) = g·σ(g)·u; situ(g, u) =
+// (β₁·tanh(g/β₁)·σ(g))·(β₂·tanh(u/β₂)).
 template <bool kFast = false>
-__device__ __forceinline__ float gated_act(float g, float u, const KernelArgs& args) {
+__device__ __forceinline__ float gated_act(float g, float u, bool situ, float situ_beta, float situ_linear_beta) {
   const float sig = kFast ? 1.0f / (1.0f + __expf(-g)) : sigmoid_f(g);
-  if (args.situ) {
-    const float b1 = args.situ_beta;
-    const float b2 = args.situ_linear_beta;
-    const float t1 = kFast ? tanh_fast(g / b1) : tanhf(g / b1);
-    const float t2 = kFast ? tanh_fast(u / b2) : tanhf(u / b2);
-    return (b1 * t1 * sig) * (b2 * t2);
+  if (situ) {
+    const float t1 = kFast ? tanh_fast(g / situ_beta) : tanhf(g / situ_beta);
+    const float t2 = kFast ? tanh_fast(u / situ_linear_beta) : tanhf(u / situ_linear_beta);
+    return (situ_beta * t1 * sig) * (situ_linear_beta * t2);
   }
   return g * sig * u;
+}
+
+template <bool kFast = false>
+__device__ __forceinline__ float gated_act(float g, float u, const KernelArgs& args) {
+  return gated_act<kFast>(g, u, args.situ, args.situ_beta, args.situ_linear_beta);
 }
 
 __device__ __forceinline__ float relu2_act(float u) {
