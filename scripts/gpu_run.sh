@@ -3,7 +3,7 @@
 # and the PyTorch peers, each under its own time limit; logs and JSON go to $OUT.
 #   scripts/gpu_run.sh BIN_DIR COMMIT STEPS
 # BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh);
-# STEPS is a comma list of: tests, sanitize, bench, peers.
+# STEPS is a comma list of: tests, sanitize, bench, bench_no_skinny, peers.
 set -u
 bin=$1
 commit=$2
@@ -25,6 +25,11 @@ if has bench; then
     --tokens 1,8,64,256,1024,4096 --commit "$commit" --json "$out/layer.json" 2>&1 | tee "$out/layer.log"
   echo "bench rc=${PIPESTATUS[0]}"
 fi
+if has bench_no_skinny; then  # the decode token counts without the skinny path, for comparison
+  timeout 90 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,8 \
+    --skinny-max-tokens 0 --commit "$commit" --json "$out/layer_no_skinny.json" 2>&1 | tee "$out/layer_no_skinny.log"
+  echo "bench (no skinny) rc=${PIPESTATUS[0]}"
+fi
 if has peers; then
   timeout 90 python3 bench/peers/torch_eager_layer.py --json "$out/peer_eager_layer.json" 2>&1
   echo "eager peer rc=${PIPESTATUS[0]}"
@@ -32,10 +37,10 @@ if has peers; then
   echo "grouped_mm peer rc=${PIPESTATUS[0]}"
 fi
 if has sanitize; then
-  timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
-    --gtest_filter='*route_block*:*combine_is_exact*:*CudaGraph*:*Runner*:*split_k*:*f16_relu2_t160*' > "$out/memcheck.log" 2>&1
+  timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
+    --gtest_filter='*route_block*:*combine_is_exact*:*CudaGraph*:*Runner*:*split_k*:*f16_relu2_t160*:*Skinny*' > "$out/memcheck.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|tests ran|FAILED" "$out/memcheck.log" | head -5
   timeout 45 compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
-    --gtest_filter='*route_block_and_warp*:*split_k*:*f16_relu2_t160*' > "$out/racecheck.log" 2>&1
+    --gtest_filter='*route_block_and_warp*:*split_k*:*f16_relu2_t160*:Skinny.linear*:Skinny.a_token*:Skinny.routed_experts_with*' > "$out/racecheck.log" 2>&1
   echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests ran|FAILED" "$out/racecheck.log" | head -5
 fi

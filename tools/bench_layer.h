@@ -17,6 +17,7 @@ struct BenchLayerOptions {
   int iterations = 20;
   int device = 0;
   uint64_t seed = 2026;
+  int skinny_max_tokens = 8;  // CudaBackend::set_skinny_max_tokens; 0 turns the decode path off
   std::string json_path;  // empty: no JSON
   std::string commit;     // recorded in the JSON (e.g. `git rev-parse HEAD`)
 };
