@@ -3,7 +3,7 @@
 # and the PyTorch peers, each under its own time limit; logs and JSON go to $OUT.
 #   scripts/gpu_run.sh BIN_DIR COMMIT STEPS
 # BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh);
-# STEPS is a comma list of: tests, sanitize, bench, bench_no_skinny, peers.
+# STEPS is a comma list of: tests, sanitize, bench, bench_decode, bench_no_skinny, peers.
 set -u
 bin=$1
 commit=$2
@@ -25,6 +25,11 @@ if has bench; then
     --tokens 1,8,64,256,1024,4096 --commit "$commit" --json "$out/layer.json" 2>&1 | tee "$out/layer.log"
   echo "bench rc=${PIPESTATUS[0]}"
 fi
+if has bench_decode; then  # the decode token counts only
+  timeout 90 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,8 \
+    --commit "$commit" --json "$out/layer_decode.json" 2>&1 | tee "$out/layer_decode.log"
+  echo "bench (decode) rc=${PIPESTATUS[0]}"
+fi
 if has bench_no_skinny; then  # the decode token counts without the skinny path, for comparison
   timeout 90 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,8 \
     --skinny-max-tokens 0 --commit "$commit" --json "$out/layer_no_skinny.json" 2>&1 | tee "$out/layer_no_skinny.log"
@@ -40,7 +45,7 @@ if has sanitize; then
   timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
     --gtest_filter='*route_block*:*combine_is_exact*:*CudaGraph*:*Runner*:*split_k*:*f16_relu2_t160*:*Skinny*' > "$out/memcheck.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|tests ran|FAILED" "$out/memcheck.log" | head -5
-  timeout 45 compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
+  timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
     --gtest_filter='*route_block_and_warp*:*split_k*:*f16_relu2_t160*:Skinny.linear*:Skinny.a_token*:Skinny.routed_experts_with*' > "$out/racecheck.log" 2>&1
   echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests ran|FAILED" "$out/racecheck.log" | head -5
 fi

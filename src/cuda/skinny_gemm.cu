@@ -30,12 +30,14 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <type_traits>
 
 #include "cuda/convert.cuh"
 #include "cuda/device.h"
 #include "cuda/grouped_gemm_common.cuh"
+#include "cuda/grouped_gemm_launch.h"
 #include "cuda/pdl.cuh"
 #include "cuda/skinny_gemm.h"
 #include "latentmoe/error.h"
@@ -50,8 +52,11 @@ constexpr int kAccPerWarp = kUnitRows * kCols;
 constexpr int kMinWarps = 4;
 constexpr int kMaxWarps = 16;
 constexpr int kWarpsPerSm = 16;   // resident warps the units of one call aim for
-constexpr int kGateUpUnroll = 4;  // chunks whose loads are in flight together (4 weight + 1 input load each)
-constexpr int kDownUnroll = 6;    // (2 weight + 1 input load each)
+// Depth of each lane's copy ring, in chunks: kStages - 1 chunks of weights are in flight per warp while
+// it multiplies one. With 16 warps per SM that is 160 KB (gate/up, gated) or 144 KB (down) in flight
+// per SM, enough to cover the DRAM latency at full bandwidth; the rings take 12 or 10 KB per warp.
+constexpr int kGateUpStages = 6;
+constexpr int kDownStages = 10;
 
 // Shared memory of the table, in 4-byte words, rounded up to 16 bytes: count and masks, the pairs' ids
 // and first pairs, then expert [U], row [U][kCols], coef [U][kCols].
@@ -159,13 +164,19 @@ __device__ void build_routed_table(const Table& t, const int32_t* __restrict__ i
   __syncthreads();
 }
 
-// 16 bytes of weights, read once: not kept in L1, fetched from DRAM 256 bytes at a time.
-__device__ __forceinline__ uint4 load_weights(const void* pointer) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(pointer));
-  return v;
+// 16 bytes of weights, read once, copied into this lane's ring without passing through registers: not
+// kept in L1, fetched from DRAM 256 bytes at a time; zeros where !valid (nothing is read).
+__device__ __forceinline__ void copy_weights(uint4* destination, const void* source, bool valid) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(destination));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(address), "l"(source),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void copy_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 __device__ __forceinline__ uint4 load_input(const void* pointer) { return __ldg(static_cast<const uint4*>(pointer)); }
@@ -201,6 +212,19 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& lo, const 
 __device__ __forceinline__ int acc_row(int index) { return ((index >> 2) >> 2) + ((index & 3) >= 2 ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int index) { return 2 * ((index >> 2) & 3) + (index & 1); }
 
+// The lane's ring of weight pieces: [stage][piece] uint4, interleaved over the warp's 32 lanes so that
+// a warp's 16-byte accesses to one piece are contiguous (no bank conflicts).
+template <int kPieces>
+struct LaneRing {
+  uint4* base;  // this lane's element of stage 0, piece 0
+  __device__ __forceinline__ uint4* at(int stage, int piece) const { return base + (stage * kPieces + piece) * 32; }
+};
+
+template <int kPieces, int kStages>
+__device__ __forceinline__ LaneRing<kPieces> carve_ring(void* smem, int warp, int lane) {
+  return {static_cast<uint4*>(smem) + warp * kStages * kPieces * 32 + lane};
+}
+
 struct GateUpParams {
   const void* x = nullptr;
   int64_t ldx = 0;
@@ -217,13 +241,20 @@ struct GateUpParams {
   float situ_beta = 4.0f, situ_linear_beta = 25.0f;
 };
 
+// Pieces of one chunk: up rows g and g + 8 (and gate rows g and g + 8).
+template <bool kGated>
+constexpr int gate_up_pieces() {
+  return kGated ? 4 : 2;
+}
+
 template <class T, bool kGated>
 __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpParams p) {
+  constexpr int kPieces = gate_up_pieces<kGated>();
   extern __shared__ __align__(16) int smem[];
   const bool routed = p.ids != nullptr;
   const int pairs = routed ? p.rows * p.top_k : 0;
   const Table table = carve_table(smem, pairs, p.max_unique);
-  float* red = reinterpret_cast<float*>(smem + table_words(pairs, p.max_unique));
+  void* work = smem + table_words(pairs, p.max_unique);  // the lanes' rings, then the reduction
   bool waited = false;
   if (routed) {
     pdl_wait();
@@ -250,46 +281,60 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpPa
   const bool has_input = table.row[u * kCols + g] >= 0;  // token g uses this expert
   const T* x = static_cast<const T*>(p.x) + (has_input ? g * p.ldx : 0);
   const int chunks = (p.k + kChunk - 1) / kChunk;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int mine = chunks > warp ? (chunks - warp + warps - 1) / warps : 0;  // chunks warp + j * warps
+  const LaneRing<kPieces> ring = carve_ring<kPieces, kGateUpStages>(work, warp, lane);
+  // k offset of this lane's 8 elements of the warp's j-th chunk, -1 past the end.
+  auto offset = [&](int j) {
+    const int off = (warp + j * warps) * kChunk + 8 * c;
+    return j < mine && off < p.k ? off : -1;
+  };
+  auto issue = [&](int j) {
+    const int off = offset(j), stage = j % kGateUpStages;
+    copy_weights(ring.at(stage, 0), up + o0 + off, off >= 0 && valid0);
+    copy_weights(ring.at(stage, 1), up + o1 + off, off >= 0 && valid1);
+    if constexpr (kGated) {
+      copy_weights(ring.at(stage, 2), gate + o0 + off, off >= 0 && valid0);
+      copy_weights(ring.at(stage, 3), gate + o1 + off, off >= 0 && valid1);
+    }
+    copy_commit();
+  };
+  auto input = [&](int j) {
+    const int off = offset(j);
+    return off >= 0 && has_input ? load_input(x + off) : make_uint4(0, 0, 0, 0);
+  };
 
-  float acc_g[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int base = warp; base < chunks; base += warps * kGateUpUnroll) {
-    uint4 g0[kGateUpUnroll], g1[kGateUpUnroll], u0[kGateUpUnroll], u1[kGateUpUnroll], xv[kGateUpUnroll];
-    int off[kGateUpUnroll];
 #pragma unroll
-    for (int i = 0; i < kGateUpUnroll; ++i) {
-      const int kc = base + i * warps;
-      off[i] = kc < chunks && kc * kChunk + 8 * c < p.k ? kc * kChunk + 8 * c : -1;
-      u0[i] = off[i] >= 0 && valid0 ? load_weights(up + o0 + off[i]) : zero;
-      u1[i] = off[i] >= 0 && valid1 ? load_weights(up + o1 + off[i]) : zero;
-      if constexpr (kGated) {
-        g0[i] = off[i] >= 0 && valid0 ? load_weights(gate + o0 + off[i]) : zero;
-        g1[i] = off[i] >= 0 && valid1 ? load_weights(gate + o1 + off[i]) : zero;
-      }
-    }
-    if (!waited) {  // dense: x may be the previous kernel's output
-      pdl_wait();
-      pdl_trigger();
-      waited = true;
-    }
-#pragma unroll
-    for (int i = 0; i < kGateUpUnroll; ++i) xv[i] = off[i] >= 0 && has_input ? load_input(x + off[i]) : zero;
-#pragma unroll
-    for (int i = 0; i < kGateUpUnroll; ++i) {
-      mma_chunk<T>(acc_u, u0[i], u1[i], xv[i]);
-      if constexpr (kGated) mma_chunk<T>(acc_g, g0[i], g1[i], xv[i]);
-    }
-  }
-  if (!waited) {
+  for (int j = 0; j < kGateUpStages - 1; ++j) issue(j);
+  if (!waited) {  // dense: x may be the previous kernel's output
     pdl_wait();
     pdl_trigger();
   }
+  float acc_g[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  uint4 x_next = input(0);
+  for (int j = 0; j < mine; ++j) {
+    copy_wait<kGateUpStages - 2>();  // chunk j has landed
+    const int stage = j % kGateUpStages;
+    const uint4 u0 = *ring.at(stage, 0), u1 = *ring.at(stage, 1);
+    uint4 g0, g1;
+    if constexpr (kGated) {
+      g0 = *ring.at(stage, 2);
+      g1 = *ring.at(stage, 3);
+    }
+    const uint4 xv = x_next;
+    x_next = input(j + 1);
+    issue(j + kGateUpStages - 1);  // into the stage read one step ago
+    mma_chunk<T>(acc_u, u0, u1, xv);
+    if constexpr (kGated) mma_chunk<T>(acc_g, g0, g1, xv);
+  }
+  copy_wait<0>();
+  __syncthreads();  // the reduction reuses the rings
 
-  float* mine = red + warp * 2 * kAccPerWarp;
+  float* red = static_cast<float*>(work);
+  float* own = red + warp * 2 * kAccPerWarp;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    mine[lane * 4 + i] = acc_u[i];
-    if constexpr (kGated) mine[kAccPerWarp + lane * 4 + i] = acc_g[i];
+    own[lane * 4 + i] = acc_u[i];
+    if constexpr (kGated) own[kAccPerWarp + lane * 4 + i] = acc_g[i];
   }
   __syncthreads();
   for (int index = threadIdx.x; index < kAccPerWarp; index += blockDim.x) {
@@ -322,13 +367,15 @@ struct DownParams {
   int top_k = 1, num_experts = 1, max_unique = 1;
 };
 
+constexpr int kDownPieces = 2;
+
 template <class T>
 __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams p) {
   extern __shared__ __align__(16) int smem[];
   const bool routed = p.ids != nullptr;
   const int pairs = routed ? p.rows * p.top_k : 0;
   const Table table = carve_table(smem, pairs, p.max_unique);
-  float* red = reinterpret_cast<float*>(smem + table_words(pairs, p.max_unique));
+  void* work = smem + table_words(pairs, p.max_unique);
   if (routed) {
     build_routed_table(table, p.ids, p.weights, p.rows, p.top_k, p.num_experts);  // ids: two kernels back
   } else {
@@ -343,57 +390,56 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
   const T* w = static_cast<const T*>(p.w);
   const T* a = static_cast<const T*>(p.a);
   const int chunks_per_expert = (p.k + kChunk - 1) / kChunk;
-  const int total = *table.count * chunks_per_expert;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int total = *table.count * chunks_per_expert;  // over the distinct experts, expert-major
+  const int mine = total > warp ? (total - warp + warps - 1) / warps : 0;
+  const LaneRing<kDownPieces> ring = carve_ring<kDownPieces, kDownStages>(work, warp, lane);
+  auto unit_of = [&](int j) { return j < mine ? (warp + j * warps) / chunks_per_expert : -1; };
+  auto offset = [&](int j, int unit) {
+    const int off = (warp + j * warps - unit * chunks_per_expert) * kChunk + 8 * c;
+    return unit >= 0 && off < p.k ? off : -1;
+  };
+  auto issue = [&](int j) {
+    const int unit = unit_of(j), off = offset(j, unit), stage = j % kDownStages;
+    const T* we = w + (unit >= 0 ? table.expert[unit] : 0) * p.expert_stride;
+    copy_weights(ring.at(stage, 0), we + o0 + off, off >= 0 && valid0);
+    copy_weights(ring.at(stage, 1), we + o1 + off, off >= 0 && valid1);
+    copy_commit();
+  };
+  auto input = [&](int j) {
+    const int unit = unit_of(j), off = offset(j, unit);
+    const int row = unit >= 0 ? table.row[unit * kCols + g] : -1;
+    return off >= 0 && row >= 0 ? load_input(a + row * p.lda + off) : make_uint4(0, 0, 0, 0);
+  };
 
+#pragma unroll
+  for (int j = 0; j < kDownStages - 1; ++j) issue(j);
+  pdl_wait();  // a and out: the previous kernel's
+  pdl_trigger();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the current expert's
   float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // coefficient-weighted over the experts
-  bool waited = false;
-  for (int base = warp; base < total; base += warps * kDownUnroll) {
-    uint4 w0[kDownUnroll], w1[kDownUnroll], av[kDownUnroll];
-    int unit[kDownUnroll], off[kDownUnroll];
+  uint4 a_next = input(0);
+  for (int j = 0; j < mine; ++j) {
+    copy_wait<kDownStages - 2>();
+    const int stage = j % kDownStages, unit = unit_of(j);
+    const uint4 w0 = *ring.at(stage, 0), w1 = *ring.at(stage, 1);
+    const uint4 av = a_next;
+    a_next = input(j + 1);
+    issue(j + kDownStages - 1);
+    mma_chunk<T>(acc, w0, w1, av);
+    if (unit_of(j + 1) != unit) {  // this warp's last chunk of the expert: fold it in with its coefficients
+      const float c0 = table.coef[unit * kCols + 2 * c], c1 = table.coef[unit * kCols + 2 * c + 1];
+      sum[0] = fmaf(c0, acc[0], sum[0]);
+      sum[1] = fmaf(c1, acc[1], sum[1]);
+      sum[2] = fmaf(c0, acc[2], sum[2]);
+      sum[3] = fmaf(c1, acc[3], sum[3]);
 #pragma unroll
-    for (int i = 0; i < kDownUnroll; ++i) {
-      const int ci = base + i * warps;
-      unit[i] = ci < total ? ci / chunks_per_expert : -1;
-      const int offset = (ci - unit[i] * chunks_per_expert) * kChunk + 8 * c;
-      off[i] = unit[i] >= 0 && offset < p.k ? offset : -1;
-      const T* we = w + (unit[i] >= 0 ? table.expert[unit[i]] : 0) * p.expert_stride;
-      w0[i] = off[i] >= 0 && valid0 ? load_weights(we + o0 + off[i]) : zero;
-      w1[i] = off[i] >= 0 && valid1 ? load_weights(we + o1 + off[i]) : zero;
-    }
-    if (!waited) {  // a and out: the previous kernel's
-      pdl_wait();
-      pdl_trigger();
-      waited = true;
-    }
-#pragma unroll
-    for (int i = 0; i < kDownUnroll; ++i) {
-      const int row = unit[i] >= 0 ? table.row[unit[i] * kCols + g] : -1;
-      av[i] = off[i] >= 0 && row >= 0 ? load_input(a + row * p.lda + off[i]) : zero;
-    }
-#pragma unroll
-    for (int i = 0; i < kDownUnroll; ++i) {
-      if (unit[i] < 0) continue;
-      mma_chunk<T>(acc, w0[i], w1[i], av[i]);
-      // Fold the expert's sums in with its coefficients after this warp's last chunk of it.
-      const int next = base + (i + 1) * warps;
-      if (next >= total || next / chunks_per_expert != unit[i]) {
-        const float c0 = table.coef[unit[i] * kCols + 2 * c], c1 = table.coef[unit[i] * kCols + 2 * c + 1];
-        sum[0] = fmaf(c0, acc[0], sum[0]);
-        sum[1] = fmaf(c1, acc[1], sum[1]);
-        sum[2] = fmaf(c0, acc[2], sum[2]);
-        sum[3] = fmaf(c1, acc[3], sum[3]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[j] = 0.0f;
-      }
+      for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
     }
   }
-  if (!waited) {
-    pdl_wait();
-    pdl_trigger();
-  }
+  copy_wait<0>();
+  __syncthreads();  // the reduction reuses the rings
 
+  float* red = static_cast<float*>(work);
 #pragma unroll
   for (int i = 0; i < 4; ++i) red[warp * kAccPerWarp + lane * 4 + i] = sum[i];
   __syncthreads();
@@ -417,6 +463,19 @@ int warps_for(int64_t units) {
   while (warps > kMinWarps && units * warps > target) warps /= 2;
   return warps;
 }
+
+// Dynamic shared memory of a launch: the table, then per warp the larger of its ring (`ring_pieces`
+// uint4 per lane) and its slots of the final reduction (`accumulators` 16 x 8 fp32 tiles).
+size_t shared_bytes(int pairs, int max_unique, int warps, int ring_pieces, int accumulators) {
+  const size_t per_warp = std::max<size_t>(static_cast<size_t>(ring_pieces) * 32 * sizeof(uint4),
+                                           static_cast<size_t>(accumulators) * kAccPerWarp * sizeof(float));
+  return table_words(pairs, max_unique) * sizeof(int) + warps * per_warp;
+}
+// The most any launch asks for: kMaxWarps gated gate/up warps with the largest table.
+constexpr int kMaxSharedBytes =
+    table_words(kSkinnyMaxRows * kSkinnyMaxTopK, kSkinnyMaxRows * kSkinnyMaxTopK) * 4 + kMaxWarps * kGateUpStages * 4 * 512;
+static_assert(kMaxWarps * kDownStages * kDownPieces * 512 <= kMaxWarps * kGateUpStages * 4 * 512);
+static_assert(kMaxSharedBytes <= 227 * 1024, "the skinny rings exceed an SM's shared memory");
 
 bool routed_call(const SkinnyRouting& routing) { return routing.topk_ids != nullptr; }
 
@@ -487,14 +546,19 @@ void skinny_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& ac
   const int64_t units = static_cast<int64_t>(p.max_unique) * p.row_blocks;
   LATENTMOE_CHECK(units <= INT_MAX, "skinny_gate_up: ", units, " units exceed the grid");
   const int warps = warps_for(units);
-  const size_t shared = (table_words(pairs, p.max_unique) + warps * 2 * kAccPerWarp) * sizeof(int);
+  const int pieces = gated ? gate_up_pieces<true>() : gate_up_pieces<false>();
+  const size_t shared = shared_bytes(pairs, p.max_unique, warps, kGateUpStages * pieces, 2);
   const auto grid = static_cast<unsigned>(units);
   const unsigned threads = warps * 32;
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     if (gated) {
+      static std::atomic<uint64_t> limit_set{0};
+      gg::ensure_smem_limit(reinterpret_cast<const void*>(skinny_gate_up_kernel<T, true>), kMaxSharedBytes, &limit_set);
       launch_dependent("skinny_gate_up_kernel", skinny_gate_up_kernel<T, true>, grid, threads, shared, stream, p);
     } else {
+      static std::atomic<uint64_t> limit_set{0};
+      gg::ensure_smem_limit(reinterpret_cast<const void*>(skinny_gate_up_kernel<T, false>), kMaxSharedBytes, &limit_set);
       launch_dependent("skinny_gate_up_kernel", skinny_gate_up_kernel<T, false>, grid, threads, shared, stream, p);
     }
   };
@@ -532,13 +596,19 @@ void skinny_down(DType dtype, const SkinnyRouting& routing, const SkinnyRows& a,
   p.max_unique = routed ? std::min(p.num_experts, pairs) : 1;
   const int64_t units = (weights.n + kUnitRows - 1) / kUnitRows;
   const int warps = warps_for(units);
-  const size_t shared = (table_words(pairs, p.max_unique) + warps * kAccPerWarp) * sizeof(int);
+  const size_t shared = shared_bytes(pairs, p.max_unique, warps, kDownStages * kDownPieces, 1);
   const auto grid = static_cast<unsigned>(units);
   const unsigned threads = warps * 32;
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    static std::atomic<uint64_t> limit_set{0};
+    gg::ensure_smem_limit(reinterpret_cast<const void*>(skinny_down_kernel<T>), kMaxSharedBytes, &limit_set);
+    launch_dependent("skinny_down_kernel", skinny_down_kernel<T>, grid, threads, shared, stream, p);
+  };
   if (dtype == DType::bf16) {
-    launch_dependent("skinny_down_kernel", skinny_down_kernel<__nv_bfloat16>, grid, threads, shared, stream, p);
+    launch(__nv_bfloat16{});
   } else {
-    launch_dependent("skinny_down_kernel", skinny_down_kernel<__half>, grid, threads, shared, stream, p);
+    launch(__half{});
   }
 }
 
