@@ -47,16 +47,18 @@ namespace {
 
 constexpr int kUnitRows = 16;          // weight rows per unit: the MMA's M
 constexpr int kCols = kSkinnyMaxRows;  // token columns: the MMA's N
-constexpr int kChunk = 32;             // reduction elements of one warp step (4 lanes x 8)
+constexpr int kChunk = 32;             // reduction elements of one MMA pair (4 lanes x 8)
+constexpr int kStep = 2 * kChunk;      // reduction elements a warp copies and multiplies per step
 constexpr int kAccPerWarp = kUnitRows * kCols;
 constexpr int kMinWarps = 4;
 constexpr int kMaxWarps = 16;
 constexpr int kWarpsPerSm = 16;   // resident warps the units of one call aim for
-// Depth of each lane's copy ring, in chunks: kStages - 1 chunks of weights are in flight per warp while
-// it multiplies one. With 16 warps per SM that is 160 KB (gate/up, gated) or 144 KB (down) in flight
-// per SM, enough to cover the DRAM latency at full bandwidth; the rings take 12 or 10 KB per warp.
-constexpr int kGateUpStages = 6;
-constexpr int kDownStages = 10;
+// Depth of each lane's copy ring, in steps: kStages - 1 steps of weights are in flight per warp while
+// it multiplies one: 8 KB (gated gate/up) or 6 KB (down) per warp, about 100 KB per SM at 16 warps,
+// which measured enough to stream at the bandwidth (bench/micro/skinny_stream_bench.cu). The rings
+// take 12 or 8 KB of shared memory per warp.
+constexpr int kGateUpStages = 3;
+constexpr int kDownStages = 4;
 
 // Shared memory of the table, in 4-byte words, rounded up to 16 bytes: count and masks, the pairs' ids
 // and first pairs, then expert [U], row [U][kCols], coef [U][kCols].
@@ -225,6 +227,15 @@ __device__ __forceinline__ LaneRing<kPieces> carve_ring(void* smem, int warp, in
   return {static_cast<uint4*>(smem) + warp * kStages * kPieces * 32 + lane};
 }
 
+__device__ __forceinline__ int next_stage(int stage, int stages) { return stage + 1 == stages ? 0 : stage + 1; }
+
+// The lane's two input pieces of a step (chunks 0 and 1), zero where the step ends past k.
+template <class T>
+__device__ __forceinline__ void load_step_input(uint4 (&v)[2], const T* x, int offset, int k) {
+  v[0] = x != nullptr && offset < k ? load_input(x) : make_uint4(0, 0, 0, 0);
+  v[1] = x != nullptr && offset + kChunk < k ? load_input(x + kChunk) : make_uint4(0, 0, 0, 0);
+}
+
 struct GateUpParams {
   const void* x = nullptr;
   int64_t ldx = 0;
@@ -241,12 +252,14 @@ struct GateUpParams {
   float situ_beta = 4.0f, situ_linear_beta = 25.0f;
 };
 
-// Pieces of one chunk: up rows g and g + 8 (and gate rows g and g + 8).
+// Pieces of one step: {up, gate} x {row g, row g + 8} x {chunk 0, chunk 1}.
 template <bool kGated>
 constexpr int gate_up_pieces() {
-  return kGated ? 4 : 2;
+  return kGated ? 8 : 4;
 }
 
+// One CTA: one distinct expert's unit of 16 rows (of up, and of gate); warp w multiplies the steps
+// [w * S / W, (w + 1) * S / W) of its k range, then the warps' sums are added in warp order.
 template <class T, bool kGated>
 __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpParams p) {
   constexpr int kPieces = gate_up_pieces<kGated>();
@@ -275,56 +288,72 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpPa
   const int64_t expert = table.expert[u];
   const int r0 = block * kUnitRows + g, r1 = r0 + 8;
   const bool valid0 = r0 < p.n, valid1 = r1 < p.n;
-  const T* up = static_cast<const T*>(p.up) + expert * p.expert_stride;
-  const T* gate = kGated ? static_cast<const T*>(p.gate) + expert * p.expert_stride : nullptr;
-  const int64_t o0 = static_cast<int64_t>(valid0 ? r0 : 0) * p.ldw, o1 = static_cast<int64_t>(valid1 ? r1 : 0) * p.ldw;
+  const int steps = (p.k + kStep - 1) / kStep;
+  const int begin = steps * warp / warps, mine = steps * (warp + 1) / warps - begin;
+  const int64_t first = static_cast<int64_t>(begin) * kStep + 8 * c;  // this lane's k offset of its first step
+  const T* up_lo = static_cast<const T*>(p.up) + expert * p.expert_stride + (valid0 ? r0 : 0) * p.ldw + first;
+  const T* up_hi = static_cast<const T*>(p.up) + expert * p.expert_stride + (valid1 ? r1 : 0) * p.ldw + first;
+  const T* gate_lo = nullptr;
+  const T* gate_hi = nullptr;
+  if constexpr (kGated) {
+    gate_lo = static_cast<const T*>(p.gate) + expert * p.expert_stride + (valid0 ? r0 : 0) * p.ldw + first;
+    gate_hi = static_cast<const T*>(p.gate) + expert * p.expert_stride + (valid1 ? r1 : 0) * p.ldw + first;
+  }
   const bool has_input = table.row[u * kCols + g] >= 0;  // token g uses this expert
-  const T* x = static_cast<const T*>(p.x) + (has_input ? g * p.ldx : 0);
-  const int chunks = (p.k + kChunk - 1) / kChunk;
-  const int mine = chunks > warp ? (chunks - warp + warps - 1) / warps : 0;  // chunks warp + j * warps
+  const T* x = has_input ? static_cast<const T*>(p.x) + g * p.ldx + first : nullptr;
   const LaneRing<kPieces> ring = carve_ring<kPieces, kGateUpStages>(work, warp, lane);
-  // k offset of this lane's 8 elements of the warp's j-th chunk, -1 past the end.
-  auto offset = [&](int j) {
-    const int off = (warp + j * warps) * kChunk + 8 * c;
-    return j < mine && off < p.k ? off : -1;
-  };
-  auto issue = [&](int j) {
-    const int off = offset(j), stage = j % kGateUpStages;
-    copy_weights(ring.at(stage, 0), up + o0 + off, off >= 0 && valid0);
-    copy_weights(ring.at(stage, 1), up + o1 + off, off >= 0 && valid1);
-    if constexpr (kGated) {
-      copy_weights(ring.at(stage, 2), gate + o0 + off, off >= 0 && valid0);
-      copy_weights(ring.at(stage, 3), gate + o1 + off, off >= 0 && valid1);
+
+  int issued = 0, issue_stage = 0, issue_offset = static_cast<int>(first);
+  auto issue = [&] {  // the warp's next step into the next stage (an empty group past the end)
+    if (issued < mine) {
+      const bool v0 = issue_offset < p.k, v1 = issue_offset + kChunk < p.k;
+      copy_weights(ring.at(issue_stage, 0), up_lo, valid0 && v0);
+      copy_weights(ring.at(issue_stage, 1), up_hi, valid1 && v0);
+      copy_weights(ring.at(issue_stage, 2), up_lo + kChunk, valid0 && v1);
+      copy_weights(ring.at(issue_stage, 3), up_hi + kChunk, valid1 && v1);
+      if constexpr (kGated) {
+        copy_weights(ring.at(issue_stage, 4), gate_lo, valid0 && v0);
+        copy_weights(ring.at(issue_stage, 5), gate_hi, valid1 && v0);
+        copy_weights(ring.at(issue_stage, 6), gate_lo + kChunk, valid0 && v1);
+        copy_weights(ring.at(issue_stage, 7), gate_hi + kChunk, valid1 && v1);
+        gate_lo += kStep;
+        gate_hi += kStep;
+      }
+      up_lo += kStep;
+      up_hi += kStep;
+      issue_offset += kStep;
     }
     copy_commit();
-  };
-  auto input = [&](int j) {
-    const int off = offset(j);
-    return off >= 0 && has_input ? load_input(x + off) : make_uint4(0, 0, 0, 0);
+    ++issued;
+    issue_stage = next_stage(issue_stage, kGateUpStages);
   };
 
 #pragma unroll
-  for (int j = 0; j < kGateUpStages - 1; ++j) issue(j);
+  for (int j = 0; j < kGateUpStages - 1; ++j) issue();
   if (!waited) {  // dense: x may be the previous kernel's output
     pdl_wait();
     pdl_trigger();
   }
   float acc_g[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  uint4 x_next = input(0);
-  for (int j = 0; j < mine; ++j) {
-    copy_wait<kGateUpStages - 2>();  // chunk j has landed
-    const int stage = j % kGateUpStages;
-    const uint4 u0 = *ring.at(stage, 0), u1 = *ring.at(stage, 1);
-    uint4 g0, g1;
+  int offset = static_cast<int>(first);
+  uint4 x_next[2];
+  load_step_input(x_next, x, offset, p.k);
+  for (int j = 0, stage = 0; j < mine; ++j, stage = next_stage(stage, kGateUpStages)) {
+    copy_wait<kGateUpStages - 2>();  // step j has landed
+    uint4 w[kPieces];
+#pragma unroll
+    for (int q = 0; q < kPieces; ++q) w[q] = *ring.at(stage, q);
+    const uint4 x0 = x_next[0], x1 = x_next[1];
+    offset += kStep;
+    if (x != nullptr) x += kStep;
+    load_step_input(x_next, j + 1 < mine ? x : nullptr, offset, p.k);
+    issue();  // into the stage read one step ago
+    mma_chunk<T>(acc_u, w[0], w[1], x0);
+    mma_chunk<T>(acc_u, w[2], w[3], x1);
     if constexpr (kGated) {
-      g0 = *ring.at(stage, 2);
-      g1 = *ring.at(stage, 3);
+      mma_chunk<T>(acc_g, w[4], w[5], x0);
+      mma_chunk<T>(acc_g, w[6], w[7], x1);
     }
-    const uint4 xv = x_next;
-    x_next = input(j + 1);
-    issue(j + kGateUpStages - 1);  // into the stage read one step ago
-    mma_chunk<T>(acc_u, u0, u1, xv);
-    if constexpr (kGated) mma_chunk<T>(acc_g, g0, g1, xv);
   }
   copy_wait<0>();
   __syncthreads();  // the reduction reuses the rings
@@ -367,8 +396,11 @@ struct DownParams {
   int top_k = 1, num_experts = 1, max_unique = 1;
 };
 
-constexpr int kDownPieces = 2;
+constexpr int kDownPieces = 4;  // {row g, row g + 8} x {chunk 0, chunk 1}
 
+// One CTA: 16 output rows, summed over the distinct experts. The (expert, step) list, expert-major,
+// is cut into one contiguous range per warp; each warp folds an expert's sums in with its
+// coefficients when it leaves the expert, and the warps' sums are added in warp order.
 template <class T>
 __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams p) {
   extern __shared__ __align__(16) int smem[];
@@ -386,47 +418,89 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
   const int block = blockIdx.x;
   const int r0 = block * kUnitRows + g, r1 = r0 + 8;
   const bool valid0 = r0 < p.n, valid1 = r1 < p.n;
-  const int64_t o0 = static_cast<int64_t>(valid0 ? r0 : 0) * p.ldw, o1 = static_cast<int64_t>(valid1 ? r1 : 0) * p.ldw;
+  const int64_t o0 = static_cast<int64_t>(valid0 ? r0 : 0) * p.ldw + 8 * c;
+  const int64_t o1 = static_cast<int64_t>(valid1 ? r1 : 0) * p.ldw + 8 * c;
   const T* w = static_cast<const T*>(p.w);
   const T* a = static_cast<const T*>(p.a);
-  const int chunks_per_expert = (p.k + kChunk - 1) / kChunk;
-  const int total = *table.count * chunks_per_expert;  // over the distinct experts, expert-major
-  const int mine = total > warp ? (total - warp + warps - 1) / warps : 0;
+  const int steps_per_expert = (p.k + kStep - 1) / kStep;
+  const int total = *table.count * steps_per_expert;
+  const int begin = static_cast<int>(static_cast<int64_t>(total) * warp / warps);
+  const int mine = static_cast<int>(static_cast<int64_t>(total) * (warp + 1) / warps) - begin;
+  const int first_unit = begin / steps_per_expert;
+  const int first_offset = (begin - first_unit * steps_per_expert) * kStep + 8 * c;
   const LaneRing<kDownPieces> ring = carve_ring<kDownPieces, kDownStages>(work, warp, lane);
-  auto unit_of = [&](int j) { return j < mine ? (warp + j * warps) / chunks_per_expert : -1; };
-  auto offset = [&](int j, int unit) {
-    const int off = (warp + j * warps - unit * chunks_per_expert) * kChunk + 8 * c;
-    return unit >= 0 && off < p.k ? off : -1;
+
+  // Issue cursor: the next step to copy.
+  int issued = 0, issue_stage = 0, issue_unit = first_unit, issue_offset = first_offset;
+  const T* w_lo = nullptr;
+  const T* w_hi = nullptr;
+  auto point_weights = [&] {
+    const T* base = w + static_cast<int64_t>(table.expert[issue_unit]) * p.expert_stride;
+    w_lo = base + o0 + (issue_offset - 8 * c);
+    w_hi = base + o1 + (issue_offset - 8 * c);
   };
-  auto issue = [&](int j) {
-    const int unit = unit_of(j), off = offset(j, unit), stage = j % kDownStages;
-    const T* we = w + (unit >= 0 ? table.expert[unit] : 0) * p.expert_stride;
-    copy_weights(ring.at(stage, 0), we + o0 + off, off >= 0 && valid0);
-    copy_weights(ring.at(stage, 1), we + o1 + off, off >= 0 && valid1);
+  if (mine > 0) point_weights();
+  auto issue = [&] {
+    if (issued < mine) {
+      const bool v0 = issue_offset < p.k, v1 = issue_offset + kChunk < p.k;
+      copy_weights(ring.at(issue_stage, 0), w_lo, valid0 && v0);
+      copy_weights(ring.at(issue_stage, 1), w_hi, valid1 && v0);
+      copy_weights(ring.at(issue_stage, 2), w_lo + kChunk, valid0 && v1);
+      copy_weights(ring.at(issue_stage, 3), w_hi + kChunk, valid1 && v1);
+      issue_offset += kStep;
+      w_lo += kStep;
+      w_hi += kStep;
+      if (issue_offset - 8 * c >= p.k && issued + 1 < mine) {  // on to the next expert
+        ++issue_unit;
+        issue_offset = 8 * c;
+        point_weights();
+      }
+    }
     copy_commit();
+    ++issued;
+    issue_stage = next_stage(issue_stage, kDownStages);
   };
-  auto input = [&](int j) {
-    const int unit = unit_of(j), off = offset(j, unit);
-    const int row = unit >= 0 ? table.row[unit * kCols + g] : -1;
-    return off >= 0 && row >= 0 ? load_input(a + row * p.lda + off) : make_uint4(0, 0, 0, 0);
+  // Input cursor: the step whose inputs are loaded next (one ahead of the multiply).
+  int input_unit = first_unit, input_offset = first_offset;
+  const T* a_row = nullptr;
+  auto point_input = [&] {
+    const int row = table.row[input_unit * kCols + g];
+    a_row = row >= 0 ? a + static_cast<int64_t>(row) * p.lda + input_offset : nullptr;
+  };
+  auto next_input = [&](uint4 (&v)[2], int j) {  // step j's inputs, then advance
+    if (j >= mine) return;
+    load_step_input(v, a_row, input_offset, p.k);
+    input_offset += kStep;
+    if (a_row != nullptr) a_row += kStep;
+    if (input_offset - 8 * c >= p.k && j + 1 < mine) {
+      ++input_unit;
+      input_offset = 8 * c;
+      point_input();
+    }
   };
 
 #pragma unroll
-  for (int j = 0; j < kDownStages - 1; ++j) issue(j);
+  for (int j = 0; j < kDownStages - 1; ++j) issue();
   pdl_wait();  // a and out: the previous kernel's
   pdl_trigger();
+  if (mine > 0) point_input();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the current expert's
   float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // coefficient-weighted over the experts
-  uint4 a_next = input(0);
-  for (int j = 0; j < mine; ++j) {
+  uint4 a_next[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+  next_input(a_next, 0);
+  int unit = first_unit, offset = first_offset;  // multiply cursor
+  for (int j = 0, stage = 0; j < mine; ++j, stage = next_stage(stage, kDownStages)) {
     copy_wait<kDownStages - 2>();
-    const int stage = j % kDownStages, unit = unit_of(j);
-    const uint4 w0 = *ring.at(stage, 0), w1 = *ring.at(stage, 1);
-    const uint4 av = a_next;
-    a_next = input(j + 1);
-    issue(j + kDownStages - 1);
-    mma_chunk<T>(acc, w0, w1, av);
-    if (unit_of(j + 1) != unit) {  // this warp's last chunk of the expert: fold it in with its coefficients
+    uint4 v[kDownPieces];
+#pragma unroll
+    for (int q = 0; q < kDownPieces; ++q) v[q] = *ring.at(stage, q);
+    const uint4 a0 = a_next[0], a1 = a_next[1];
+    next_input(a_next, j + 1);
+    issue();
+    mma_chunk<T>(acc, v[0], v[1], a0);
+    mma_chunk<T>(acc, v[2], v[3], a1);
+    offset += kStep;
+    if (offset - 8 * c >= p.k || j + 1 == mine) {  // leaving the expert: fold it in with its coefficients
       const float c0 = table.coef[unit * kCols + 2 * c], c1 = table.coef[unit * kCols + 2 * c + 1];
       sum[0] = fmaf(c0, acc[0], sum[0]);
       sum[1] = fmaf(c1, acc[1], sum[1]);
@@ -434,6 +508,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
       sum[3] = fmaf(c1, acc[3], sum[3]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+      ++unit;
+      offset = 8 * c;
     }
   }
   copy_wait<0>();
@@ -473,8 +549,8 @@ size_t shared_bytes(int pairs, int max_unique, int warps, int ring_pieces, int a
 }
 // The most any launch asks for: kMaxWarps gated gate/up warps with the largest table.
 constexpr int kMaxSharedBytes =
-    table_words(kSkinnyMaxRows * kSkinnyMaxTopK, kSkinnyMaxRows * kSkinnyMaxTopK) * 4 + kMaxWarps * kGateUpStages * 4 * 512;
-static_assert(kMaxWarps * kDownStages * kDownPieces * 512 <= kMaxWarps * kGateUpStages * 4 * 512);
+    table_words(kSkinnyMaxRows * kSkinnyMaxTopK, kSkinnyMaxRows * kSkinnyMaxTopK) * 4 + kMaxWarps * kGateUpStages * gate_up_pieces<true>() * 512;
+static_assert(kMaxWarps * kDownStages * kDownPieces * 512 <= kMaxWarps * kGateUpStages * gate_up_pieces<true>() * 512);
 static_assert(kMaxSharedBytes <= 227 * 1024, "the skinny rings exceed an SM's shared memory");
 
 bool routed_call(const SkinnyRouting& routing) { return routing.topk_ids != nullptr; }

@@ -1,0 +1,190 @@
+// Which global-load pattern streams a decode GEMM's weights at the DRAM bandwidth? A throwaway
+// measurement for docs/SKINNY_GEMM.md: each kernel reads a [n, k] bf16 matrix once, 16 rows per CTA,
+// the CTA's warps taking the k range round robin, and folds what it read into one word per CTA so
+// nothing is optimised away. Patterns (bytes one warp instruction reads per row):
+//   frag64   lane (g, c) reads rows g and g + 8 at 16c: 8 rows x 64 B (the MMA fragment layout)
+//   line128  4 rows x 128 B
+//   row512   1 row x 512 B
+// each through a per-warp cp.async ring of `stages` steps, and frag64 also straight into registers.
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a skinny_stream_bench.cu
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+
+#define CHECK(x)                                                                   \
+  do {                                                                             \
+    cudaError_t e = (x);                                                           \
+    if (e != cudaSuccess) {                                                        \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
+      std::exit(1);                                                                \
+    }                                                                              \
+  } while (0)
+
+enum Pattern { kFrag64 = 0, kLine128 = 1, kRow512 = 2 };
+
+__device__ __forceinline__ void cp16(void* dst, const void* src, bool prefetch) {
+  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  if (prefetch) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(a), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(src) : "memory");
+  }
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wait_n() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// One step of a warp: 16 rows x kStepBytes bytes; 512 B per instruction => kStepBytes / 32 instructions.
+template <int kPattern, int kStages, bool kPrefetch>
+__global__ void __launch_bounds__(512) ring_kernel(const uint8_t* w, int64_t row_bytes, uint32_t* sink) {
+  constexpr int kStepBytes = kPattern == kFrag64 ? 64 : kPattern == kLine128 ? 128 : 512;  // per row
+  constexpr int kInstr = 16 * kStepBytes / 512;
+  extern __shared__ uint4 ring[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  uint4* mine = ring + (warp * kStages * kInstr) * 32;
+  const uint8_t* base = w + static_cast<int64_t>(blockIdx.x) * 16 * row_bytes;
+  const int steps = static_cast<int>(row_bytes / kStepBytes / gridDim.y);  // this CTA's k slice
+  const int my_steps = steps > warp ? (steps - warp + warps - 1) / warps : 0;
+  auto source = [&](int step, int i) -> const uint8_t* {
+    const int64_t k0 = static_cast<int64_t>(blockIdx.y * steps + warp + step * warps) * kStepBytes;
+    if (kPattern == kFrag64) {
+      const int g = lane >> 2, c = lane & 3;
+      return base + (g + 8 * i) * row_bytes + k0 + 16 * c;
+    } else if (kPattern == kLine128) {
+      return base + (4 * i + lane / 8) * row_bytes + k0 + 16 * (lane % 8);
+    } else {
+      return base + i * row_bytes + k0 + 16 * lane;
+    }
+  };
+  auto issue = [&](int step) {
+    if (step < my_steps) {
+      for (int i = 0; i < kInstr; ++i) cp16(mine + ((step % kStages) * kInstr + i) * 32 + lane, source(step, i), kPrefetch);
+    }
+    commit();
+  };
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  uint32_t acc = 0;
+  for (int step = 0; step < my_steps; ++step) {
+    wait_n<kStages - 2>();
+    __syncwarp();
+    for (int i = 0; i < kInstr; ++i) {
+      const uint4 v = mine[((step % kStages) * kInstr + i) * 32 + lane];
+      acc ^= v.x + v.y + v.z + v.w;
+    }
+    __syncwarp();
+    issue(step + kStages - 1);
+  }
+  wait_n<0>();
+  if (acc == 0x12345678u) sink[blockIdx.x] = acc;
+}
+
+// frag64 straight into registers, kUnroll steps of loads in flight per warp (the first skinny kernel).
+template <int kUnroll>
+__global__ void __launch_bounds__(512) register_kernel(const uint8_t* w, int64_t row_bytes, uint32_t* sink) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const uint8_t* base = w + static_cast<int64_t>(blockIdx.x) * 16 * row_bytes;
+  const int steps = static_cast<int>(row_bytes / 64);
+  uint32_t acc = 0;
+  for (int s0 = warp; s0 < steps; s0 += warps * kUnroll) {
+    uint4 v0[kUnroll], v1[kUnroll];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      const int s = s0 + i * warps;
+      const uint8_t* p0 = base + g * row_bytes + s * 64 + 16 * c;
+      if (s < steps) {
+        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v0[i].x), "=r"(v0[i].y), "=r"(v0[i].z), "=r"(v0[i].w)
+                     : "l"(p0));
+        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v1[i].x), "=r"(v1[i].y), "=r"(v1[i].z), "=r"(v1[i].w)
+                     : "l"(p0 + 8 * row_bytes));
+      } else {
+        v0[i] = v1[i] = make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) acc ^= v0[i].x + v0[i].y + v1[i].z + v1[i].w + v0[i].z + v1[i].x;
+  }
+  if (acc == 0x12345678u) sink[blockIdx.x] = acc;
+}
+
+__global__ void read_flush(const uint4* p, size_t n, uint32_t* sink) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) acc ^= p[i].x;
+  if (acc == 0x12345678u) *sink = acc;
+}
+
+int main() {
+  const int64_t n = 3584, k = 7168;  // Kimi-K3's W_down: 51 MB of bf16
+  const int64_t row_bytes = k * 2, bytes = n * row_bytes;
+  uint8_t* w;
+  uint32_t* sink;
+  uint4* flush;
+  const size_t flush_bytes = 256u << 20;
+  CHECK(cudaMalloc(&w, bytes));
+  CHECK(cudaMalloc(&sink, 1 << 20));
+  CHECK(cudaMalloc(&flush, flush_bytes));
+  CHECK(cudaMemset(w, 1, bytes));
+  CHECK(cudaMemset(flush, 0, flush_bytes));
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  auto time = [&](auto&& body) {
+    std::vector<float> t;
+    for (int r = 0; r < 25; ++r) {
+      read_flush<<<528, 512>>>(flush, flush_bytes / 16, sink);
+      cudaEventRecord(a);
+      body();
+      cudaEventRecord(b);
+      CHECK(cudaEventSynchronize(b));
+      float ms;
+      cudaEventElapsedTime(&ms, a, b);
+      if (r >= 5) t.push_back(ms * 1000);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  uint8_t* copy_dst;
+  CHECK(cudaMalloc(&copy_dst, bytes));
+  const float copy_us = time([&] { cudaMemcpyAsync(copy_dst, w, bytes, cudaMemcpyDeviceToDevice); });
+  std::printf("memcpy 51 MB: %.1f us  %.2f TB/s (read+write)\n", copy_us, 2.0 * bytes / copy_us / 1e6);
+  const float read_us = time([&] { read_flush<<<528 * 2, 512>>>(reinterpret_cast<const uint4*>(w), bytes / 16, sink); });
+  std::printf("linear read 51 MB: %.1f us  %.2f TB/s\n", read_us, bytes / read_us / 1e6);
+  const unsigned grid = n / 16;
+  auto report = [&](const char* name, int warps, int stages, float us) {
+    std::printf("%-10s warps %2d stages %2d: %6.1f us  %.2f TB/s\n", name, warps, stages, us, bytes / us / 1e6);
+  };
+  auto ring = [&](auto kernel, const char* name, int step_bytes, int stages, int warps, int split = 1) {
+    const size_t smem = static_cast<size_t>(warps) * stages * 16 * step_bytes;
+    if (smem > 227 * 1024) return;
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    if (split > 1) std::printf("k split %d: ", split);
+    report(name, warps, stages, time([&] { kernel<<<dim3(grid, split), warps * 32, smem>>>(w, row_bytes, sink); }));
+    CHECK(cudaGetLastError());
+  };
+  for (int warps : {4, 8, 16}) {
+    report("reg u6", warps, 6, time([&] { register_kernel<6><<<grid, warps * 32>>>(w, row_bytes, sink); }));
+    report("reg u2", warps, 2, time([&] { register_kernel<2><<<grid, warps * 32>>>(w, row_bytes, sink); }));
+    ring(ring_kernel<kFrag64, 4, true>, "frag64", 64, 4, warps);
+    ring(ring_kernel<kFrag64, 10, true>, "frag64", 64, 10, warps);
+    ring(ring_kernel<kFrag64, 10, false>, "frag64np", 64, 10, warps);
+    ring(ring_kernel<kLine128, 3, true>, "line128", 128, 3, warps);
+    ring(ring_kernel<kLine128, 6, true>, "line128", 128, 6, warps);
+    ring(ring_kernel<kLine128, 6, false>, "line128np", 128, 6, warps);
+    ring(ring_kernel<kRow512, 2, true>, "row512", 512, 2, warps);
+    ring(ring_kernel<kRow512, 3, false>, "row512np", 512, 3, warps);
+  }
+  for (int split : {2, 4}) {
+    for (int warps : {4, 8}) {
+      ring(ring_kernel<kFrag64, 6, true>, "frag64", 64, 6, warps, split);
+      ring(ring_kernel<kLine128, 4, true>, "line128", 128, 4, warps, split);
+    }
+  }
+  return 0;
+}
