@@ -114,6 +114,85 @@ __global__ void __launch_bounds__(512) register_kernel(const uint8_t* w, int64_t
   if (acc == 0x12345678u) sink[blockIdx.x] = acc;
 }
 
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The skinny_down loop: contiguous per-warp ranges of 64-element steps (4 pieces of 16 B per lane:
+// rows g, g + 8 x chunks 0, 1), kStages-deep ring; kMma: multiply on the tensor cores; kInput: the
+// B operand loaded from global memory (an L2-resident vector) one step ahead.
+template <int kStages, bool kMma, bool kInput>
+__global__ void __launch_bounds__(512) step_kernel(const uint8_t* w, int64_t row_bytes, const uint8_t* x, uint32_t* sink) {
+  extern __shared__ uint4 ring[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  uint4* mine_ring = ring + warp * kStages * 4 * 32 + lane;
+  const int steps = static_cast<int>(row_bytes / 128);
+  const int begin = steps * warp / warps, mine = steps * (warp + 1) / warps - begin;
+  const uint8_t* lo = w + (static_cast<int64_t>(blockIdx.x) * 16 + g) * row_bytes + begin * 128 + 16 * c;
+  const uint8_t* hi = lo + 8 * row_bytes;
+  const uint8_t* xp = x + begin * 128 + 16 * c;
+  int issued = 0, is = 0;
+  auto issue = [&] {
+    if (issued < mine) {
+      cp16(mine_ring + (is * 4 + 0) * 32, lo, true);
+      cp16(mine_ring + (is * 4 + 1) * 32, hi, true);
+      cp16(mine_ring + (is * 4 + 2) * 32, lo + 64, true);
+      cp16(mine_ring + (is * 4 + 3) * 32, hi + 64, true);
+      lo += 128;
+      hi += 128;
+    }
+    commit();
+    ++issued;
+    is = is + 1 == kStages ? 0 : is + 1;
+  };
+  for (int s = 0; s < kStages - 1; ++s) issue();
+  float acc[4] = {0, 0, 0, 0};
+  uint32_t sum = 0;
+  uint4 xn0 = make_uint4(0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u), xn1 = xn0;
+  if (kInput && g == 0) {
+    xn0 = *reinterpret_cast<const uint4*>(xp);
+    xn1 = *reinterpret_cast<const uint4*>(xp + 64);
+  }
+  for (int j = 0, st = 0; j < mine; ++j, st = st + 1 == kStages ? 0 : st + 1) {
+    wait_n<kStages - 2>();
+    uint4 v[4];
+    for (int q = 0; q < 4; ++q) v[q] = mine_ring[(st * 4 + q) * 32];
+    const uint4 x0 = xn0, x1 = xn1;
+    if (kInput && g == 0 && j + 1 < mine) {
+      xp += 128;
+      xn0 = __ldg(reinterpret_cast<const uint4*>(xp));
+      xn1 = __ldg(reinterpret_cast<const uint4*>(xp + 64));
+    }
+    issue();
+    if (kMma) {
+      mma16816(acc, v[0].x, v[1].x, v[0].y, v[1].y, x0.x, x0.y);
+      mma16816(acc, v[0].z, v[1].z, v[0].w, v[1].w, x0.z, x0.w);
+      mma16816(acc, v[2].x, v[3].x, v[2].y, v[3].y, x1.x, x1.y);
+      mma16816(acc, v[2].z, v[3].z, v[2].w, v[3].w, x1.z, x1.w);
+    } else {
+      for (int q = 0; q < 4; ++q) sum ^= v[q].x + v[q].y + v[q].z + v[q].w;
+    }
+  }
+  wait_n<0>();
+  if (sum == 0x12345678u || acc[0] == 1234.5f) sink[blockIdx.x] = sum + acc[1];
+}
+
+__global__ void fill_random(uint32_t* p, size_t n) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    p[i] = (h & 0x00ff00ffu) | 0x3c003c00u;  // bf16 pairs in [0.0078, 0.03]
+  }
+}
+
 __global__ void read_flush(const uint4* p, size_t n, uint32_t* sink) {
   uint32_t acc = 0;
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) acc ^= p[i].x;
@@ -179,6 +258,28 @@ int main() {
     ring(ring_kernel<kLine128, 6, false>, "line128np", 128, 6, warps);
     ring(ring_kernel<kRow512, 2, true>, "row512", 512, 2, warps);
     ring(ring_kernel<kRow512, 3, false>, "row512np", 512, 3, warps);
+  }
+  uint8_t* x;
+  CHECK(cudaMalloc(&x, row_bytes));
+  CHECK(cudaMemset(x, 0, row_bytes));
+  auto steps = [&](auto kernel, const char* name, int stages, int warps) {
+    const size_t smem = static_cast<size_t>(warps) * stages * 4 * 512;
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    report(name, warps, stages, time([&] { kernel<<<grid, warps * 32, smem>>>(w, row_bytes, x, sink); }));
+    CHECK(cudaGetLastError());
+  };
+  for (int data = 0; data < 2; ++data) {
+    if (data == 1) {
+      fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(w), bytes / 4);
+      std::printf("random data:\n");
+      ring(ring_kernel<kFrag64, 4, true>, "frag64", 64, 4, 8);
+    }
+    for (int warps : {4, 8, 16}) {
+      steps(step_kernel<4, false, false>, "step", 4, warps);
+      steps(step_kernel<4, true, false>, "step+mma", 4, warps);
+      steps(step_kernel<4, true, true>, "step+mma+x", 4, warps);
+      steps(step_kernel<8, true, true>, "step+mma+x", 8, warps);
+    }
   }
   for (int split : {2, 4}) {
     for (int warps : {4, 8}) {
