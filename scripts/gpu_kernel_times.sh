@@ -25,8 +25,8 @@ groups = {}
 for (i, name), m in kernels.items():
     if "fill_uniform" in name or "read_through" in name: continue
     key = (name, m.get("launch__grid_size", "?"), m.get("launch__block_size", "?"))
-    groups.setdefault(key, []).append((float(m.get("gpu__time_duration.sum", "nan")),
-                                       float(m.get("dram__bytes_read.sum", "nan"))))
+    groups.setdefault(key, []).append((float(m.get("gpu__time_duration.sum", "nan").replace(",", "")),
+                                       float(m.get("dram__bytes_read.sum", "nan").replace(",", ""))))
 for (name, grid, block), runs in groups.items():
     runs.sort()
     t, b = runs[len(runs) // 2]

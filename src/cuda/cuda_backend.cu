@@ -96,6 +96,7 @@ struct CudaBackend::State {
   // Rows up to which linear, dense_mlp and routed_experts take the skinny kernels (0: never).
   int skinny_max_tokens = kSkinnyMaxRows;
   bool skinny(int64_t rows) const { return rows >= 1 && rows <= skinny_max_tokens; }
+  SkinnyShape skinny_shape;  // {}: each call chooses
 
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
   bool overlapping = false;
@@ -172,6 +173,7 @@ void CudaBackend::set_skinny_max_tokens(int tokens) {
   state_->skinny_max_tokens = tokens;
 }
 int CudaBackend::skinny_max_tokens() const { return state_->skinny_max_tokens; }
+void CudaBackend::set_skinny_shape(const SkinnyShape& shape) { state_->skinny_shape = shape; }
 
 DeviceBuffer CudaBackend::allocate(size_t bytes) {
   State& s = *state_;
@@ -341,7 +343,8 @@ void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorV
   if (s.skinny(in.rows) && weight.dtype == in.dtype && out.dtype == in.dtype &&
       skinny_supported(in.dtype, in.rows, in.cols, {{in.data, in.ld}, {weight.data, weight.ld}})) {
     SkinnyWeights w{nullptr, weight.data, weight.rows, weight.cols, weight.ld, 0};
-    skinny_down(in.dtype, SkinnyRouting{}, {in.data, in.ld}, in.rows, w, out.data, out.ld, accumulate, s.current);
+    skinny_down(in.dtype, SkinnyRouting{}, {in.data, in.ld}, in.rows, w, out.data, out.ld, accumulate, s.current,
+                s.skinny_shape);
     return;
   }
   GemmProblem problem{in.dtype, weight.dtype, out.dtype, in.rows,  weight.rows, in.cols,   in.data,
@@ -430,9 +433,9 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
         gated ? experts.gate.data() : nullptr, experts.up.data(), intermediate, latent, latent, intermediate * latent};
     const SkinnyWeights down{nullptr, experts.down.data(), latent, intermediate, intermediate, latent * intermediate};
     skinny_gate_up(z.dtype(), activation, routing, {z.data(), latent}, num_tokens, gate_up, act_rows, intermediate,
-                   s.current);
+                   s.current, s.skinny_shape);
     skinny_down(z.dtype(), routing, {act_rows, intermediate}, num_tokens, down, output.data, output.ld, false,
-                s.current);
+                s.current, s.skinny_shape);
     return;
   }
   const MoeLayout layout = build_moe_layout(topk_ids.data_as<const int32_t>(), num_tokens, static_cast<int>(k),
@@ -495,9 +498,9 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
     const SkinnyWeights gate_up{gated ? gate.data : nullptr, up.data, intermediate, input.cols, up.ld, 0};
     const SkinnyWeights projection{nullptr, down.data, down.rows, intermediate, down.ld, 0};
     skinny_gate_up(x.dtype(), activation, SkinnyRouting{}, {input.data, input.ld}, num_tokens, gate_up, base,
-                   intermediate, s.current);
+                   intermediate, s.current, s.skinny_shape);
     skinny_down(x.dtype(), SkinnyRouting{}, {base, intermediate}, num_tokens, projection, output.data, output.ld, false,
-                s.current);
+                s.current, s.skinny_shape);
     return;
   }
   const RowMatrix gate_rows{base, x.dtype(), num_tokens, intermediate, intermediate};

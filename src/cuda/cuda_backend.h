@@ -22,6 +22,7 @@
 #include <memory>
 
 #include "core/backend.h"
+#include "cuda/skinny_gemm.h"
 
 namespace latentmoe::cuda {
 
@@ -88,6 +89,9 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // 0 turns them off (the benchmark compares both). Throws Error outside that range.
   void set_skinny_max_tokens(int tokens);
   int skinny_max_tokens() const;
+  // The launch shape of every skinny call from now on (tests reach each schedule with it); the
+  // default {} lets each call choose. The call checks the shape when it launches.
+  void set_skinny_shape(const SkinnyShape& shape);
 
   int device_ordinal() const;
   // cudaMalloc calls made so far (allocate() and internal workspaces); forward adds none.

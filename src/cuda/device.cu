@@ -72,6 +72,11 @@ int current_sm_count() {
   return cached_current_attribute(cudaDevAttrMultiProcessorCount, cache);
 }
 
+int current_shared_memory_optin() {
+  static std::array<std::atomic<int>, 64> cache{};
+  return cached_current_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, cache);
+}
+
 bool pdl_supported() { return current_compute_capability() >= 90; }
 
 }  // namespace latentmoe::cuda

@@ -26,6 +26,8 @@ DeviceInfo device_info(int ordinal);
 // device (they are consulted on every launch). Throw Error when there is no current device.
 int current_compute_capability();
 int current_sm_count();
+// The most dynamic shared memory one block of the current device may opt in to, in bytes (cached).
+int current_shared_memory_optin();
 
 // Makes `ordinal` the calling thread's current device for its lifetime and restores the previous
 // one afterwards (several ranks may share a thread pool or a process).

@@ -37,25 +37,45 @@ __device__ __forceinline__ void pdl_trigger() {
 bool pdl_supported();
 
 // Launches `kernel` on `stream`, as a programmatic dependent of the previous kernel when `programmatic`
-// (the caller has checked pdl_supported()). Throws latentmoe::Error naming `what` if the launch fails.
+// (the caller has checked pdl_supported()), in clusters of `cluster` CTAs along x when cluster > 1
+// (sm_90+; grid.x a multiple of it). Throws latentmoe::Error naming `what` if the launch fails.
 template <class... Params, class... Args>
-void launch_kernel(const char* what, bool programmatic, void (*kernel)(Params...), dim3 grid, dim3 block,
-                   size_t shared_bytes, cudaStream_t stream, Args&&... args) {
+void launch_kernel_clustered(const char* what, bool programmatic, unsigned cluster, void (*kernel)(Params...),
+                             dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = programmatic ? 1 : 0;
+  cudaLaunchAttribute attributes[2];
+  unsigned count = 0;
+  if (programmatic) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  if (cluster > 1) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count].val.clusterDim.x = cluster;
+    attributes[count].val.clusterDim.y = 1;
+    attributes[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  config.attrs = attributes;
+  config.numAttrs = count;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     ::latentmoe::detail::throw_error("launch of ", what, " failed: ", cudaGetErrorString(err));
   }
+}
+
+// launch_kernel_clustered without clusters.
+template <class... Params, class... Args>
+void launch_kernel(const char* what, bool programmatic, void (*kernel)(Params...), dim3 grid, dim3 block,
+                   size_t shared_bytes, cudaStream_t stream, Args&&... args) {
+  launch_kernel_clustered(what, programmatic, 1, kernel, grid, block, shared_bytes, stream,
+                          std::forward<Args>(args)...);
 }
 
 // launch_kernel as a programmatic dependent wherever the device supports it.

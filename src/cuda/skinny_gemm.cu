@@ -1,40 +1,60 @@
 // The skinny GEMM kernels of skinny_gemm.h and their launchers.
 //
-// Work split. A CTA owns one *unit*: 16 consecutive weight rows (the MMA's M) of one matrix
-// (skinny_gate_up: of one distinct expert, gate and up rows alike) or of every matrix the batch uses
-// (skinny_down, summing over the experts). Its warps split the unit's reduction into 32-element
-// chunks, round robin; each warp keeps the unit's 16 x 8 fp32 accumulators of its chunks, and the
-// warps' sums are added in warp order at the end (deterministic). The host sizes the CTA (4-16 warps)
-// so that all units together ask for about 16 warps per SM: with decode's units all resident at once,
-// the DRAM requests of every SM are in flight together and the weight stream runs at the bandwidth
-// however unevenly the units fall on the SMs.
+// Units. A *unit* is 16 consecutive weight rows (the MMA's M): skinny_gate_up's unit is 16 rows of
+// one distinct expert (gate and up rows alike), reduced over k; skinny_down's is 16 output rows,
+// reduced over k and summed over every expert the batch uses. A unit's reduction is a list of
+// 64-element *steps* (skinny_down: expert-major, the experts' steps one after the other).
+//
+// Schedule (docs/SKINNY_GEMM.md). The grid is `clusters` clusters of `split` CTAs of `warps` warps.
+// Cluster c takes the units c, c + clusters, c + 2 clusters, ... (persistent: the launcher sizes the
+// grid to what is resident at once, so nothing waits for a second wave); the split * warps warps of
+// a cluster cut every unit's step list into equal contiguous ranges, the same range in every unit.
+// Each warp streams its ranges of all its units as one sequence through its copy ring, so the weight
+// stream never drains at a unit boundary. At the end of a unit each warp leaves its 16 x 8 fp32
+// partial sums in shared memory (double-buffered by unit parity), the cluster meets at a barrier, and
+// the first CTA's threads add the partials of every warp of the cluster, in (CTA, warp) order, and
+// write the unit's outputs: deterministic, one rounding per output, no global workspace. split > 1
+// (Hopper clusters, the partials read over distributed shared memory) lets few units fill the GPU.
+//
+// Barrier protocol (per cluster, `split` CTAs): for unit i every thread of the cluster (1) writes its
+// warp's partials of unit i into buffer i % 2, (2) arrives at and waits on the barrier of unit i,
+// (3) if it is one of the first CTA's epilogue threads, reads buffer i % 2 of every CTA. Buffer i % 2
+// is next written for unit i + 2, after the barrier of unit i + 1, which the readers of unit i reach
+// only after their reads; a last barrier after the final unit keeps every CTA's shared memory alive
+// until the first CTA has read it. Every CTA of a cluster has the same units, so the same barriers.
 //
 // Operands straight from global memory into MMA fragments. mma.m16n8k16 gives lane (g = lane / 4,
 // c = lane % 4) the A elements of rows g and g + 8 at k in {2c, 2c+1, 2c+8, 2c+9} and the B elements
 // of column g at the same k. Any permutation of k inside a chunk that A and B share leaves the dot
 // products unchanged, so lane (g, c) loads 16 contiguous bytes (8 elements at 8c) of weight rows g and
 // g + 8 and of the input row of token g, and feeds words {0, 1} to the first k16 step and {2, 3} to
-// the second. Every weight byte is loaded once, 16 bytes per lane, fully used 32-byte sectors, no
-// shared memory, no ldmatrix; weights bypass L1 and ask the L2 for 256-byte fetches.
+// the second. Every weight byte is loaded once, 16 bytes per lane, fully used 32-byte sectors; weights
+// go through the lane's cp.async ring (kStages - 1 steps in flight), inputs (L2-resident) are loaded
+// into registers one step ahead.
 //
 // The table (routed calls). Each CTA reads the batch's pairs (<= kSkinnyMaxRows * top_k ids) into
-// shared memory and finds, for each real pair, the first pair naming its expert (O(pairs) compares per
-// thread, a few hundred at most); the leaders, numbered in pair order by a ballot scan, are the
-// distinct experts. Per (expert, token column): the input row of the token's first pair naming the
-// expert (-1 for none) and the summed weights of its pairs naming it, added in slot order.
+// shared memory and finds, for each real pair, the first pair naming its expert; the leaders,
+// numbered in pair order by a ballot scan, are the distinct experts. Per (expert, token column): the
+// input row of the token's first pair naming the expert (-1 for none) and the summed weights of its
+// pairs naming it, added in slot order.
 //
 // Programmatic dependent launch (src/cuda/pdl.cuh): skinny_gate_up waits before it reads topk_ids
 // (routed) or x; skinny_down builds its table (topk_ids: written two kernels back) and issues its first
 // weight loads before it waits, and reads `a` and `out` after. Both trigger right after their wait.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "cuda/convert.cuh"
+#include "cuda/cuda_check.h"
 #include "cuda/device.h"
 #include "cuda/grouped_gemm_common.cuh"
 #include "cuda/grouped_gemm_launch.h"
@@ -50,15 +70,26 @@ constexpr int kCols = kSkinnyMaxRows;  // token columns: the MMA's N
 constexpr int kChunk = 32;             // reduction elements of one MMA pair (4 lanes x 8)
 constexpr int kStep = 2 * kChunk;      // reduction elements a warp copies and multiplies per step
 constexpr int kAccPerWarp = kUnitRows * kCols;
-constexpr int kMinWarps = 4;
 constexpr int kMaxWarps = 16;
-constexpr int kWarpsPerSm = 16;   // resident warps the units of one call aim for
+constexpr int kMaxSplit = 8;  // the portable cluster size
 // Depth of each lane's copy ring, in steps: kStages - 1 steps of weights are in flight per warp while
 // it multiplies one: 8 KB (gated gate/up) or 6 KB (down) per warp, about 100 KB per SM at 16 warps,
-// which measured enough to stream at the bandwidth (bench/micro/skinny_stream_bench.cu). The rings
-// take 12 or 8 KB of shared memory per warp.
+// which measured enough to stream at the bandwidth (bench/micro/skinny_stream_bench.cu).
 constexpr int kGateUpStages = 3;
 constexpr int kDownStages = 4;
+constexpr int kDownPieces = 4;  // {row g, row g + 8} x {chunk 0, chunk 1}
+
+// Pieces of one gate/up step: {up, gate} x {row g, row g + 8} x {chunk 0, chunk 1}.
+template <bool kGated>
+constexpr int gate_up_pieces() {
+  return kGated ? 8 : 4;
+}
+
+// The launch shape the kernels read (SkinnyShape once chosen).
+struct Schedule {
+  int split = 1;     // CTAs per cluster
+  int clusters = 1;  // clusters in the grid
+};
 
 // Shared memory of the table, in 4-byte words, rounded up to 16 bytes: count and masks, the pairs' ids
 // and first pairs, then expert [U], row [U][kCols], coef [U][kCols].
@@ -112,13 +143,10 @@ __device__ void build_routed_table(const Table& t, const int32_t* __restrict__ i
     const int e = t.ids[p];
     int first = -1;
     if (e >= 0 && e < num_experts) {
+      // The earliest q <= p naming e: independent compares (no early exit), so the loads pipeline.
       first = p;
-      for (int q = 0; q < p; ++q) {
-        if (t.ids[q] == e) {
-          first = q;
-          break;
-        }
-      }
+#pragma unroll 8
+      for (int q = p - 1; q >= 0; --q) first = t.ids[q] == e ? q : first;
     }
     t.first[p] = first;
   }
@@ -223,8 +251,8 @@ struct LaneRing {
 };
 
 template <int kPieces, int kStages>
-__device__ __forceinline__ LaneRing<kPieces> carve_ring(void* smem, int warp, int lane) {
-  return {static_cast<uint4*>(smem) + warp * kStages * kPieces * 32 + lane};
+__device__ __forceinline__ LaneRing<kPieces> carve_ring(void* rings, int warp, int lane) {
+  return {static_cast<uint4*>(rings) + warp * kStages * kPieces * 32 + lane};
 }
 
 __device__ __forceinline__ int next_stage(int stage, int stages) { return stage + 1 == stages ? 0 : stage + 1; }
@@ -234,6 +262,39 @@ template <class T>
 __device__ __forceinline__ void load_step_input(uint4 (&v)[2], const T* x, int offset, int k) {
   v[0] = x != nullptr && offset < k ? load_input(x) : make_uint4(0, 0, 0, 0);
   v[1] = x != nullptr && offset + kChunk < k ? load_input(x + kChunk) : make_uint4(0, 0, 0, 0);
+}
+
+// The cluster's barrier of one unit (the file comment's protocol); a block barrier when split == 1.
+__device__ __forceinline__ void unit_barrier(int split) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (split > 1) {
+    cooperative_groups::this_cluster().sync();
+    return;
+  }
+#endif
+  __syncthreads();
+}
+
+// The partials buffer `buffer` of CTA `rank` of this cluster (this CTA's own when split == 1).
+__device__ __forceinline__ const float* cluster_partials(float* own, int rank, int split) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (split > 1) return cooperative_groups::this_cluster().map_shared_rank(own, rank);
+#endif
+  return own;
+}
+
+// This warp's steps of every unit: [begin, end) of the unit's `steps`, the same in every unit.
+struct WarpRange {
+  int begin, end;
+};
+__device__ __forceinline__ WarpRange warp_range(int steps, int rank, int warp, int warps, int split) {
+  const int64_t q = static_cast<int64_t>(rank) * warps + warp, all = static_cast<int64_t>(split) * warps;
+  return {static_cast<int>(steps * q / all), static_cast<int>(steps * (q + 1) / all)};
+}
+
+// The units of cluster `cluster`: cluster, cluster + clusters, ... < units.
+__device__ __forceinline__ int units_of_cluster(int units, int cluster, int clusters) {
+  return cluster < units ? (units - 1 - cluster) / clusters + 1 : 0;
 }
 
 struct GateUpParams {
@@ -250,24 +311,22 @@ struct GateUpParams {
   int top_k = 1, num_experts = 1, max_unique = 1, row_blocks = 1;
   bool situ = false;
   float situ_beta = 4.0f, situ_linear_beta = 25.0f;
+  Schedule schedule;
 };
 
-// Pieces of one step: {up, gate} x {row g, row g + 8} x {chunk 0, chunk 1}.
-template <bool kGated>
-constexpr int gate_up_pieces() {
-  return kGated ? 8 : 4;
-}
-
-// One CTA: one distinct expert's unit of 16 rows (of up, and of gate); warp w multiplies the steps
-// [w * S / W, (w + 1) * S / W) of its k range, then the warps' sums are added in warp order.
+// Units: (distinct expert ue, row block b) as u = ue * row_blocks + b; steps: the k steps.
 template <class T, bool kGated>
 __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpParams p) {
   constexpr int kPieces = gate_up_pieces<kGated>();
+  constexpr int kAccs = kGated ? 2 : 1;
   extern __shared__ __align__(16) int smem[];
   const bool routed = p.ids != nullptr;
   const int pairs = routed ? p.rows * p.top_k : 0;
   const Table table = carve_table(smem, pairs, p.max_unique);
-  void* work = smem + table_words(pairs, p.max_unique);  // the lanes' rings, then the reduction
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  uint4* rings = reinterpret_cast<uint4*>(smem + table_words(pairs, p.max_unique));
+  float* partials = reinterpret_cast<float*>(rings + warps * kGateUpStages * kPieces * 32);  // [2][warps][kAccs][128]
   bool waited = false;
   if (routed) {
     pdl_wait();
@@ -277,35 +336,41 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpPa
   } else {
     build_dense_table(table, p.rows);
   }
-  const int u = blockIdx.x / p.row_blocks;
-  const int block = blockIdx.x - u * p.row_blocks;
-  if (u >= *table.count) {  // the host's grid is sized for min(E, pairs) distinct experts
-    if (!waited) pdl_wait();
-    return;
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int64_t expert = table.expert[u];
-  const int r0 = block * kUnitRows + g, r1 = r0 + 8;
-  const bool valid0 = r0 < p.n, valid1 = r1 < p.n;
+  const int split = p.schedule.split, clusters = p.schedule.clusters;
+  const int rank = static_cast<int>(blockIdx.x) % split, cluster = static_cast<int>(blockIdx.x) / split;
+  const int my_units = units_of_cluster(*table.count * p.row_blocks, cluster, clusters);
   const int steps = (p.k + kStep - 1) / kStep;
-  const int begin = steps * warp / warps, mine = steps * (warp + 1) / warps - begin;
-  const int64_t first = static_cast<int64_t>(begin) * kStep + 8 * c;  // this lane's k offset of its first step
-  const T* up_lo = static_cast<const T*>(p.up) + expert * p.expert_stride + (valid0 ? r0 : 0) * p.ldw + first;
-  const T* up_hi = static_cast<const T*>(p.up) + expert * p.expert_stride + (valid1 ? r1 : 0) * p.ldw + first;
+  const WarpRange range = warp_range(steps, rank, warp, warps, split);
+  const int span = range.end - range.begin;
+  const int total = my_units * span;  // steps this warp multiplies
+  const int first_offset = range.begin * kStep + 8 * c;
+  const LaneRing<kPieces> ring = carve_ring<kPieces, kGateUpStages>(rings, warp, lane);
+
+  // Issue cursor: the next step to copy (unit index i of this cluster, k offset of this lane).
+  int issued = 0, issue_stage = 0, issue_unit = 0, issue_left = span, issue_offset = first_offset;
+  bool valid0 = false, valid1 = false;
+  const T* up_lo = nullptr;
+  const T* up_hi = nullptr;
   const T* gate_lo = nullptr;
   const T* gate_hi = nullptr;
-  if constexpr (kGated) {
-    gate_lo = static_cast<const T*>(p.gate) + expert * p.expert_stride + (valid0 ? r0 : 0) * p.ldw + first;
-    gate_hi = static_cast<const T*>(p.gate) + expert * p.expert_stride + (valid1 ? r1 : 0) * p.ldw + first;
-  }
-  const bool has_input = table.row[u * kCols + g] >= 0;  // token g uses this expert
-  const T* x = has_input ? static_cast<const T*>(p.x) + g * p.ldx + first : nullptr;
-  const LaneRing<kPieces> ring = carve_ring<kPieces, kGateUpStages>(work, warp, lane);
-
-  int issued = 0, issue_stage = 0, issue_offset = static_cast<int>(first);
+  auto point_weights = [&] {
+    const int u = cluster + issue_unit * clusters;
+    const int ue = u / p.row_blocks, block = u - ue * p.row_blocks;
+    const int r0 = block * kUnitRows + g, r1 = r0 + 8;
+    valid0 = r0 < p.n;
+    valid1 = r1 < p.n;
+    const int64_t base = static_cast<int64_t>(table.expert[ue]) * p.expert_stride + first_offset;
+    const int64_t lo = base + (valid0 ? r0 : 0) * p.ldw, hi = base + (valid1 ? r1 : 0) * p.ldw;
+    up_lo = static_cast<const T*>(p.up) + lo;
+    up_hi = static_cast<const T*>(p.up) + hi;
+    if constexpr (kGated) {
+      gate_lo = static_cast<const T*>(p.gate) + lo;
+      gate_hi = static_cast<const T*>(p.gate) + hi;
+    }
+  };
+  if (total > 0) point_weights();
   auto issue = [&] {  // the warp's next step into the next stage (an empty group past the end)
-    if (issued < mine) {
+    if (issued < total) {
       const bool v0 = issue_offset < p.k, v1 = issue_offset + kChunk < p.k;
       copy_weights(ring.at(issue_stage, 0), up_lo, valid0 && v0);
       copy_weights(ring.at(issue_stage, 1), up_hi, valid1 && v0);
@@ -322,6 +387,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpPa
       up_lo += kStep;
       up_hi += kStep;
       issue_offset += kStep;
+      if (--issue_left == 0 && issued + 1 < total) {  // on to the next unit
+        ++issue_unit;
+        issue_left = span;
+        issue_offset = first_offset;
+        point_weights();
+      }
     }
     copy_commit();
     ++issued;
@@ -334,51 +405,77 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpPa
     pdl_wait();
     pdl_trigger();
   }
-  float acc_g[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  int offset = static_cast<int>(first);
-  uint4 x_next[2];
-  load_step_input(x_next, x, offset, p.k);
-  for (int j = 0, stage = 0; j < mine; ++j, stage = next_stage(stage, kGateUpStages)) {
-    copy_wait<kGateUpStages - 2>();  // step j has landed
-    uint4 w[kPieces];
+  // Input cursor: one step ahead of the multiply. x row g is token g's; nullptr: token g does not
+  // use the unit's expert (its column stays zero).
+  int input_unit = 0, input_left = span, input_offset = first_offset;
+  const T* x_row = nullptr;
+  auto point_input = [&] {
+    const int ue = (cluster + input_unit * clusters) / p.row_blocks;
+    x_row = table.row[ue * kCols + g] >= 0 ? static_cast<const T*>(p.x) + g * p.ldx + first_offset : nullptr;
+  };
+  auto next_input = [&](uint4 (&v)[2], int j) {  // step j's inputs, then advance
+    if (j >= total) return;
+    load_step_input(v, x_row, input_offset, p.k);
+    input_offset += kStep;
+    if (x_row != nullptr) x_row += kStep;
+    if (--input_left == 0 && j + 1 < total) {
+      ++input_unit;
+      input_left = span;
+      input_offset = first_offset;
+      point_input();
+    }
+  };
+  if (total > 0) point_input();
+  uint4 x_next[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+  next_input(x_next, 0);
+
+  int stage = 0, j = 0;
+  for (int i = 0; i < my_units; ++i) {
+    float acc_g[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < span; ++s, ++j, stage = next_stage(stage, kGateUpStages)) {
+      copy_wait<kGateUpStages - 2>();  // step j has landed
+      uint4 w[kPieces];
 #pragma unroll
-    for (int q = 0; q < kPieces; ++q) w[q] = *ring.at(stage, q);
-    const uint4 x0 = x_next[0], x1 = x_next[1];
-    offset += kStep;
-    if (x != nullptr) x += kStep;
-    load_step_input(x_next, j + 1 < mine ? x : nullptr, offset, p.k);
-    issue();  // into the stage read one step ago
-    mma_chunk<T>(acc_u, w[0], w[1], x0);
-    mma_chunk<T>(acc_u, w[2], w[3], x1);
-    if constexpr (kGated) {
-      mma_chunk<T>(acc_g, w[4], w[5], x0);
-      mma_chunk<T>(acc_g, w[6], w[7], x1);
+      for (int q = 0; q < kPieces; ++q) w[q] = *ring.at(stage, q);
+      const uint4 x0 = x_next[0], x1 = x_next[1];
+      next_input(x_next, j + 1);
+      issue();  // into the stage read one step ago
+      mma_chunk<T>(acc_u, w[0], w[1], x0);
+      mma_chunk<T>(acc_u, w[2], w[3], x1);
+      if constexpr (kGated) {
+        mma_chunk<T>(acc_g, w[4], w[5], x0);
+        mma_chunk<T>(acc_g, w[6], w[7], x1);
+      }
+    }
+    float* buffer = partials + (i & 1) * warps * kAccs * kAccPerWarp;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      buffer[warp * kAccs * kAccPerWarp + lane * 4 + e] = acc_u[e];
+      if constexpr (kGated) buffer[(warp * kAccs + 1) * kAccPerWarp + lane * 4 + e] = acc_g[e];
+    }
+    unit_barrier(split);
+    if (rank != 0) continue;
+    const int u = cluster + i * clusters;
+    const int ue = u / p.row_blocks, block = u - ue * p.row_blocks;
+    for (int index = threadIdx.x; index < kAccPerWarp; index += blockDim.x) {
+      const int row = block * kUnitRows + acc_row(index);
+      const int out_row = table.row[ue * kCols + acc_col(index)];
+      if (out_row < 0 || row >= p.n) continue;
+      float sum_u = 0.0f, sum_g = 0.0f;
+      for (int r = 0; r < split; ++r) {
+        const float* from = cluster_partials(buffer, r, split);
+        for (int w = 0; w < warps; ++w) {
+          sum_u += from[w * kAccs * kAccPerWarp + index];
+          if constexpr (kGated) sum_g += from[(w * kAccs + 1) * kAccPerWarp + index];
+        }
+      }
+      const float value =
+          kGated ? gg::gated_act<true>(sum_g, sum_u, p.situ, p.situ_beta, p.situ_linear_beta) : gg::relu2_act(sum_u);
+      static_cast<T*>(p.act)[out_row * p.ld_act + row] = from_float<T>(value);
     }
   }
   copy_wait<0>();
-  __syncthreads();  // the reduction reuses the rings
-
-  float* red = static_cast<float*>(work);
-  float* own = red + warp * 2 * kAccPerWarp;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    own[lane * 4 + i] = acc_u[i];
-    if constexpr (kGated) own[kAccPerWarp + lane * 4 + i] = acc_g[i];
-  }
-  __syncthreads();
-  for (int index = threadIdx.x; index < kAccPerWarp; index += blockDim.x) {
-    float sum_u = 0.0f, sum_g = 0.0f;
-    for (int w = 0; w < warps; ++w) {
-      sum_u += red[w * 2 * kAccPerWarp + index];
-      if constexpr (kGated) sum_g += red[w * 2 * kAccPerWarp + kAccPerWarp + index];
-    }
-    const int row = block * kUnitRows + acc_row(index);
-    const int out_row = table.row[u * kCols + acc_col(index)];
-    if (out_row < 0 || row >= p.n) continue;
-    const float value =
-        kGated ? gg::gated_act<true>(sum_g, sum_u, p.situ, p.situ_beta, p.situ_linear_beta) : gg::relu2_act(sum_u);
-    static_cast<T*>(p.act)[out_row * p.ld_act + row] = from_float<T>(value);
-  }
+  if (split > 1) unit_barrier(split);  // the first CTA has read every CTA's partials
 }
 
 struct DownParams {
@@ -394,54 +491,66 @@ struct DownParams {
   const int32_t* ids = nullptr;  // nullptr: dense
   const float* weights = nullptr;
   int top_k = 1, num_experts = 1, max_unique = 1;
+  Schedule schedule;
 };
 
-constexpr int kDownPieces = 4;  // {row g, row g + 8} x {chunk 0, chunk 1}
-
-// One CTA: 16 output rows, summed over the distinct experts. The (expert, step) list, expert-major,
-// is cut into one contiguous range per warp; each warp folds an expert's sums in with its
-// coefficients when it leaves the expert, and the warps' sums are added in warp order.
+// Units: blocks of 16 output rows; steps: (distinct expert, k step), expert-major. A warp folds an
+// expert's sums into its unit total with the expert's coefficients when it leaves the expert.
 template <class T>
 __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams p) {
   extern __shared__ __align__(16) int smem[];
   const bool routed = p.ids != nullptr;
   const int pairs = routed ? p.rows * p.top_k : 0;
   const Table table = carve_table(smem, pairs, p.max_unique);
-  void* work = smem + table_words(pairs, p.max_unique);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  uint4* rings = reinterpret_cast<uint4*>(smem + table_words(pairs, p.max_unique));
+  float* partials = reinterpret_cast<float*>(rings + warps * kDownStages * kDownPieces * 32);  // [2][warps][128]
   if (routed) {
     build_routed_table(table, p.ids, p.weights, p.rows, p.top_k, p.num_experts);  // ids: two kernels back
   } else {
     build_dense_table(table, p.rows);
   }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int block = blockIdx.x;
-  const int r0 = block * kUnitRows + g, r1 = r0 + 8;
-  const bool valid0 = r0 < p.n, valid1 = r1 < p.n;
-  const int64_t o0 = static_cast<int64_t>(valid0 ? r0 : 0) * p.ldw + 8 * c;
-  const int64_t o1 = static_cast<int64_t>(valid1 ? r1 : 0) * p.ldw + 8 * c;
+  const int split = p.schedule.split, clusters = p.schedule.clusters;
+  const int rank = static_cast<int>(blockIdx.x) % split, cluster = static_cast<int>(blockIdx.x) / split;
+  const int units = (p.n + kUnitRows - 1) / kUnitRows;
+  const int my_units = units_of_cluster(units, cluster, clusters);
+  const int steps_per_expert = (p.k + kStep - 1) / kStep;
+  const WarpRange range = warp_range(*table.count * steps_per_expert, rank, warp, warps, split);
+  const int span = range.end - range.begin;
+  const int total = my_units * span;
+  // Where the range starts in every unit: expert index and this lane's k offset.
+  const int first_expert = range.begin / steps_per_expert;
+  const int first_offset = (range.begin - first_expert * steps_per_expert) * kStep + 8 * c;
   const T* w = static_cast<const T*>(p.w);
   const T* a = static_cast<const T*>(p.a);
-  const int steps_per_expert = (p.k + kStep - 1) / kStep;
-  const int total = *table.count * steps_per_expert;
-  const int begin = static_cast<int>(static_cast<int64_t>(total) * warp / warps);
-  const int mine = static_cast<int>(static_cast<int64_t>(total) * (warp + 1) / warps) - begin;
-  const int first_unit = begin / steps_per_expert;
-  const int first_offset = (begin - first_unit * steps_per_expert) * kStep + 8 * c;
-  const LaneRing<kDownPieces> ring = carve_ring<kDownPieces, kDownStages>(work, warp, lane);
+  const LaneRing<kDownPieces> ring = carve_ring<kDownPieces, kDownStages>(rings, warp, lane);
 
   // Issue cursor: the next step to copy.
-  int issued = 0, issue_stage = 0, issue_unit = first_unit, issue_offset = first_offset;
+  int issued = 0, issue_stage = 0, issue_unit = 0, issue_left = span, issue_expert = first_expert;
+  int issue_offset = first_offset;
+  bool valid0 = false, valid1 = false;
+  int64_t row0 = 0, row1 = 0;  // this lane's weight rows' element offsets in a matrix
   const T* w_lo = nullptr;
   const T* w_hi = nullptr;
-  auto point_weights = [&] {
-    const T* base = w + static_cast<int64_t>(table.expert[issue_unit]) * p.expert_stride;
-    w_lo = base + o0 + (issue_offset - 8 * c);
-    w_hi = base + o1 + (issue_offset - 8 * c);
+  auto point_rows = [&] {
+    const int r0 = (cluster + issue_unit * clusters) * kUnitRows + g, r1 = r0 + 8;
+    valid0 = r0 < p.n;
+    valid1 = r1 < p.n;
+    row0 = static_cast<int64_t>(valid0 ? r0 : 0) * p.ldw;
+    row1 = static_cast<int64_t>(valid1 ? r1 : 0) * p.ldw;
   };
-  if (mine > 0) point_weights();
+  auto point_weights = [&] {
+    const T* base = w + static_cast<int64_t>(table.expert[issue_expert]) * p.expert_stride + issue_offset;
+    w_lo = base + row0;
+    w_hi = base + row1;
+  };
+  if (total > 0) {
+    point_rows();
+    point_weights();
+  }
   auto issue = [&] {
-    if (issued < mine) {
+    if (issued < total) {
       const bool v0 = issue_offset < p.k, v1 = issue_offset + kChunk < p.k;
       copy_weights(ring.at(issue_stage, 0), w_lo, valid0 && v0);
       copy_weights(ring.at(issue_stage, 1), w_hi, valid1 && v0);
@@ -450,32 +559,49 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
       issue_offset += kStep;
       w_lo += kStep;
       w_hi += kStep;
-      if (issue_offset - 8 * c >= p.k && issued + 1 < mine) {  // on to the next expert
-        ++issue_unit;
-        issue_offset = 8 * c;
-        point_weights();
+      if (issued + 1 < total) {
+        if (--issue_left == 0) {  // on to the next unit, at the range's start
+          ++issue_unit;
+          issue_left = span;
+          issue_expert = first_expert;
+          issue_offset = first_offset;
+          point_rows();
+          point_weights();
+        } else if (issue_offset - 8 * c >= p.k) {  // on to the next expert
+          ++issue_expert;
+          issue_offset = 8 * c;
+          point_weights();
+        }
       }
     }
     copy_commit();
     ++issued;
     issue_stage = next_stage(issue_stage, kDownStages);
   };
-  // Input cursor: the step whose inputs are loaded next (one ahead of the multiply).
-  int input_unit = first_unit, input_offset = first_offset;
+  // Input cursor: the step whose inputs are loaded next (one ahead of the multiply). The input rows
+  // depend on the expert only, not on the unit.
+  int input_left = span, input_expert = first_expert, input_offset = first_offset;
   const T* a_row = nullptr;
   auto point_input = [&] {
-    const int row = table.row[input_unit * kCols + g];
+    const int row = table.row[input_expert * kCols + g];
     a_row = row >= 0 ? a + static_cast<int64_t>(row) * p.lda + input_offset : nullptr;
   };
   auto next_input = [&](uint4 (&v)[2], int j) {  // step j's inputs, then advance
-    if (j >= mine) return;
+    if (j >= total) return;
     load_step_input(v, a_row, input_offset, p.k);
     input_offset += kStep;
     if (a_row != nullptr) a_row += kStep;
-    if (input_offset - 8 * c >= p.k && j + 1 < mine) {
-      ++input_unit;
-      input_offset = 8 * c;
-      point_input();
+    if (j + 1 < total) {
+      if (--input_left == 0) {
+        input_left = span;
+        input_expert = first_expert;
+        input_offset = first_offset;
+        point_input();
+      } else if (input_offset - 8 * c >= p.k) {
+        ++input_expert;
+        input_offset = 8 * c;
+        point_input();
+      }
     }
   };
 
@@ -483,75 +609,153 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
   for (int j = 0; j < kDownStages - 1; ++j) issue();
   pdl_wait();  // a and out: the previous kernel's
   pdl_trigger();
-  if (mine > 0) point_input();
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the current expert's
-  float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // coefficient-weighted over the experts
+  if (total > 0) point_input();
   uint4 a_next[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
   next_input(a_next, 0);
-  int unit = first_unit, offset = first_offset;  // multiply cursor
-  for (int j = 0, stage = 0; j < mine; ++j, stage = next_stage(stage, kDownStages)) {
-    copy_wait<kDownStages - 2>();
-    uint4 v[kDownPieces];
+  T* out = static_cast<T*>(p.out);
+  int stage = 0, j = 0;
+  for (int i = 0; i < my_units; ++i) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the current expert's
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // coefficient-weighted over the experts
+    int expert = first_expert, offset = first_offset;  // multiply cursor
+    for (int s = 0; s < span; ++s, ++j, stage = next_stage(stage, kDownStages)) {
+      copy_wait<kDownStages - 2>();
+      uint4 v[kDownPieces];
 #pragma unroll
-    for (int q = 0; q < kDownPieces; ++q) v[q] = *ring.at(stage, q);
-    const uint4 a0 = a_next[0], a1 = a_next[1];
-    next_input(a_next, j + 1);
-    issue();
-    mma_chunk<T>(acc, v[0], v[1], a0);
-    mma_chunk<T>(acc, v[2], v[3], a1);
-    offset += kStep;
-    if (offset - 8 * c >= p.k || j + 1 == mine) {  // leaving the expert: fold it in with its coefficients
-      const float c0 = table.coef[unit * kCols + 2 * c], c1 = table.coef[unit * kCols + 2 * c + 1];
-      sum[0] = fmaf(c0, acc[0], sum[0]);
-      sum[1] = fmaf(c1, acc[1], sum[1]);
-      sum[2] = fmaf(c0, acc[2], sum[2]);
-      sum[3] = fmaf(c1, acc[3], sum[3]);
+      for (int q = 0; q < kDownPieces; ++q) v[q] = *ring.at(stage, q);
+      const uint4 a0 = a_next[0], a1 = a_next[1];
+      next_input(a_next, j + 1);
+      issue();
+      mma_chunk<T>(acc, v[0], v[1], a0);
+      mma_chunk<T>(acc, v[2], v[3], a1);
+      offset += kStep;
+      if (offset - 8 * c >= p.k || s + 1 == span) {  // leaving the expert: fold it in with its coefficients
+        const float c0 = table.coef[expert * kCols + 2 * c], c1 = table.coef[expert * kCols + 2 * c + 1];
+        sum[0] = fmaf(c0, acc[0], sum[0]);
+        sum[1] = fmaf(c1, acc[1], sum[1]);
+        sum[2] = fmaf(c0, acc[2], sum[2]);
+        sum[3] = fmaf(c1, acc[3], sum[3]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
-      ++unit;
-      offset = 8 * c;
+        for (int e = 0; e < 4; ++e) acc[e] = 0.0f;
+        ++expert;
+        offset = 8 * c;
+      }
+    }
+    float* buffer = partials + (i & 1) * warps * kAccPerWarp;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) buffer[warp * kAccPerWarp + lane * 4 + e] = sum[e];
+    unit_barrier(split);
+    if (rank != 0) continue;
+    const int block = cluster + i * clusters;
+    for (int index = threadIdx.x; index < kAccPerWarp; index += blockDim.x) {
+      const int row = block * kUnitRows + acc_row(index);
+      const int token = acc_col(index);
+      if (token >= p.rows || row >= p.n) continue;
+      float value = 0.0f;
+      for (int r = 0; r < split; ++r) {
+        const float* from = cluster_partials(buffer, r, split);
+        for (int v = 0; v < warps; ++v) value += from[v * kAccPerWarp + index];
+      }
+      T* target = out + token * p.ld_out + row;
+      if (p.accumulate) value += to_float(*target);
+      *target = from_float<T>(value);
     }
   }
   copy_wait<0>();
-  __syncthreads();  // the reduction reuses the rings
+  if (split > 1) unit_barrier(split);  // the first CTA has read every CTA's partials
+}
 
-  float* red = static_cast<float*>(work);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) red[warp * kAccPerWarp + lane * 4 + i] = sum[i];
-  __syncthreads();
-  T* out = static_cast<T*>(p.out);
-  for (int index = threadIdx.x; index < kAccPerWarp; index += blockDim.x) {
-    const int row = block * kUnitRows + acc_row(index);
-    const int token = acc_col(index);
-    if (token >= p.rows || row >= p.n) continue;
-    float value = 0.0f;
-    for (int v = 0; v < warps; ++v) value += red[v * kAccPerWarp + index];
-    T* target = out + token * p.ld_out + row;
-    if (p.accumulate) value += to_float(*target);
-    *target = from_float<T>(value);
+// Shared memory of one warp: its copy ring and its two partials buffers (`accumulators` tiles each).
+constexpr size_t warp_shared_bytes(int ring_pieces, int accumulators) {
+  return static_cast<size_t>(ring_pieces) * 32 * sizeof(uint4) + 2 * static_cast<size_t>(accumulators) * kAccPerWarp * 4;
+}
+
+// What is resident at once of a launch: CTAs (split == 1) or clusters of `split` CTAs, on the whole
+// device. Asked of the occupancy calculator once per (device, kernel, warps, split, bytes).
+int resident_clusters(const void* kernel, int warps, int split, size_t shared) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int, int, size_t>, int> cache;
+  int device = 0;
+  LATENTMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const auto key = std::make_tuple(device, kernel, warps, split, shared);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto found = cache.find(key);
+    if (found != cache.end()) return found->second;
   }
+  int resident = 0;
+  if (split == 1) {
+    int per_sm = 0;
+    LATENTMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, shared));
+    resident = per_sm * current_sm_count();
+  } else {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(split));
+    config.blockDim = dim3(static_cast<unsigned>(warps * 32));
+    config.dynamicSmemBytes = shared;
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = static_cast<unsigned>(split);
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    LATENTMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &config));
+  }
+  LATENTMOE_CHECK(resident >= 1, "skinny GEMM: a CTA of ", warps, " warps with ", shared,
+                  " bytes of shared memory does not fit on an SM (split ", split, ")");
+  std::lock_guard<std::mutex> lock(mutex);
+  cache.emplace(key, resident);
+  return resident;
 }
 
-// CTA size for `units` units: the most warps (<= 16) that keep all units near kWarpsPerSm per SM.
-int warps_for(int64_t units) {
-  const int64_t target = static_cast<int64_t>(current_sm_count()) * kWarpsPerSm;
-  int warps = kMaxWarps;
-  while (warps > kMinWarps && units * warps > target) warps /= 2;
-  return warps;
-}
+struct Launch {
+  int warps = 1;
+  Schedule schedule;
+  size_t shared = 0;
+};
 
-// Dynamic shared memory of a launch: the table, then per warp the larger of its ring (`ring_pieces`
-// uint4 per lane) and its slots of the final reduction (`accumulators` 16 x 8 fp32 tiles).
-size_t shared_bytes(int pairs, int max_unique, int warps, int ring_pieces, int accumulators) {
-  const size_t per_warp = std::max<size_t>(static_cast<size_t>(ring_pieces) * 32 * sizeof(uint4),
-                                           static_cast<size_t>(accumulators) * kAccPerWarp * sizeof(float));
-  return table_words(pairs, max_unique) * sizeof(int) + warps * per_warp;
+// The launch of a call of `units` units of `steps` steps each (upper bounds for routed calls), or the
+// forced shape. Warps: as many as fit one CTA's shared memory, at most 16 and at most `steps`. Split:
+// the smallest that keeps at least half of the SMs busy in the last round (fewer units than SMs
+// leave SMs idle, and an SM alone cannot pull a unit at the bandwidth), with every warp at least one
+// step. Clusters: all that are resident at once, or one per unit.
+Launch choose_launch(const void* kernel, int64_t units, int64_t steps, size_t table_bytes, size_t per_warp,
+                     const SkinnyShape& shape) {
+  const size_t limit = static_cast<size_t>(current_shared_memory_optin());
+  const bool clusters_supported = current_compute_capability() >= 90;
+  LATENTMOE_CHECK(shape.warps >= 0 && shape.warps <= kMaxWarps, "skinny GEMM: ", shape.warps, " warps (1..", kMaxWarps,
+                  ")");
+  LATENTMOE_CHECK(shape.split == 0 || shape.split == 1 || ((shape.split == 2 || shape.split == 4 || shape.split == 8) &&
+                                                          clusters_supported),
+                  "skinny GEMM: split ", shape.split, " (1, or 2, 4, 8 on sm_90 and later)");
+  LATENTMOE_CHECK(shape.clusters >= 0, "skinny GEMM: ", shape.clusters, " clusters");
+  Launch launch;
+  const int fit = limit > table_bytes ? static_cast<int>(std::min<size_t>(kMaxWarps, (limit - table_bytes) / per_warp)) : 0;
+  LATENTMOE_CHECK(fit >= 1, "skinny GEMM: the table (", table_bytes, " bytes) leaves no shared memory for a warp");
+  launch.warps = shape.warps > 0 ? shape.warps : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fit, steps)));
+  LATENTMOE_CHECK(launch.warps <= fit, "skinny GEMM: ", launch.warps, " warps need ",
+                  table_bytes + launch.warps * per_warp, " bytes of shared memory, more than the device's ", limit);
+  launch.shared = table_bytes + launch.warps * per_warp;
+  int split = shape.split;
+  if (split == 0) {
+    const int64_t sms = current_sm_count();
+    split = 1;
+    while (clusters_supported && split < kMaxSplit && 2 * split * launch.warps <= steps) {
+      const int64_t resident = resident_clusters(kernel, launch.warps, split, launch.shared);
+      const int64_t last = units - (units - 1) / resident * resident;  // units of the last round
+      if (2 * last * split >= sms) break;
+      split *= 2;
+    }
+  }
+  launch.schedule.split = split;
+  const int64_t clusters =
+      shape.clusters > 0 ? shape.clusters
+                         : std::min<int64_t>(units, resident_clusters(kernel, launch.warps, split, launch.shared));
+  LATENTMOE_CHECK(clusters * split <= INT_MAX, "skinny GEMM: ", clusters, " clusters exceed the grid");
+  launch.schedule.clusters = static_cast<int>(std::max<int64_t>(1, clusters));
+  return launch;
 }
-// The most any launch asks for: kMaxWarps gated gate/up warps with the largest table.
-constexpr int kMaxSharedBytes =
-    table_words(kSkinnyMaxRows * kSkinnyMaxTopK, kSkinnyMaxRows * kSkinnyMaxTopK) * 4 + kMaxWarps * kGateUpStages * gate_up_pieces<true>() * 512;
-static_assert(kMaxWarps * kDownStages * kDownPieces * 512 <= kMaxWarps * kGateUpStages * gate_up_pieces<true>() * 512);
-static_assert(kMaxSharedBytes <= 227 * 1024, "the skinny rings exceed an SM's shared memory");
 
 bool routed_call(const SkinnyRouting& routing) { return routing.topk_ids != nullptr; }
 
@@ -576,6 +780,20 @@ void check_common(const char* what, DType dtype, const SkinnyRouting& routing, i
   }
 }
 
+// Launches `kernel` with the chosen shape, as a programmatic dependent where the device has it.
+template <class Params>
+void launch_skinny(const char* what, void (*kernel)(Params), const Launch& launch, cudaStream_t stream,
+                   const Params& params) {
+  const unsigned grid = static_cast<unsigned>(launch.schedule.clusters) * static_cast<unsigned>(launch.schedule.split);
+  launch_kernel_clustered(what, pdl_supported(), static_cast<unsigned>(launch.schedule.split), kernel, dim3(grid),
+                          dim3(static_cast<unsigned>(launch.warps * 32)), launch.shared, stream, params);
+}
+
+// Sets a kernel's dynamic shared memory limit to the device's (once per device per kernel).
+void open_shared_memory(const void* kernel, std::atomic<uint64_t>* limit_set) {
+  gg::ensure_smem_limit(kernel, current_shared_memory_optin(), limit_set);
+}
+
 }  // namespace
 
 bool skinny_supported(DType dtype, int64_t rows, int64_t k, std::initializer_list<SkinnyRows> operands) {
@@ -589,7 +807,7 @@ bool skinny_supported(DType dtype, int64_t rows, int64_t k, std::initializer_lis
 
 void skinny_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const SkinnyRouting& routing,
                     const SkinnyRows& x, int64_t rows, const SkinnyWeights& weights, void* act, int64_t ld_act,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, const SkinnyShape& shape) {
   if (rows == 0) return;
   const bool gated = activation.activation != Activation::relu2;
   LATENTMOE_CHECK(gated == (weights.gate != nullptr), "skinny_gate_up: ", to_string(activation.activation),
@@ -621,32 +839,30 @@ void skinny_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& ac
   p.situ_linear_beta = activation.situ_linear_beta;
   const int64_t units = static_cast<int64_t>(p.max_unique) * p.row_blocks;
   LATENTMOE_CHECK(units <= INT_MAX, "skinny_gate_up: ", units, " units exceed the grid");
-  const int warps = warps_for(units);
-  const int pieces = gated ? gate_up_pieces<true>() : gate_up_pieces<false>();
-  const size_t shared = shared_bytes(pairs, p.max_unique, warps, kGateUpStages * pieces, 2);
-  const auto grid = static_cast<unsigned>(units);
-  const unsigned threads = warps * 32;
-  auto launch = [&](auto tag) {
+  const int64_t steps = (weights.k + kStep - 1) / kStep;
+  const size_t table_bytes = table_words(pairs, p.max_unique) * sizeof(int);
+  auto launch = [&](auto tag, auto gated_tag) {
     using T = decltype(tag);
-    if (gated) {
-      static std::atomic<uint64_t> limit_set{0};
-      gg::ensure_smem_limit(reinterpret_cast<const void*>(skinny_gate_up_kernel<T, true>), kMaxSharedBytes, &limit_set);
-      launch_dependent("skinny_gate_up_kernel", skinny_gate_up_kernel<T, true>, grid, threads, shared, stream, p);
-    } else {
-      static std::atomic<uint64_t> limit_set{0};
-      gg::ensure_smem_limit(reinterpret_cast<const void*>(skinny_gate_up_kernel<T, false>), kMaxSharedBytes, &limit_set);
-      launch_dependent("skinny_gate_up_kernel", skinny_gate_up_kernel<T, false>, grid, threads, shared, stream, p);
-    }
+    constexpr bool kGated = decltype(gated_tag)::value;
+    static std::atomic<uint64_t> limit_set{0};
+    auto* kernel = skinny_gate_up_kernel<T, kGated>;
+    open_shared_memory(reinterpret_cast<const void*>(kernel), &limit_set);
+    const Launch chosen =
+        choose_launch(reinterpret_cast<const void*>(kernel), units, steps, table_bytes,
+                      warp_shared_bytes(kGateUpStages * gate_up_pieces<kGated>(), kGated ? 2 : 1), shape);
+    p.schedule = chosen.schedule;
+    launch_skinny("skinny_gate_up_kernel", kernel, chosen, stream, p);
   };
   if (dtype == DType::bf16) {
-    launch(__nv_bfloat16{});
+    gated ? launch(__nv_bfloat16{}, std::true_type{}) : launch(__nv_bfloat16{}, std::false_type{});
   } else {
-    launch(__half{});
+    gated ? launch(__half{}, std::true_type{}) : launch(__half{}, std::false_type{});
   }
 }
 
 void skinny_down(DType dtype, const SkinnyRouting& routing, const SkinnyRows& a, int64_t rows,
-                 const SkinnyWeights& weights, void* out, int64_t ld_out, bool accumulate, cudaStream_t stream) {
+                 const SkinnyWeights& weights, void* out, int64_t ld_out, bool accumulate, cudaStream_t stream,
+                 const SkinnyShape& shape) {
   if (rows == 0) return;
   check_common("skinny_down", dtype, routing, rows, weights, {a, {weights.w, weights.ld}});
   LATENTMOE_CHECK(ld_out >= weights.n, "skinny_down: output row stride ", ld_out, " < n = ", weights.n);
@@ -671,15 +887,18 @@ void skinny_down(DType dtype, const SkinnyRouting& routing, const SkinnyRows& a,
   const int pairs = routed ? p.rows * p.top_k : 0;
   p.max_unique = routed ? std::min(p.num_experts, pairs) : 1;
   const int64_t units = (weights.n + kUnitRows - 1) / kUnitRows;
-  const int warps = warps_for(units);
-  const size_t shared = shared_bytes(pairs, p.max_unique, warps, kDownStages * kDownPieces, 1);
-  const auto grid = static_cast<unsigned>(units);
-  const unsigned threads = warps * 32;
+  const int64_t steps = static_cast<int64_t>(p.max_unique) * ((weights.k + kStep - 1) / kStep);
+  LATENTMOE_CHECK(steps <= INT_MAX, "skinny_down: ", steps, " steps per unit");
+  const size_t table_bytes = table_words(pairs, p.max_unique) * sizeof(int);
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     static std::atomic<uint64_t> limit_set{0};
-    gg::ensure_smem_limit(reinterpret_cast<const void*>(skinny_down_kernel<T>), kMaxSharedBytes, &limit_set);
-    launch_dependent("skinny_down_kernel", skinny_down_kernel<T>, grid, threads, shared, stream, p);
+    auto* kernel = skinny_down_kernel<T>;
+    open_shared_memory(reinterpret_cast<const void*>(kernel), &limit_set);
+    const Launch chosen = choose_launch(reinterpret_cast<const void*>(kernel), units, steps, table_bytes,
+                                        warp_shared_bytes(kDownStages * kDownPieces, 1), shape);
+    p.schedule = chosen.schedule;
+    launch_skinny("skinny_down_kernel", kernel, chosen, stream, p);
   };
   if (dtype == DType::bf16) {
     launch(__nv_bfloat16{});

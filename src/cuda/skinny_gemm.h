@@ -55,6 +55,15 @@ struct SkinnyWeights {
   int64_t expert_stride = 0;   // elements between consecutive matrices (routed)
 };
 
+// How a skinny call is spread over the GPU (skinny_gemm.cu, "Schedule"); 0 lets the launcher choose.
+// Tests force other shapes to reach every path; results agree within rounding, and one shape gives
+// the same bits on every run.
+struct SkinnyShape {
+  int warps = 0;     // warps per CTA, 1..16
+  int split = 0;     // CTAs of a cluster that share each unit's reduction: 1, 2, 4 or 8 (> 1: sm_90+)
+  int clusters = 0;  // clusters in the grid; each takes every clusters-th unit
+};
+
 // A row-major operand or result: element (r, c) at data[r * ld + c].
 struct SkinnyRows {
   const void* data = nullptr;
@@ -66,7 +75,7 @@ struct SkinnyRows {
 // x [rows, k]. The activation is ActivationParams' (silu, situ or, with gate == nullptr, relu2).
 void skinny_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const SkinnyRouting& routing,
                     const SkinnyRows& x, int64_t rows, const SkinnyWeights& weights, void* act, int64_t ld_act,
-                    cudaStream_t stream);
+                    cudaStream_t stream, const SkinnyShape& shape = {});
 
 // out [rows, n] (dtype) = (accumulate ? out : 0) + dense: a[t] · W^T; routed: the sum over the real
 // experts e of token t of weight · (a[p] · W_e^T), p = the pair by which token t first names e, and
@@ -76,7 +85,8 @@ void skinny_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& ac
 // topk_weights and streams its first weights before it waits, so it must follow the skinny_gate_up
 // of the same routing directly on the stream (routed_experts does).
 void skinny_down(DType dtype, const SkinnyRouting& routing, const SkinnyRows& a, int64_t rows,
-                 const SkinnyWeights& weights, void* out, int64_t ld_out, bool accumulate, cudaStream_t stream);
+                 const SkinnyWeights& weights, void* out, int64_t ld_out, bool accumulate, cudaStream_t stream,
+                 const SkinnyShape& shape = {});
 
 // True when the skinny kernels take these operands: bf16 or f16, 1..kSkinnyMaxRows rows, k a multiple
 // of 8, and every row of each given operand 16-byte aligned (data and ld). Null operands are ignored.

@@ -10,8 +10,11 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "cuda/cuda_backend.h"
+#include "cuda/device.h"
 #include "cuda/skinny_gemm.h"
 #include "cuda_test_util.h"
 #include "latentmoe/error.h"
@@ -69,7 +72,7 @@ class Skinny : public ::testing::Test {
     }
     gpu_->linear(dx.view, dw.view, dy.view.slice_cols(0, n), accumulate);
     skinny_down(dtype, SkinnyRouting{}, {dx.view.data(), k}, tokens, SkinnyWeights{nullptr, dw.view.data(), n, k, k, 0},
-                dy_direct.view.data(), ld_out, accumulate, stream());
+                dy_direct.view.data(), ld_out, accumulate, stream(), shape_);
     const HostTensor got = download(*gpu_, dy.view), direct = download(*gpu_, dy_direct.view);
     EXPECT_TRUE(bytes_equal(got, direct)) << "the backend did not take the skinny kernel";
     HostTensor block(dtype, {tokens, n}), ref_only(dtype, {tokens, n});
@@ -161,8 +164,15 @@ class Skinny : public ::testing::Test {
     if (latent * inter >= 4096) EXPECT_FALSE(bytes_equal(out, grouped));
   }
 
+  // Every later skinny call, through the backend or direct, with this launch shape.
+  void force_shape(const SkinnyShape& shape) {
+    shape_ = shape;
+    gpu_->set_skinny_shape(shape);
+  }
+
   std::unique_ptr<CudaBackend> gpu_;
   std::unique_ptr<Backend> cpu_;
+  SkinnyShape shape_;
 };
 
 TEST_F(Skinny, linear_matches_cpu) {
@@ -222,6 +232,52 @@ TEST_F(Skinny, routed_experts_with_shared_repeated_and_many_experts) {
   check_routed(Activation::situ, DType::bf16, 1, 64, 0, 16, 3584, 384, 5);
   // Nemotron-3's (relu2, I/8 = 336, l = 1024, k = 22).
   check_routed(Activation::relu2, DType::bf16, 2, 128, 0, 22, 1024, 336, 6);
+}
+
+// Every schedule path (skinny_gemm.cu, "Schedule"): one warp; more warps than a unit has steps;
+// several units per cluster (persistent rounds, odd cluster counts); units split over clusters of
+// 2, 4 and 8 CTAs (sm_90+); with dense, routed, gated and relu2 calls whose n and k are not
+// multiples of 16 and 64. Each against the CPU reference; the same shape twice gives the same bits.
+TEST_F(Skinny, every_launch_shape_matches_cpu) {
+  std::vector<SkinnyShape> shapes = {{1, 1, 1}, {3, 1, 2}, {16, 1, 3}, {16, 1, 0}, {5, 1, 0}};
+  if (current_compute_capability() >= 90) {
+    shapes.insert(shapes.end(), {{4, 2, 1}, {4, 2, 3}, {8, 4, 0}, {2, 8, 5}, {16, 8, 1}, {0, 2, 0}, {0, 8, 0}});
+  }
+  uint32_t seed = 700;
+  for (const SkinnyShape& shape : shapes) {
+    SCOPED_TRACE("warps " + std::to_string(shape.warps) + ", split " + std::to_string(shape.split) + ", clusters " +
+                 std::to_string(shape.clusters));
+    force_shape(shape);
+    check_linear(DType::bf16, 3, 200, 1000, false, 200, seed += 3);
+    check_linear(DType::f16, 8, 40, 264, true, 48, seed += 3);
+    WorkspaceSpec spec;
+    spec.max_tokens = 8;
+    spec.element_size = 2;
+    spec.dense_intermediate = 336;
+    gpu_->prepare(spec);
+    check_dense_mlp(Activation::situ, DType::bf16, 5, 520, 336, seed += 5);
+    check_dense_mlp(Activation::relu2, DType::bf16, 2, 264, 336, seed += 5);
+    check_routed(Activation::silu, DType::bf16, 8, 20, 2, 6, 520, 200, seed += 10, /*repeats=*/true);
+    check_routed(Activation::relu2, DType::f16, 1, 64, 0, 22, 1000, 336, seed += 10);
+  }
+  force_shape({});
+}
+
+TEST_F(Skinny, a_launch_shape_gives_the_same_bits_every_run) {
+  for (const SkinnyShape& shape : std::vector<SkinnyShape>{{}, {4, 1, 2}, {6, 2, 3}}) {
+    if (shape.split > 1 && current_compute_capability() < 90) continue;
+    const int64_t tokens = 6, n = 300, k = 2000;
+    const HostTensor x = random_tensor(DType::bf16, {tokens, k}, 11);
+    const HostTensor w = random_tensor(DType::bf16, {n, k}, 12);
+    DeviceTensor dx = upload(*gpu_, x), dw = upload(*gpu_, w);
+    DeviceTensor first = poisoned(*gpu_, DType::bf16, {tokens, n}), second = poisoned(*gpu_, DType::bf16, {tokens, n});
+    const SkinnyWeights weights{nullptr, dw.view.data(), n, k, k, 0};
+    skinny_down(DType::bf16, SkinnyRouting{}, {dx.view.data(), k}, tokens, weights, first.view.data(), n, false, stream(),
+                shape);
+    skinny_down(DType::bf16, SkinnyRouting{}, {dx.view.data(), k}, tokens, weights, second.view.data(), n, false,
+                stream(), shape);
+    EXPECT_TRUE(bytes_equal(download(*gpu_, first.view), download(*gpu_, second.view)));
+  }
 }
 
 TEST_F(Skinny, a_token_with_only_zero_experts_gets_zero) {
@@ -366,6 +422,13 @@ TEST_F(Skinny, falls_back_where_it_must_and_rejects_bad_arguments) {
   EXPECT_THROW(skinny_gate_up(DType::bf16, relu2, SkinnyRouting{}, {a.view.data(), 64}, 1,
                               SkinnyWeights{b.view.data(), b.view.data(), 16, 64, 64, 0}, dy.view.data(), 16, stream()),
                Error);  // relu2 takes no gate
+  // Impossible launch shapes: too many warps, a split that is no cluster size.
+  for (const SkinnyShape& bad : std::vector<SkinnyShape>{{17, 1, 1}, {-1, 0, 0}, {4, 3, 1}, {4, 16, 1}, {4, 1, -2}}) {
+    EXPECT_THROW(skinny_down(DType::bf16, SkinnyRouting{}, {a.view.data(), 64}, 2,
+                             SkinnyWeights{nullptr, b.view.data(), 16, 64, 64, 0}, dy.view.data(), 16, false, stream(),
+                             bad),
+                 Error);
+  }
   EXPECT_THROW(gpu_->set_skinny_max_tokens(kSkinnyMaxRows + 1), Error);
   EXPECT_THROW(gpu_->set_skinny_max_tokens(-1), Error);
   ASSERT_EQ(cudaStreamSynchronize(stream()), cudaSuccess);
