@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpPa
     const int ue = (cluster + input_unit * clusters) / p.row_blocks;
     x_row = table.row[ue * kCols + g] >= 0 ? static_cast<const T*>(p.x) + g * p.ldx + first_offset : nullptr;
   };
-  auto next_input = [&](uint4 (&v)[2], int j) {  // step j's inputs, then advance
+  auto next_input = [&](uint4(&v)[2], int j) {  // step j's inputs, then advance
     if (j >= total) return;
     load_step_input(v, x_row, input_offset, p.k);
     input_offset += kStep;
@@ -586,7 +586,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
     const int row = table.row[input_expert * kCols + g];
     a_row = row >= 0 ? a + static_cast<int64_t>(row) * p.lda + input_offset : nullptr;
   };
-  auto next_input = [&](uint4 (&v)[2], int j) {  // step j's inputs, then advance
+  auto next_input = [&](uint4(&v)[2], int j) {  // step j's inputs, then advance
     if (j >= total) return;
     load_step_input(v, a_row, input_offset, p.k);
     input_offset += kStep;
@@ -615,8 +615,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
   T* out = static_cast<T*>(p.out);
   int stage = 0, j = 0;
   for (int i = 0; i < my_units; ++i) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the current expert's
-    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // coefficient-weighted over the experts
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};           // the current expert's
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};           // coefficient-weighted over the experts
     int expert = first_expert, offset = first_offset;  // multiply cursor
     for (int s = 0; s < span; ++s, ++j, stage = next_stage(stage, kDownStages)) {
       copy_wait<kDownStages - 2>();
@@ -667,7 +667,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
 
 // Shared memory of one warp: its copy ring and its two partials buffers (`accumulators` tiles each).
 constexpr size_t warp_shared_bytes(int ring_pieces, int accumulators) {
-  return static_cast<size_t>(ring_pieces) * 32 * sizeof(uint4) + 2 * static_cast<size_t>(accumulators) * kAccPerWarp * 4;
+  return static_cast<size_t>(ring_pieces) * 32 * sizeof(uint4) +
+         2 * static_cast<size_t>(accumulators) * kAccPerWarp * 4;
 }
 
 // What is resident at once of a launch: CTAs (split == 1) or clusters of `split` CTAs, on the whole
@@ -726,12 +727,13 @@ Launch choose_launch(const void* kernel, int64_t units, int64_t steps, size_t ta
   const bool clusters_supported = current_compute_capability() >= 90;
   LATENTMOE_CHECK(shape.warps >= 0 && shape.warps <= kMaxWarps, "skinny GEMM: ", shape.warps, " warps (1..", kMaxWarps,
                   ")");
-  LATENTMOE_CHECK(shape.split == 0 || shape.split == 1 || ((shape.split == 2 || shape.split == 4 || shape.split == 8) &&
-                                                          clusters_supported),
+  LATENTMOE_CHECK(shape.split == 0 || shape.split == 1 ||
+                      ((shape.split == 2 || shape.split == 4 || shape.split == 8) && clusters_supported),
                   "skinny GEMM: split ", shape.split, " (1, or 2, 4, 8 on sm_90 and later)");
   LATENTMOE_CHECK(shape.clusters >= 0, "skinny GEMM: ", shape.clusters, " clusters");
   Launch launch;
-  const int fit = limit > table_bytes ? static_cast<int>(std::min<size_t>(kMaxWarps, (limit - table_bytes) / per_warp)) : 0;
+  const int fit =
+      limit > table_bytes ? static_cast<int>(std::min<size_t>(kMaxWarps, (limit - table_bytes) / per_warp)) : 0;
   LATENTMOE_CHECK(fit >= 1, "skinny GEMM: the table (", table_bytes, " bytes) leaves no shared memory for a warp");
   launch.warps = shape.warps > 0 ? shape.warps : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fit, steps)));
   LATENTMOE_CHECK(launch.warps <= fit, "skinny GEMM: ", launch.warps, " warps need ",

@@ -272,8 +272,8 @@ TEST_F(Skinny, a_launch_shape_gives_the_same_bits_every_run) {
     DeviceTensor dx = upload(*gpu_, x), dw = upload(*gpu_, w);
     DeviceTensor first = poisoned(*gpu_, DType::bf16, {tokens, n}), second = poisoned(*gpu_, DType::bf16, {tokens, n});
     const SkinnyWeights weights{nullptr, dw.view.data(), n, k, k, 0};
-    skinny_down(DType::bf16, SkinnyRouting{}, {dx.view.data(), k}, tokens, weights, first.view.data(), n, false, stream(),
-                shape);
+    skinny_down(DType::bf16, SkinnyRouting{}, {dx.view.data(), k}, tokens, weights, first.view.data(), n, false,
+                stream(), shape);
     skinny_down(DType::bf16, SkinnyRouting{}, {dx.view.data(), k}, tokens, weights, second.view.data(), n, false,
                 stream(), shape);
     EXPECT_TRUE(bytes_equal(download(*gpu_, first.view), download(*gpu_, second.view)));
@@ -424,10 +424,10 @@ TEST_F(Skinny, falls_back_where_it_must_and_rejects_bad_arguments) {
                Error);  // relu2 takes no gate
   // Impossible launch shapes: too many warps, a split that is no cluster size.
   for (const SkinnyShape& bad : std::vector<SkinnyShape>{{17, 1, 1}, {-1, 0, 0}, {4, 3, 1}, {4, 16, 1}, {4, 1, -2}}) {
-    EXPECT_THROW(skinny_down(DType::bf16, SkinnyRouting{}, {a.view.data(), 64}, 2,
-                             SkinnyWeights{nullptr, b.view.data(), 16, 64, 64, 0}, dy.view.data(), 16, false, stream(),
-                             bad),
-                 Error);
+    EXPECT_THROW(
+        skinny_down(DType::bf16, SkinnyRouting{}, {a.view.data(), 64}, 2,
+                    SkinnyWeights{nullptr, b.view.data(), 16, 64, 64, 0}, dy.view.data(), 16, false, stream(), bad),
+        Error);
   }
   EXPECT_THROW(gpu_->set_skinny_max_tokens(kSkinnyMaxRows + 1), Error);
   EXPECT_THROW(gpu_->set_skinny_max_tokens(-1), Error);
