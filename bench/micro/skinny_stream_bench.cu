@@ -10,17 +10,17 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <vector>
 
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    cudaError_t e = (x);                                                           \
-    if (e != cudaSuccess) {                                                        \
+#define CHECK(x)                                                                     \
+  do {                                                                               \
+    cudaError_t e = (x);                                                             \
+    if (e != cudaSuccess) {                                                          \
       std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      std::exit(1);                                                                \
-    }                                                                              \
+      std::exit(1);                                                                  \
+    }                                                                                \
   } while (0)
 
 enum Pattern { kFrag64 = 0, kLine128 = 1, kRow512 = 2 };
@@ -32,6 +32,12 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool prefetch) 
   } else {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(src) : "memory");
   }
+}
+// The zero-filling form (a source size operand), as a kernel that guards its edges writes it.
+__device__ __forceinline__ void cp16_zfill(void* dst, const void* src, bool valid) {
+  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -63,7 +69,8 @@ __global__ void __launch_bounds__(512) ring_kernel(const uint8_t* w, int64_t row
   };
   auto issue = [&](int step) {
     if (step < my_steps) {
-      for (int i = 0; i < kInstr; ++i) cp16(mine + ((step % kStages) * kInstr + i) * 32 + lane, source(step, i), kPrefetch);
+      for (int i = 0; i < kInstr; ++i)
+        cp16(mine + ((step % kStages) * kInstr + i) * 32 + lane, source(step, i), kPrefetch);
     }
     commit();
   };
@@ -126,8 +133,9 @@ __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1
 // The skinny_down loop: contiguous per-warp ranges of 64-element steps (4 pieces of 16 B per lane:
 // rows g, g + 8 x chunks 0, 1), kStages-deep ring; kMma: multiply on the tensor cores; kInput: the
 // B operand loaded from global memory (an L2-resident vector) one step ahead.
-template <int kStages, bool kMma, bool kInput>
-__global__ void __launch_bounds__(512) step_kernel(const uint8_t* w, int64_t row_bytes, const uint8_t* x, uint32_t* sink) {
+template <int kStages, bool kMma, bool kInput, bool kZfill = false>
+__global__ void __launch_bounds__(512)
+    step_kernel(const uint8_t* w, int64_t row_bytes, const uint8_t* x, uint32_t* sink) {
   extern __shared__ uint4 ring[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, c = lane & 3;
@@ -140,10 +148,26 @@ __global__ void __launch_bounds__(512) step_kernel(const uint8_t* w, int64_t row
   int issued = 0, is = 0;
   auto issue = [&] {
     if (issued < mine) {
-      cp16(mine_ring + (is * 4 + 0) * 32, lo, true);
-      cp16(mine_ring + (is * 4 + 1) * 32, hi, true);
-      cp16(mine_ring + (is * 4 + 2) * 32, lo + 64, true);
-      cp16(mine_ring + (is * 4 + 3) * 32, hi + 64, true);
+      if (kZfill) {
+        cp16_zfill(mine_ring + (is * 4 + 0) * 32, lo, row_bytes > 0);
+      } else {
+        cp16(mine_ring + (is * 4 + 0) * 32, lo, true);
+      }
+      if (kZfill) {
+        cp16_zfill(mine_ring + (is * 4 + 1) * 32, hi, row_bytes > 0);
+      } else {
+        cp16(mine_ring + (is * 4 + 1) * 32, hi, true);
+      }
+      if (kZfill) {
+        cp16_zfill(mine_ring + (is * 4 + 2) * 32, lo + 64, row_bytes > 0);
+      } else {
+        cp16(mine_ring + (is * 4 + 2) * 32, lo + 64, true);
+      }
+      if (kZfill) {
+        cp16_zfill(mine_ring + (is * 4 + 3) * 32, hi + 64, row_bytes > 0);
+      } else {
+        cp16(mine_ring + (is * 4 + 3) * 32, hi + 64, true);
+      }
       lo += 128;
       hi += 128;
     }
@@ -233,7 +257,8 @@ int main() {
   CHECK(cudaMalloc(&copy_dst, bytes));
   const float copy_us = time([&] { cudaMemcpyAsync(copy_dst, w, bytes, cudaMemcpyDeviceToDevice); });
   std::printf("memcpy 51 MB: %.1f us  %.2f TB/s (read+write)\n", copy_us, 2.0 * bytes / copy_us / 1e6);
-  const float read_us = time([&] { read_flush<<<528 * 2, 512>>>(reinterpret_cast<const uint4*>(w), bytes / 16, sink); });
+  const float read_us =
+      time([&] { read_flush<<<528 * 2, 512>>>(reinterpret_cast<const uint4*>(w), bytes / 16, sink); });
   std::printf("linear read 51 MB: %.1f us  %.2f TB/s\n", read_us, bytes / read_us / 1e6);
   const unsigned grid = n / 16;
   auto report = [&](const char* name, int warps, int stages, float us) {
@@ -280,6 +305,7 @@ int main() {
       steps(step_kernel<4, true, false>, "step+mma", 4, warps);
       steps(step_kernel<4, true, true>, "step+mma+x", 4, warps);
       steps(step_kernel<8, true, true>, "step+mma+x", 8, warps);
+      steps(step_kernel<4, true, true, true>, "zfill+mma+x", 4, warps);
     }
   }
   for (int split : {2, 4}) {

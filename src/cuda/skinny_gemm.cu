@@ -6,15 +6,16 @@
 // 64-element *steps* (skinny_down: expert-major, the experts' steps one after the other).
 //
 // Schedule (docs/SKINNY_GEMM.md). The grid is `clusters` clusters of `split` CTAs of `warps` warps.
-// Cluster c takes the units c, c + clusters, c + 2 clusters, ... (persistent: the launcher sizes the
-// grid to what is resident at once, so nothing waits for a second wave); the split * warps warps of
-// a cluster cut every unit's step list into equal contiguous ranges, the same range in every unit.
-// Each warp streams its ranges of all its units as one sequence through its copy ring, so the weight
-// stream never drains at a unit boundary. At the end of a unit each warp leaves its 16 x 8 fp32
-// partial sums in shared memory (double-buffered by unit parity), the cluster meets at a barrier, and
-// the first CTA's threads add the partials of every warp of the cluster, in (CTA, warp) order, and
-// write the unit's outputs: deterministic, one rounding per output, no global workspace. split > 1
-// (Hopper clusters, the partials read over distributed shared memory) lets few units fill the GPU.
+// Cluster c takes the units c, c + clusters, c + 2 clusters, ... (the launcher gives every unit its
+// own cluster; fewer clusters, which loop over units, are a shape tests force); the split * warps
+// warps of a cluster cut every unit's step list into equal contiguous ranges, the same range in every
+// unit. Each warp streams its ranges of all its units as one sequence through its copy ring, so the
+// weight stream does not drain at a unit boundary. At the end of a unit each warp leaves its 16 x 8
+// fp32 partial sums in shared memory (double-buffered by unit parity), the cluster meets at a
+// barrier, and the first CTA's threads add the partials of every warp of the cluster, in (CTA, warp)
+// order, and write the unit's outputs: deterministic, one rounding per output, no global workspace.
+// split > 1 (Hopper clusters, the partials read over distributed shared memory) lets few units fill
+// the GPU.
 //
 // Barrier protocol (per cluster, `split` CTAs): for unit i every thread of the cluster (1) writes its
 // warp's partials of unit i into buffer i % 2, (2) arrives at and waits on the barrier of unit i,
@@ -48,9 +49,6 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 #include "cuda/convert.cuh"
@@ -72,6 +70,8 @@ constexpr int kStep = 2 * kChunk;      // reduction elements a warp copies and m
 constexpr int kAccPerWarp = kUnitRows * kCols;
 constexpr int kMaxWarps = 16;
 constexpr int kMaxSplit = 8;  // the portable cluster size
+constexpr int kMinWarps = 4;
+constexpr int kWarpsPerSm = 16;  // resident warps per SM the launcher aims for
 // Depth of each lane's copy ring, in steps: kStages - 1 steps of weights are in flight per warp while
 // it multiplies one: 8 KB (gated gate/up) or 6 KB (down) per warp, about 100 KB per SM at 16 warps,
 // which measured enough to stream at the bandwidth (bench/micro/skinny_stream_bench.cu).
@@ -195,12 +195,16 @@ __device__ void build_routed_table(const Table& t, const int32_t* __restrict__ i
 }
 
 // 16 bytes of weights, read once, copied into this lane's ring without passing through registers: not
-// kept in L1, fetched from DRAM 256 bytes at a time; zeros where !valid (nothing is read).
+// kept in L1, fetched from DRAM 256 bytes at a time; zeros where !valid (nothing is read). The zeros
+// are a plain store, not cp.async's zero-filling form with a source size: the slot is this lane's own
+// and has no copy in flight (it was read back before it is refilled).
 __device__ __forceinline__ void copy_weights(uint4* destination, const void* source, bool valid) {
-  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(destination));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(address), "l"(source),
-               "r"(valid ? 16 : 0)
-               : "memory");
+  if (valid) {
+    const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(destination));
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(address), "l"(source) : "memory");
+  } else {
+    *destination = make_uint4(0, 0, 0, 0);
+  }
 }
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most `kPending` of this thread's committed groups are still in flight.
@@ -671,45 +675,6 @@ constexpr size_t warp_shared_bytes(int ring_pieces, int accumulators) {
          2 * static_cast<size_t>(accumulators) * kAccPerWarp * 4;
 }
 
-// What is resident at once of a launch: CTAs (split == 1) or clusters of `split` CTAs, on the whole
-// device. Asked of the occupancy calculator once per (device, kernel, warps, split, bytes).
-int resident_clusters(const void* kernel, int warps, int split, size_t shared) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, const void*, int, int, size_t>, int> cache;
-  int device = 0;
-  LATENTMOE_CUDA_CHECK(cudaGetDevice(&device));
-  const auto key = std::make_tuple(device, kernel, warps, split, shared);
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    const auto found = cache.find(key);
-    if (found != cache.end()) return found->second;
-  }
-  int resident = 0;
-  if (split == 1) {
-    int per_sm = 0;
-    LATENTMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, shared));
-    resident = per_sm * current_sm_count();
-  } else {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(split));
-    config.blockDim = dim3(static_cast<unsigned>(warps * 32));
-    config.dynamicSmemBytes = shared;
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = static_cast<unsigned>(split);
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    LATENTMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &config));
-  }
-  LATENTMOE_CHECK(resident >= 1, "skinny GEMM: a CTA of ", warps, " warps with ", shared,
-                  " bytes of shared memory does not fit on an SM (split ", split, ")");
-  std::lock_guard<std::mutex> lock(mutex);
-  cache.emplace(key, resident);
-  return resident;
-}
-
 struct Launch {
   int warps = 1;
   Schedule schedule;
@@ -717,10 +682,13 @@ struct Launch {
 };
 
 // The launch of a call of `units` units of `steps` steps each (upper bounds for routed calls), or the
-// forced shape. Warps: as many as fit one CTA's shared memory, at most 16 and at most `steps`. Split:
-// the smallest that keeps at least half of the SMs busy in the last round (fewer units than SMs
-// leave SMs idle, and an SM alone cannot pull a unit at the bandwidth), with every warp at least one
-// step. Clusters: all that are resident at once, or one per unit.
+// forced shape. Measured on the H200 (docs/SKINNY_GEMM.md): one unit per cluster, all units at once,
+// beats persistent clusters that loop over units (whose per-unit barrier waits for the slowest of
+// the cluster's loads every few steps), even when the units are several waves. So: clusters = units;
+// split = the smallest of 1, 2, 4, 8 that gives at least as many CTAs as SMs (few units, such as
+// Nemotron's W_down of 64 units, would leave SMs idle), keeping a step per warp; warps = the most
+// (4..16) that keep all CTAs near kWarpsPerSm warps per SM, within one CTA's shared memory and the
+// steps of a unit.
 Launch choose_launch(const void* kernel, int64_t units, int64_t steps, size_t table_bytes, size_t per_warp,
                      const SkinnyShape& shape) {
   const size_t limit = static_cast<size_t>(current_shared_memory_optin());
@@ -731,31 +699,32 @@ Launch choose_launch(const void* kernel, int64_t units, int64_t steps, size_t ta
                       ((shape.split == 2 || shape.split == 4 || shape.split == 8) && clusters_supported),
                   "skinny GEMM: split ", shape.split, " (1, or 2, 4, 8 on sm_90 and later)");
   LATENTMOE_CHECK(shape.clusters >= 0, "skinny GEMM: ", shape.clusters, " clusters");
-  Launch launch;
   const int fit =
       limit > table_bytes ? static_cast<int>(std::min<size_t>(kMaxWarps, (limit - table_bytes) / per_warp)) : 0;
   LATENTMOE_CHECK(fit >= 1, "skinny GEMM: the table (", table_bytes, " bytes) leaves no shared memory for a warp");
-  launch.warps = shape.warps > 0 ? shape.warps : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fit, steps)));
+  const int64_t sms = current_sm_count();
+  int split = shape.split;
+  if (split == 0) {
+    split = 1;
+    while (clusters_supported && split < kMaxSplit && units * split < sms && 2 * split * kMinWarps <= steps) split *= 2;
+  }
+  Launch launch;
+  if (shape.warps > 0) {
+    launch.warps = shape.warps;
+  } else {
+    const int64_t ctas = units * split;
+    int warps = kMaxWarps;
+    while (warps > kMinWarps && ctas * warps > sms * kWarpsPerSm) warps /= 2;
+    warps = static_cast<int>(std::min<int64_t>(warps, std::max<int64_t>(1, steps / split)));
+    launch.warps = std::min(warps, fit);
+  }
   LATENTMOE_CHECK(launch.warps <= fit, "skinny GEMM: ", launch.warps, " warps need ",
                   table_bytes + launch.warps * per_warp, " bytes of shared memory, more than the device's ", limit);
   launch.shared = table_bytes + launch.warps * per_warp;
-  int split = shape.split;
-  if (split == 0) {
-    const int64_t sms = current_sm_count();
-    split = 1;
-    while (clusters_supported && split < kMaxSplit && 2 * split * launch.warps <= steps) {
-      const int64_t resident = resident_clusters(kernel, launch.warps, split, launch.shared);
-      const int64_t last = units - (units - 1) / resident * resident;  // units of the last round
-      if (2 * last * split >= sms) break;
-      split *= 2;
-    }
-  }
   launch.schedule.split = split;
-  const int64_t clusters =
-      shape.clusters > 0 ? shape.clusters
-                         : std::min<int64_t>(units, resident_clusters(kernel, launch.warps, split, launch.shared));
+  const int64_t clusters = shape.clusters > 0 ? shape.clusters : std::max<int64_t>(1, units);
   LATENTMOE_CHECK(clusters * split <= INT_MAX, "skinny GEMM: ", clusters, " clusters exceed the grid");
-  launch.schedule.clusters = static_cast<int>(std::max<int64_t>(1, clusters));
+  launch.schedule.clusters = static_cast<int>(clusters);
   return launch;
 }
 
