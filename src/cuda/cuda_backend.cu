@@ -96,6 +96,8 @@ struct CudaBackend::State {
   // Rows up to which linear, dense_mlp and routed_experts take the skinny kernels (0: never).
   int skinny_max_tokens = kSkinnyMaxRows;
   bool skinny(int64_t rows) const { return rows >= 1 && rows <= skinny_max_tokens; }
+  // false: the measured rule of skinny_pays(); true: every call within skinny_max_tokens (tests).
+  bool skinny_always = false;
   SkinnyShape skinny_shape;  // {}: each call chooses
 
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
@@ -167,6 +169,30 @@ int64_t CudaBackend::num_device_allocations() const { return state_->num_allocat
 StreamHandle CudaBackend::stream() const { return state_->current; }
 const WorkspaceSpec& CudaBackend::workspace_spec() const { return state_->spec; }
 
+namespace {
+
+// Where the skinny kernels beat cuBLASLt and the grouped GEMMs, as measured on the H200 at commit
+// 96a190e (docs/PERFORMANCE.md, "Decode"): the routed experts at one token when the
+// gate/up reduction (the latent size) is long enough for a CTA of 16 rows to outlast its start-up
+// (Kimi-K3, l = 3584: 46.6 against 57.6 µs at tp 8; Nemotron-3, l = 1024, loses: 38.4 against 31.3),
+// and the shared expert at one token when its intermediate is small (tp 8: 22.3 against 28.0 µs;
+// at Is = 6144 it loses, 97.3 against 87.2). A dense linear of one row is faster on cuBLASLt at every
+// shape measured (W_down 18.8 against 24.7 µs), so it never takes them by this rule.
+enum class SkinnyOp { linear, dense_mlp, routed_experts };
+bool skinny_pays(SkinnyOp op, int64_t rows, int64_t reduction, int64_t intermediate) {
+  switch (op) {
+    case SkinnyOp::routed_experts:
+      return rows == 1 && reduction >= 2048;
+    case SkinnyOp::dense_mlp:
+      return rows == 1 && intermediate <= 1024;
+    case SkinnyOp::linear:
+      return false;
+  }
+  return false;
+}
+
+}  // namespace
+
 void CudaBackend::set_skinny_max_tokens(int tokens) {
   LATENTMOE_CHECK(tokens >= 0 && tokens <= kSkinnyMaxRows, "CUDA backend: skinny_max_tokens ", tokens,
                   " is outside 0..", kSkinnyMaxRows);
@@ -174,6 +200,7 @@ void CudaBackend::set_skinny_max_tokens(int tokens) {
 }
 int CudaBackend::skinny_max_tokens() const { return state_->skinny_max_tokens; }
 void CudaBackend::set_skinny_shape(const SkinnyShape& shape) { state_->skinny_shape = shape; }
+void CudaBackend::set_skinny_always(bool always) { state_->skinny_always = always; }
 
 DeviceBuffer CudaBackend::allocate(size_t bytes) {
   State& s = *state_;
@@ -340,7 +367,8 @@ void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorV
   const RowMatrix out = as_rows(y, "linear output");
   LATENTMOE_CHECK(in.cols == weight.cols && out.rows == in.rows && out.cols == weight.rows, "CUDA linear: shapes ",
                   x.shape_string(), " x ", w.shape_string(), "^T -> ", y.shape_string(), " do not match");
-  if (s.skinny(in.rows) && weight.dtype == in.dtype && out.dtype == in.dtype &&
+  if (s.skinny(in.rows) && (s.skinny_always || skinny_pays(SkinnyOp::linear, in.rows, in.cols, 0)) &&
+      weight.dtype == in.dtype && out.dtype == in.dtype &&
       skinny_supported(in.dtype, in.rows, in.cols, {{in.data, in.ld}, {weight.data, weight.ld}})) {
     SkinnyWeights w{nullptr, weight.data, weight.rows, weight.cols, weight.ld, 0};
     skinny_down(in.dtype, SkinnyRouting{}, {in.data, in.ld}, in.rows, w, out.data, out.ld, accumulate, s.current,
@@ -421,7 +449,9 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   // Decode: two skinny kernels do the whole step, the distinct experts found from topk_ids and the
   // combine folded into the down projection (act rows indexed by pair).
   const bool same_dtype = out.dtype() == z.dtype();
-  if (s.skinny(num_tokens) && same_dtype && k <= kSkinnyMaxTopK &&
+  if (s.skinny(num_tokens) &&
+      (s.skinny_always || skinny_pays(SkinnyOp::routed_experts, num_tokens, latent, intermediate)) && same_dtype &&
+      k <= kSkinnyMaxTopK &&
       skinny_supported(
           z.dtype(), num_tokens, latent,
           {{z.data(), latent}, {experts.up.data(), latent}, {gated ? experts.gate.data() : nullptr, latent}}) &&
@@ -491,7 +521,9 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
   auto* base = static_cast<char*>(s.dense_workspace.get());
   const bool one_dtype = up.dtype == x.dtype() && down.dtype == x.dtype() && out.dtype() == x.dtype() &&
                          (!gated || gate.dtype == x.dtype());
-  if (s.skinny(num_tokens) && one_dtype && (!gated || up.ld == gate.ld) &&
+  if (s.skinny(num_tokens) &&
+      (s.skinny_always || skinny_pays(SkinnyOp::dense_mlp, num_tokens, input.cols, intermediate)) && one_dtype &&
+      (!gated || up.ld == gate.ld) &&
       skinny_supported(x.dtype(), num_tokens, input.cols,
                        {{input.data, input.ld}, {up.data, up.ld}, {gated ? gate.data : nullptr, gate.ld}}) &&
       skinny_supported(x.dtype(), num_tokens, intermediate, {{base, intermediate}, {down.data, down.ld}})) {

@@ -84,14 +84,18 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // each may run on one of the two streams per call, not on both (checked).
   void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) override;
 
-  // Up to how many rows (tokens) linear, dense_mlp and routed_experts run on the skinny kernels
+  // Up to how many rows (tokens) linear, dense_mlp and routed_experts may run on the skinny kernels
   // (cuda/skinny_gemm.h) instead of cuBLASLt and the grouped GEMMs: 0..kSkinnyMaxRows (8, the default);
-  // 0 turns them off (the benchmark compares both). Throws Error outside that range.
+  // 0 turns them off (the benchmark compares both). Throws Error outside that range. Within it a call
+  // takes them where they were measured faster (cuda_backend.cu, skinny_pays: today the routed
+  // experts with a long latent and the small shared expert, at one token), or always after
+  // set_skinny_always(true) (tests).
   void set_skinny_max_tokens(int tokens);
   int skinny_max_tokens() const;
   // The launch shape of every skinny call from now on (tests reach each schedule with it); the
   // default {} lets each call choose. The call checks the shape when it launches.
   void set_skinny_shape(const SkinnyShape& shape);
+  void set_skinny_always(bool always);
 
   int device_ordinal() const;
   // cudaMalloc calls made so far (allocate() and internal workspaces); forward adds none.

@@ -49,6 +49,7 @@ class Skinny : public ::testing::Test {
   void SetUp() override {
     LATENTMOE_REQUIRE_GPU();
     gpu_ = std::make_unique<CudaBackend>(0);
+    gpu_->set_skinny_always(true);  // every decode-sized call, not only where they are measured faster
     cpu_ = make_cpu_backend();
   }
   cudaStream_t stream() const { return static_cast<cudaStream_t>(gpu_->stream()); }
@@ -278,6 +279,28 @@ TEST_F(Skinny, a_launch_shape_gives_the_same_bits_every_run) {
                 stream(), shape);
     EXPECT_TRUE(bytes_equal(download(*gpu_, first.view), download(*gpu_, second.view)));
   }
+}
+
+// The measured rule (cuda_backend.cu, skinny_pays): a one-row linear stays on cuBLASLt (the same
+// bits as with the skinny kernels off, not those of the skinny kernel).
+TEST_F(Skinny, the_default_rule_keeps_a_linear_on_cublaslt) {
+  gpu_->set_skinny_always(false);
+  const HostTensor x = random_tensor(DType::bf16, {1, 1024}, 21);
+  const HostTensor w = random_tensor(DType::bf16, {512, 1024}, 22);
+  DeviceTensor dx = upload(*gpu_, x), dw = upload(*gpu_, w);
+  DeviceTensor by_rule = poisoned(*gpu_, DType::bf16, {1, 512}), off = poisoned(*gpu_, DType::bf16, {1, 512}),
+               skinny = poisoned(*gpu_, DType::bf16, {1, 512});
+  gpu_->linear(dx.view, dw.view, by_rule.view, false);
+  gpu_->set_skinny_max_tokens(0);
+  gpu_->linear(dx.view, dw.view, off.view, false);
+  gpu_->set_skinny_max_tokens(kSkinnyMaxRows);
+  skinny_down(DType::bf16, SkinnyRouting{}, {dx.view.data(), 1024}, 1,
+              SkinnyWeights{nullptr, dw.view.data(), 512, 1024, 1024, 0}, skinny.view.data(), 512, false, stream());
+  const HostTensor rule_out = download(*gpu_, by_rule.view), off_out = download(*gpu_, off.view);
+  EXPECT_TRUE(bytes_equal(rule_out, off_out));
+  EXPECT_EQ(count_non_finite(rule_out), 0);
+  EXPECT_LT(relative_error(download(*gpu_, skinny.view), rule_out), 1e-2);
+  gpu_->set_skinny_always(true);
 }
 
 TEST_F(Skinny, a_token_with_only_zero_experts_gets_zero) {
