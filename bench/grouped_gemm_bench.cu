@@ -394,7 +394,8 @@ int main(int argc, char** argv) {
   std::vector<GemmChoice> variants;
   if (variants_arg == "all") {
     for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
-      if (v == GemmVariant::wgmma && !latentmoe::cuda::detail::wgmma_available()) continue;
+      if ((v == GemmVariant::wgmma || v == GemmVariant::wgmma_tall) && !latentmoe::cuda::detail::wgmma_available())
+        continue;
       if (v != GemmVariant::simt) variants.emplace_back(v);
     }
   } else {

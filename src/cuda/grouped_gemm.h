@@ -73,7 +73,8 @@ enum class GemmVariant {
   mma_l4,      // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
   mma_l,       // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
   mma_xl,      // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
-  wgmma,       // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N
+  wgmma,       // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N (<= 96)
+  wgmma_tall,  // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
 };
 
 // A variant, how many n-tiles one CTA computes (0: chosen from the shape) and how many CTAs split the
@@ -89,8 +90,8 @@ struct GemmChoice {
 
 std::string to_string(GemmVariant variant);
 std::vector<GemmVariant> all_variants();
-// True when the current device can run GemmVariant::wgmma: compute capability 9.0 and a binary that
-// carries sm_90a code.
+// True when the current device can run GemmVariant::wgmma and wgmma_tall: compute capability 9.0 and a
+// binary that carries sm_90a code.
 bool wgmma_available();
 // Splits of the reduction for `ctas` output tiles of num_k_tiles k-tiles each, when `resident` CTAs fit
 // on the GPU at once: 1 when the tiles fill at least half of it, else as many as fit in one wave

@@ -1,15 +1,24 @@
 // The Hopper grouped GEMM (sm_90a): warpgroup MMA (wgmma) with the operands swapped. The weights are the
 // MMA's M side (64-row blocks) and the expert's rows its N side, N = the tile's rows rounded up to 8: a
-// 73-row expert pads to 80, not to 128, and one CTA reads the expert's rows once for 256 weight rows.
+// 73-row expert pads to 80, not to 128, and one CTA reads the expert's rows once for all its weight rows.
 //
-// Tiles. A tile is up to kBlockM (96) rows of one expert (find_tile, as in the mma.sync kernel) against
-// kWeightRows (256) weight rows: two warpgroups, each two m64 blocks (gated: 64 gate rows and the 64 up
-// rows of the same output columns, so the activation is applied in registers; relu2/plain: 128
-// consecutive weight rows). One CTA computes one tile against args.n_tiles_per_cta consecutive n-tiles
-// as one pipeline over (n-tile, k-step) steps, so the tile look-up and the pipeline fill are paid once.
-// The grid is 1-D, n-tile groups fastest, sized from the host's row bound; CTAs without a tile exit.
+// Two shapes (WgmmaConfig), the same code:
+//   WgmmaCfg      tiles of up to 96 rows of one expert against 256 weight rows: two warpgroups, each two
+//                 m64 blocks (48 accumulators per block and thread). For experts of up to 96 rows.
+//   WgmmaTallCfg  tiles of up to 256 rows against 128 weight rows: two warpgroups, each one m64 block (128
+//                 accumulators). For experts of more than 96 rows, which the first shape would split into
+//                 several tiles that each read all of the expert's weights again.
+// Gated mode pairs every gate row with the up row of the same output column inside one thread, so the
+// activation is applied in registers: with two blocks per warpgroup, block 0 holds 64 gate rows and block 1
+// the 64 up rows of the same columns; with one block, its rows alternate in groups of 8 (rows 16q..16q+7
+// gate, 16q+8..16q+15 up, of the same 8 columns), which the m64 accumulator layout gives to the same thread
+// (its two rows are r and r + 8). relu2/plain: consecutive weight rows.
+// A tile is found by find_tile as in the mma.sync kernel. One CTA computes one tile against
+// args.n_tiles_per_cta consecutive n-tiles as one pipeline over (n-tile, k-step) steps, so the tile look-up
+// and the pipeline fill are paid once. The grid is 1-D, n-tile groups fastest, sized from the host's row
+// bound; CTAs without a tile exit.
 //
-// Pipeline. kStages shared-memory stages of [256 weight rows][64 k] and [96 rows][64 k], 128-byte rows
+// Pipeline. kStages shared-memory stages of [weight rows][64 k] and [kBlockM rows][64 k], 128-byte rows
 // in the canonical 128B-swizzle layout (16-byte chunk c of row r at r*128 + ((c ^ (r & 7)) * 16), 1024-byte
 // aligned 8-row atoms: what the wgmma descriptors below describe). Every thread copies (cp.async, the
 // weights evict-first in L2 with 256-byte fetches, the rows gathered through sorted_pairs, zero-filled past
@@ -19,7 +28,7 @@
 // step + kStages - 1 go into the stage the previous step read, while this step's wgmmas run.
 //
 // N is a compile-time constant of the instruction: the warpgroups dispatch (CTA-uniform) among
-// m64n{8..96}k16. The epilogue pairs lanes (shfl.xor 4) so that each thread stores two consecutive
+// m64n{8..kBlockM}k16. The epilogue pairs lanes (shfl.xor 4) so that each thread stores two consecutive
 // output columns of one row (4 bytes), and skips the padded rows.
 //
 // Programmatic dependent launch as in the mma.sync kernel (src/cuda/pdl.cuh): unless the tiles come from
@@ -40,12 +49,14 @@
 
 namespace latentmoe::cuda::gg {
 
-template <int kBlockM_, int kStages_>
+template <int kBlockM_, int kStages_, int kBlocksPerWg_>
 struct WgmmaConfig {
   static constexpr int kWarpGroups = 2;
   static constexpr int kThreads = kWarpGroups * 128;
-  static constexpr int kWeightRows = kWarpGroups * 128;  // per n-tile: two m64 blocks per warpgroup
-  static constexpr int kBlockM = kBlockM_;               // expert rows per tile (the MMA's N, at most)
+  static constexpr int kBlocksPerWg = kBlocksPerWg_;                  // m64 weight blocks per warpgroup
+  static constexpr int kWeightRows = kWarpGroups * 64 * kBlocksPerWg;  // weight rows per n-tile
+  static constexpr int kBlockM = kBlockM_;  // expert rows per tile (the MMA's N, at most)
+  static constexpr int kAcc = kBlockM / 2;  // fp32 accumulators per thread and m64 block
   static constexpr int kBlockK = 64;                     // one 128-byte swizzled row per weight or expert row
   static constexpr int kStages = kStages_;
   static constexpr int kRowBytes = kBlockK * 2;
@@ -54,6 +65,7 @@ struct WgmmaConfig {
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024
   static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzle atoms");
   static_assert(kBlockM <= kWgmmaMaxN && kBlockM % 32 == 0, "rows per tile: at most the largest N, whole copy rounds");
+  static_assert(kBlocksPerWg == 1 || kBlocksPerWg == 2, "one or two m64 blocks per warpgroup");
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -75,21 +87,29 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 // Keeps the compiler from moving accumulator reads or writes across the wgmma issue/wait points.
-__device__ __forceinline__ void fence_accumulators(float (&acc)[kWgmmaAcc]) {
+template <int B, int A>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[B][A]) {
 #pragma unroll
-  for (int i = 0; i < kWgmmaAcc; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+  for (int b = 0; b < B; ++b) {
+#pragma unroll
+    for (int i = 0; i < A; ++i) asm volatile("" : "+f"(acc[b][i])::"memory");
+  }
 }
 
-// One stage (64 of k) of one warpgroup: four k16 steps on both m64 blocks, committed by the caller.
-template <class T, int N>
-__device__ __forceinline__ void wgmma_stage(float (&acc0)[kWgmmaAcc], float (&acc1)[kWgmmaAcc], uint64_t desc_w0,
-                                            uint64_t desc_w1, uint64_t desc_x, int accumulate) {
-  wgmma_fence();  // orders the epilogue's accumulator reads before these writes
+// One stage (64 of k) of one warpgroup: four k16 steps on each of its m64 blocks, committed by the caller.
+// N beyond the tile shape's kBlockM is never dispatched (the switch below); the `if constexpr` only keeps
+// those cases from being compiled.
+template <class T, int N, int B, int A>
+__device__ __forceinline__ void wgmma_stage(float (&acc)[B][A], const uint64_t (&desc_w)[B], uint64_t desc_x,
+                                            int accumulate) {
+  if constexpr (N / 2 <= A) {
+    wgmma_fence();  // orders the epilogue's accumulator reads before these writes
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const int scale_d = kk == 0 ? accumulate : 1;
-    wgmma_m64k16<T, N>(acc0, desc_w0 + 2 * kk, desc_x + 2 * kk, scale_d);
-    wgmma_m64k16<T, N>(acc1, desc_w1 + 2 * kk, desc_x + 2 * kk, scale_d);
+    for (int kk = 0; kk < 4; ++kk) {
+      const int scale_d = kk == 0 ? accumulate : 1;
+#pragma unroll
+      for (int b = 0; b < B; ++b) wgmma_m64k16<T, N>(acc[b], desc_w[b] + 2 * kk, desc_x + 2 * kk, scale_d);
+    }
   }
 }
 
@@ -105,6 +125,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
   constexpr bool kGated = kMode == Mode::gated;
   constexpr int kOutPerTile = kGated ? Cfg::kWeightRows / 2 : Cfg::kWeightRows;  // output columns per n-tile
   constexpr int kOutPerWg = kOutPerTile / Cfg::kWarpGroups;
+  constexpr int kBlocks = Cfg::kBlocksPerWg;
+  constexpr int kAcc = Cfg::kAcc;
   constexpr int kChunks = kBK / 8;                      // 16-byte chunks per row
   constexpr int kRowStep = kThreads / kChunks;          // rows between one thread's copies
   constexpr int kWIters = Cfg::kWeightRows / kRowStep;  // weight copies per thread and stage
@@ -171,11 +193,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
       const int r = row0 + i * kRowStep;
       int col;
       const T* mat = w0;
-      if constexpr (kGated) {
+      if constexpr (kGated && kBlocks == 2) {
         // Tile rows [128 g, 128 g + 64): gate rows of output columns nt*128 + 64 g + [0, 64); the next 64:
         // the up rows of the same columns.
         col = nt * kOutPerTile + (r >> 7) * 64 + (r & 63);
         if ((r >> 6) & 1) mat = w1;
+      } else if constexpr (kGated) {
+        // Block g (rows [64 g, 64 g + 64)) holds output columns nt*64 + 32 g + [0, 32): its rows 16q + j
+        // (j < 8) the gate rows of column 8q + j, rows 16q + 8 + j the up rows of the same column.
+        const int rr = r & 63;
+        col = nt * kOutPerTile + (r >> 6) * 32 + ((rr >> 4) << 3) + (rr & 7);
+        if ((rr >> 3) & 1) mat = w1;
       } else {
         col = nt * kOutPerTile + r;
       }
@@ -185,9 +213,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
     }
   };
 
-  // The expert's rows: the source row of each of this thread's tile rows (nullptr past the tile's rows,
-  // which are zero-filled up to mma_n and never copied beyond).
-  const T* x_src[kXIters];
+  // The expert's rows: the source row of each of this thread's tile rows (-1 past the tile's rows, which
+  // are zero-filled up to mma_n and never copied beyond). Row numbers, not pointers: half the registers,
+  // which the tall shape's 128 accumulators per thread need.
+  int x_src[kXIters];
   auto load_rows = [&](int stage, int step) {
     const int kc = (step % num_k_steps) * kBK + chunk * 8;
     const bool k_ok = kc < k;
@@ -195,8 +224,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
 #pragma unroll
     for (int j = 0; j < kXIters; ++j) {
       if (row0 + j * kRowStep < mma_n) {
-        const bool ok = k_ok && x_src[j] != nullptr;
-        cp_async_16(dst + j * kRowStep * kRowBytes, ok ? x_src[j] + kc : a_base, ok);
+        const bool ok = k_ok && x_src[j] >= 0;
+        cp_async_16(dst + j * kRowStep * kRowBytes, ok ? a_base + static_cast<size_t>(x_src[j]) * k + kc : a_base, ok);
       }
     }
   };
@@ -213,11 +242,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
 #pragma unroll
   for (int j = 0; j < kXIters; ++j) {
     const int t = row0 + j * kRowStep;
-    x_src[j] = nullptr;
+    x_src[j] = -1;
     if (t < rows) {
       const int r = row_begin + t;
-      const int src = args.sorted_pairs != nullptr ? __ldg(args.sorted_pairs + r) / args.top_k : r;
-      x_src[j] = a_base + static_cast<size_t>(src) * k;
+      x_src[j] = args.sorted_pairs != nullptr ? __ldg(args.sorted_pairs + r) / args.top_k : r;
     }
   }
 #pragma unroll
@@ -226,12 +254,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
   }
   cp_async_commit();
 
-  float acc0[kWgmmaAcc];
-  float acc1[kWgmmaAcc];
+  float acc[kBlocks][kAcc];
 #pragma unroll
-  for (int i = 0; i < kWgmmaAcc; ++i) {
-    acc0[i] = 0.0f;
-    acc1[i] = 0.0f;
+  for (int b = 0; b < kBlocks; ++b) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[b][i] = 0.0f;
   }
 
   // Whether this warpgroup holds any output column of n-tile nt (warpgroup-uniform).
@@ -254,31 +281,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
   };
   auto epilogue = [&](int nt) {
     if (!wg_active(nt)) return;
+    const int wg_col = nt * kOutPerTile + wg * kOutPerWg;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = wq * 16 + lane_row + 8 * h;  // weight row in the m64 block
+    for (int j = 0; j < kAcc / 4; ++j) {
+      if (8 * j >= mma_n) continue;  // CTA-uniform
+      const int t0 = 8 * j + 2 * (lane & 3);
+      if constexpr (kGated && kBlocks == 2) {
+        // Block 0 gate, block 1 up, rows r and r + 8 of each.
 #pragma unroll
-      for (int j = 0; j < kWgmmaAcc / 4; ++j) {
-        if (8 * j >= mma_n) continue;  // CTA-uniform
-        const int i0 = 4 * j + 2 * h;
-        const int t0 = 8 * j + 2 * (lane & 3);
-        if constexpr (kGated) {
-          const int col = nt * kOutPerTile + wg * kOutPerWg + r;
-          store_pair(gated_act<true>(acc0[i0], acc1[i0], args), gated_act<true>(acc0[i0 + 1], acc1[i0 + 1], args), col,
-                     t0);
-        } else {
-          const int col = nt * kOutPerTile + wg * kOutPerWg + r;
-          const bool relu2 = kMode == Mode::relu2;
-          store_pair(relu2 ? relu2_act(acc0[i0]) : acc0[i0], relu2 ? relu2_act(acc0[i0 + 1]) : acc0[i0 + 1], col, t0);
-          store_pair(relu2 ? relu2_act(acc1[i0]) : acc1[i0], relu2 ? relu2_act(acc1[i0 + 1]) : acc1[i0 + 1], col + 64,
-                     t0);
+        for (int h = 0; h < 2; ++h) {
+          const int i0 = 4 * j + 2 * h;
+          store_pair(gated_act<true>(acc[0][i0], acc[1][i0], args),
+                     gated_act<true>(acc[0][i0 + 1], acc[1][i0 + 1], args), wg_col + wq * 16 + lane_row + 8 * h, t0);
+        }
+      } else if constexpr (kGated) {
+        // Row r (gate) and row r + 8 (up) of the one block: accumulators 4j + {0, 1} and 4j + {2, 3}.
+        const int i0 = 4 * j;
+        store_pair(gated_act<true>(acc[0][i0], acc[0][i0 + 2], args),
+                   gated_act<true>(acc[0][i0 + 1], acc[0][i0 + 3], args), wg_col + wq * 8 + lane_row, t0);
+      } else {
+        constexpr bool relu2 = kMode == Mode::relu2;
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i0 = 4 * j + 2 * h;
+            const float v0 = relu2 ? relu2_act(acc[b][i0]) : acc[b][i0];
+            const float v1 = relu2 ? relu2_act(acc[b][i0 + 1]) : acc[b][i0 + 1];
+            store_pair(v0, v1, wg_col + b * 64 + wq * 16 + lane_row + 8 * h, t0);
+          }
         }
       }
     }
   };
-
-  const uint32_t w_block0 = (2 * wg) * 64 * kRowBytes;  // this warpgroup's two m64 blocks in a weight tile
-  const uint32_t w_block1 = (2 * wg + 1) * 64 * kRowBytes;
 
   // One pipeline over (n-tile, k-step) steps: the copies run ahead across n-tile boundaries, so the
   // epilogue of one n-tile overlaps the first copies of the next.
@@ -298,14 +333,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
         // Every warpgroup issues its wgmmas, also one whose weight rows are all past n (zero-filled; its
         // results are not stored): a warpgroup-uniform branch around them makes ptxas serialize them.
         const uint32_t stage = smem_base + (step % kStages) * Cfg::kStageBytes;
-        const uint64_t desc_w0 = sw128_desc(stage + w_block0);
-        const uint64_t desc_w1 = sw128_desc(stage + w_block1);
+        uint64_t desc_w[kBlocks];  // this warpgroup's m64 blocks in the weight tile
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b) desc_w[b] = sw128_desc(stage + (wg * kBlocks + b) * 64 * kRowBytes);
         const uint64_t desc_x = sw128_desc(stage + Cfg::kWeightBytes);
         const int accumulate = kt > 0 ? 1 : 0;
         switch (mma_n >> 3) {
 #define LATENTMOE_WGMMA_CASE(N)                                          \
   case N / 8:                                                            \
-    wgmma_stage<T, N>(acc0, acc1, desc_w0, desc_w1, desc_x, accumulate); \
+    wgmma_stage<T, N>(acc, desc_w, desc_x, accumulate);                  \
     break;
           LATENTMOE_WGMMA_CASE(8)
           LATENTMOE_WGMMA_CASE(16)
@@ -319,11 +355,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
           LATENTMOE_WGMMA_CASE(80)
           LATENTMOE_WGMMA_CASE(88)
           LATENTMOE_WGMMA_CASE(96)
+          LATENTMOE_WGMMA_CASE(104)
+          LATENTMOE_WGMMA_CASE(112)
+          LATENTMOE_WGMMA_CASE(120)
+          LATENTMOE_WGMMA_CASE(128)
+          LATENTMOE_WGMMA_CASE(136)
+          LATENTMOE_WGMMA_CASE(144)
+          LATENTMOE_WGMMA_CASE(152)
+          LATENTMOE_WGMMA_CASE(160)
+          LATENTMOE_WGMMA_CASE(168)
+          LATENTMOE_WGMMA_CASE(176)
+          LATENTMOE_WGMMA_CASE(184)
+          LATENTMOE_WGMMA_CASE(192)
+          LATENTMOE_WGMMA_CASE(200)
+          LATENTMOE_WGMMA_CASE(208)
+          LATENTMOE_WGMMA_CASE(216)
+          LATENTMOE_WGMMA_CASE(224)
+          LATENTMOE_WGMMA_CASE(232)
+          LATENTMOE_WGMMA_CASE(240)
+          LATENTMOE_WGMMA_CASE(248)
+          LATENTMOE_WGMMA_CASE(256)
 #undef LATENTMOE_WGMMA_CASE
           default:
             break;
         }
-        static_assert(kWgmmaMaxN == 96, "the dispatch above covers N = 8 .. 96");
+        static_assert(kWgmmaMaxN == 256, "the dispatch above covers N = 8 .. 256");
         wgmma_commit();
       }
       // The previous step's wgmmas (all warpgroups) have read their stage; this step's run while the
@@ -338,8 +394,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
       cp_async_commit();
     }
     wgmma_wait_all();
-    fence_accumulators(acc0);
-    fence_accumulators(acc1);
+    fence_accumulators(acc);
     epilogue(nt_first + ntl);
   }
   cp_async_wait<0>();
@@ -383,19 +438,30 @@ void launch_wgmma_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t str
                 dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, args);
 }
 
-// 96 rows per tile (an expert with more takes several tiles), 5 stages of 44 KB: 221 KB of shared memory,
-// one CTA per SM.
-using WgmmaCfg = WgmmaConfig<96, 5>;
+// 96 rows per tile (an expert with more takes several tiles) against 256 weight rows, 5 stages of 44 KB:
+// 221 KB of shared memory, one CTA per SM.
+using WgmmaCfg = WgmmaConfig<96, 5, 2>;
+// 256 rows per tile against 128 weight rows, 4 stages of 48 KB: 193 KB, one CTA per SM.
+using WgmmaTallCfg = WgmmaConfig<256, 4, 1>;
 
-template <class T>
-void launch_wgmma_typed(Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
+template <class T, class Cfg>
+void launch_wgmma_shape(Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
   switch (mode) {
     case Mode::gated:
-      return launch_wgmma_cfg<T, WgmmaCfg, Mode::gated>(args, launch, stream);
+      return launch_wgmma_cfg<T, Cfg, Mode::gated>(args, launch, stream);
     case Mode::relu2:
-      return launch_wgmma_cfg<T, WgmmaCfg, Mode::relu2>(args, launch, stream);
+      return launch_wgmma_cfg<T, Cfg, Mode::relu2>(args, launch, stream);
     case Mode::plain:
-      return launch_wgmma_cfg<T, WgmmaCfg, Mode::plain>(args, launch, stream);
+      return launch_wgmma_cfg<T, Cfg, Mode::plain>(args, launch, stream);
+  }
+}
+
+template <class T>
+void launch_wgmma_typed(bool tall, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
+  if (tall) {
+    launch_wgmma_shape<T, WgmmaTallCfg>(mode, args, launch, stream);
+  } else {
+    launch_wgmma_shape<T, WgmmaCfg>(mode, args, launch, stream);
   }
 }
 

@@ -4,8 +4,8 @@
 
 namespace latentmoe::cuda::gg {
 
-void launch_wgmma_f16(Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
-  launch_wgmma_typed<__half>(mode, args, launch, stream);
+void launch_wgmma_f16(bool tall, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
+  launch_wgmma_typed<__half>(tall, mode, args, launch, stream);
 }
 
 }  // namespace latentmoe::cuda::gg

@@ -316,7 +316,7 @@ TEST_P(GroupedGemmCase, every_variant_matches_fp64_reference) {
   // n-tiles per CTA (a pipeline that runs across n-tile boundaries, the last group partial).
   std::vector<GemmChoice> choices = {GemmChoice(GemmVariant::automatic)};
   for (GemmVariant v : detail::all_variants()) {
-    if (v == GemmVariant::wgmma && !detail::wgmma_available()) continue;
+    if ((v == GemmVariant::wgmma || v == GemmVariant::wgmma_tall) && !detail::wgmma_available()) continue;
     choices.emplace_back(v);
     if (v != GemmVariant::simt) choices.emplace_back(v, 3);
     // Split-K forced: 2 and 3 splits (the last split shorter when the k-tiles do not divide), on the
@@ -362,6 +362,12 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_situ_t300_i200_l264_heavy", DType::bf16, Activation::situ, 300, 8, 1, 2, 200, 264, 2},
         Case{"f16_relu2_t160_i136_l456_heavy", DType::f16, Activation::relu2, 160, 4, 0, 2, 136, 456, 1},
         Case{"bf16_silu_t257_i328_l136", DType::bf16, Activation::silu, 257, 6, 0, 3, 328, 136, -1},
+        // Experts of 250-520 rows: the tall wgmma tiles at N = 256 (6 padded rows), several tall tiles per
+        // expert with a last one of 8 rows, gated n-tiles of 64 columns whose last holds 8 (one warpgroup
+        // without a valid column), a partial last k-step.
+        Case{"bf16_silu_t520_i200_l136_tall", DType::bf16, Activation::silu, 520, 4, 0, 3, 200, 136, 0},
+        Case{"f16_situ_t250_i72_l200_tall", DType::f16, Activation::situ, 250, 2, 0, 2, 72, 200, -1},
+        Case{"bf16_relu2_t300_i264_l328_tall", DType::bf16, Activation::relu2, 300, 3, 0, 2, 264, 328, -1},
         // 16 rows per expert and 384+ output columns: the automatic choice is wgmma on an H200.
         Case{"bf16_silu_t64_i384_l512_auto", DType::bf16, Activation::silu, 64, 8, 0, 2, 384, 512, -1}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
@@ -455,6 +461,11 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
     EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 256, 16, 896, 384, 3584), GemmVariant::wgmma);
     EXPECT_NE(detail::choose_variant(DType::bf16, false, false, 1024, 22, 512, 336, 1024), GemmVariant::wgmma);
+    // More than 96 rows per touched expert (Nemotron at 4096 tokens: 176): the tall tiles, both phases.
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 4096, 22, 512, 336, 1024), GemmVariant::wgmma_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 4096, 22, 512, 336, 1024), GemmVariant::wgmma_tall);
+    EXPECT_EQ(detail::choose_variant(DType::f16, false, true, 8192, 16, 896, 384, 3584), GemmVariant::wgmma_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 4096, 16, 896, 384, 3584), GemmVariant::wgmma);
   } else {
     EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
   }
