@@ -121,9 +121,12 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
     const int64_t ctas = touched * ((intermediate + cols - 1) / cols);
     return ctas <= 9 * current_sm_count() ? GemmVariant::mma_s_k128 : GemmVariant::mma_s_wide;
   }
-  // Hopper, more than 96 rows per touched expert: the tall wgmma tiles (up to 256 rows), which read an
-  // expert's weights once where 96-row tiles would read them for every tile of the expert.
-  if (mean_rows > 96 && wgmma_available()) return GemmVariant::wgmma_tall;
+  // Hopper, more than 96 rows per touched expert: the tall wgmma tiles (up to 256 rows, an expert's weights
+  // read once) where they measured faster than the 96-row tiles (H200, 4096 and 8192 tokens,
+  // bench/results/grouped_gemm_tall_aabf667.json): relu2's gate/up (Nemotron: 2-18 %) and a down
+  // projection into a latent of 2048 or more (Kimi: 8-10 %). Gated gate/up (Kimi: 3-5 % slower) and
+  // Nemotron's 1024-wide down (even at 4096, 1-12 % slower at 8192) keep the 96-row tiles.
+  if (mean_rows > 96 && wgmma_available() && (down ? latent >= 2048 : !gated)) return GemmVariant::wgmma_tall;
   // Hopper, at least 16 rows per touched expert and 384 output columns: the wgmma kernel (5-23 % faster
   // than mma.sync at 1024 and 4096 tokens; at 336 columns, Nemotron's I/8, mma.sync stays ahead).
   const int64_t out_cols = down ? latent : intermediate;

@@ -461,10 +461,12 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
     EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 256, 16, 896, 384, 3584), GemmVariant::wgmma);
     EXPECT_NE(detail::choose_variant(DType::bf16, false, false, 1024, 22, 512, 336, 1024), GemmVariant::wgmma);
-    // More than 96 rows per touched expert (Nemotron at 4096 tokens: 176): the tall tiles, both phases.
+    // More than 96 rows per touched expert (Nemotron at 4096 tokens: 176; Kimi at 8192: 146): the tall
+    // tiles for relu2's gate/up and a down projection into a latent of 2048+, the 96-row tiles otherwise.
     EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 4096, 22, 512, 336, 1024), GemmVariant::wgmma_tall);
-    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 4096, 22, 512, 336, 1024), GemmVariant::wgmma_tall);
-    EXPECT_EQ(detail::choose_variant(DType::f16, false, true, 8192, 16, 896, 384, 3584), GemmVariant::wgmma_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 4096, 22, 512, 336, 1024), GemmVariant::wgmma);
+    EXPECT_EQ(detail::choose_variant(DType::f16, false, true, 8192, 16, 896, 384, 3584), GemmVariant::wgmma);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 16, 896, 384, 3584), GemmVariant::wgmma_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 4096, 16, 896, 384, 3584), GemmVariant::wgmma);
   } else {
     EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
