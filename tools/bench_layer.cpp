@@ -176,6 +176,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
 
   cuda::CudaBackend backend(options.device);
   backend.set_skinny_max_tokens(options.skinny_max_tokens);
+  backend.set_gemv_max_tokens(options.gemv_max_tokens);
   const auto stream = static_cast<cudaStream_t>(backend.stream());
   int l2_bytes = 0;
   LATENTMOE_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, options.device));
@@ -381,6 +382,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   report["compute_capability"] = std::to_string(properties.major) + std::to_string(properties.minor);
   report["commit"] = options.commit;
   report["skinny_max_tokens"] = options.skinny_max_tokens;
+  report["gemv_max_tokens"] = options.gemv_max_tokens;
   report["ceilings"] = {{"copy_tb_per_s", ceilings.copy_bytes_per_s / 1e12},
                         {"gemm_bf16_tflop_per_s", ceilings.gemm_flops_per_s / 1e12}};
   report["method"] =
@@ -403,6 +405,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   repro_stream << " --tokens ";
   join(options.tokens);
   if (options.skinny_max_tokens != 8) repro_stream << " --skinny-max-tokens " << options.skinny_max_tokens;
+  if (options.gemv_max_tokens != 1) repro_stream << " --gemv-max-tokens " << options.gemv_max_tokens;
   const std::string repro = repro_stream.str();
   std::printf("# repro: %s\n", repro.c_str());
   report["repro"] = repro;

@@ -18,8 +18,9 @@ struct BenchLayerOptions {
   int device = 0;
   uint64_t seed = 2026;
   int skinny_max_tokens = 8;  // CudaBackend::set_skinny_max_tokens; 0 turns the decode path off
-  std::string json_path;  // empty: no JSON
-  std::string commit;     // recorded in the JSON (e.g. `git rev-parse HEAD`)
+  int gemv_max_tokens = 1;    // CudaBackend::set_gemv_max_tokens; 0 keeps every linear on cuBLASLt
+  std::string json_path;      // empty: no JSON
+  std::string commit;         // recorded in the JSON (e.g. `git rev-parse HEAD`)
 };
 
 // Throws Error when built without CUDA, when no GPU is present, or on bad options.

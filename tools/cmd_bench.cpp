@@ -23,9 +23,14 @@ void register_bench_command(CLI::App& app) {
       ->check(CLI::Range(1, 10000));
   layer->add_option("--device", options->device, "CUDA device ordinal");
   layer->add_option("--seed", options->seed, "seed of the random weights and inputs");
-  layer->add_option("--skinny-max-tokens", options->skinny_max_tokens,
-                    "largest token count that takes the skinny decode GEMMs (0: never)")
+  layer
+      ->add_option("--skinny-max-tokens", options->skinny_max_tokens,
+                   "largest token count that takes the skinny decode GEMMs (0: never)")
       ->check(CLI::Range(0, 8));
+  layer
+      ->add_option("--gemv-max-tokens", options->gemv_max_tokens,
+                   "largest token count whose dense linears take the decode GEMV (0: never)")
+      ->check(CLI::Range(0, 4));
   layer->add_option("--json", options->json_path, "write the results as JSON to this file");
   layer->add_option("--commit", options->commit, "commit id recorded in the JSON");
   layer->callback([options] { run_bench_layer(*options); });

@@ -1,5 +1,6 @@
 // CudaBackend: argument checks, workspaces, streams and the order of the kernels of each Backend
-// operation. The kernels are in routing.cu, norm.cu, elementwise.cu, blas.cu and grouped_gemm*.cu.
+// operation. The kernels are in routing.cu, norm.cu, elementwise.cu, blas.cu, gemv.cu, skinny_gemm.cu
+// and grouped_gemm*.cu.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
 #include "cuda/elementwise.cuh"
+#include "cuda/gemv.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/norm.cuh"
 #include "cuda/routing.cuh"
@@ -99,6 +101,8 @@ struct CudaBackend::State {
   // false: the measured rule of skinny_pays(); true: every call within skinny_max_tokens (tests).
   bool skinny_always = false;
   SkinnyShape skinny_shape;  // {}: each call chooses
+  // Rows up to which linear takes the decode GEMV (0: never).
+  int gemv_max_tokens = 1;
 
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
   bool overlapping = false;
@@ -177,7 +181,8 @@ namespace {
 // (Kimi-K3, l = 3584: 46.6 against 57.6 µs at tp 8; Nemotron-3, l = 1024, loses: 38.4 against 31.3),
 // and the shared expert at one token when its intermediate is small (tp 8: 22.3 against 28.0 µs;
 // at Is = 6144 it loses, 97.3 against 87.2). A dense linear of one row is faster on cuBLASLt at every
-// shape measured (W_down 18.8 against 24.7 µs), so it never takes them by this rule.
+// shape measured (W_down 18.8 against 24.7 µs), so it never takes them by this rule (a linear of up to
+// gemv_max_tokens rows takes the decode GEMV of gemv.h instead).
 enum class SkinnyOp { linear, dense_mlp, routed_experts };
 bool skinny_pays(SkinnyOp op, int64_t rows, int64_t reduction, int64_t intermediate) {
   switch (op) {
@@ -201,6 +206,12 @@ void CudaBackend::set_skinny_max_tokens(int tokens) {
 int CudaBackend::skinny_max_tokens() const { return state_->skinny_max_tokens; }
 void CudaBackend::set_skinny_shape(const SkinnyShape& shape) { state_->skinny_shape = shape; }
 void CudaBackend::set_skinny_always(bool always) { state_->skinny_always = always; }
+void CudaBackend::set_gemv_max_tokens(int tokens) {
+  LATENTMOE_CHECK(tokens >= 0 && tokens <= kGemvMaxRows, "CUDA backend: gemv_max_tokens ", tokens, " is outside 0..",
+                  kGemvMaxRows);
+  state_->gemv_max_tokens = tokens;
+}
+int CudaBackend::gemv_max_tokens() const { return state_->gemv_max_tokens; }
 
 DeviceBuffer CudaBackend::allocate(size_t bytes) {
   State& s = *state_;
@@ -373,6 +384,14 @@ void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorV
     SkinnyWeights w{nullptr, weight.data, weight.rows, weight.cols, weight.ld, 0};
     skinny_down(in.dtype, SkinnyRouting{}, {in.data, in.ld}, in.rows, w, out.data, out.ld, accumulate, s.current,
                 s.skinny_shape);
+    return;
+  }
+  // Decode: the GEMV streams the weights from before the previous kernel ends (cuda/gemv.h).
+  if (in.rows >= 1 && in.rows <= s.gemv_max_tokens && in.dtype != DType::f32 && weight.dtype == in.dtype &&
+      out.dtype == in.dtype &&
+      gemv_supported(in.dtype, in.rows, weight.rows, in.cols, in.data, in.ld, weight.data, weight.ld)) {
+    gemv(in.dtype, in.data, in.ld, in.rows, weight.data, weight.ld, weight.rows, in.cols, out.data, out.ld, accumulate,
+         s.current);
     return;
   }
   GemmProblem problem{in.dtype, weight.dtype, out.dtype, in.rows,  weight.rows, in.cols,   in.data,

@@ -22,6 +22,7 @@
 #include <memory>
 
 #include "core/backend.h"
+#include "cuda/gemv.h"
 #include "cuda/skinny_gemm.h"
 
 namespace latentmoe::cuda {
@@ -96,6 +97,13 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // default {} lets each call choose. The call checks the shape when it launches.
   void set_skinny_shape(const SkinnyShape& shape);
   void set_skinny_always(bool always);
+  // Up to how many rows (tokens) linear() runs on the decode GEMV (cuda/gemv.h) instead of cuBLASLt:
+  // 0..kGemvMaxRows (4), default 1; 0 turns it off (the benchmark compares both). Throws Error outside
+  // that range. Within it a call takes the GEMV when x, w and y share a 16-bit dtype (f32 stays on
+  // cuBLASLt's true-fp32 path) and gemv_supported() holds; the skinny kernels, where set_skinny_always
+  // sends a linear to them, come first.
+  void set_gemv_max_tokens(int tokens);
+  int gemv_max_tokens() const;
 
   int device_ordinal() const;
   // cudaMalloc calls made so far (allocate() and internal workspaces); forward adds none.

@@ -1,0 +1,404 @@
+// The decode GEMV (cuda/gemv.h) against the CPU reference (double sums, one rounding): bf16 and f16,
+// 1..kGemvMaxRows rows, n = 1, 7, 100, 3592, k = 8, 264, 3584, 7168 and the limit kGemvMaxK, row strides
+// longer than the rows (their padding NaN, so a read past k shows), accumulation on and off, outputs
+// poisoned around the written block; every launch path (short and long rows, one warp to 16, clusters
+// of 1 to 8 CTAs, more clusters than rows); the same bits on every run; graph capture behind an RMSNorm
+// (a programmatic-launch predecessor) replayed with new inputs; rejected inputs; and CudaBackend::linear
+// taking it at one token (gemv_max_tokens), after the skinny kernels' precedence, and leaving it off.
+// Every test skips itself without a GPU.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/device.h"
+#include "cuda/gemv.h"
+#include "cuda/skinny_gemm.h"
+#include "cuda_test_util.h"
+#include "latentmoe/error.h"
+
+namespace latentmoe::cuda::testing {
+namespace {
+
+using ::latentmoe::detail::make_cpu_backend;
+
+constexpr uint16_t kPoison = 0xffff;  // NaN in bf16 and f16
+
+bool bytes_equal(const HostTensor& a, const HostTensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+// One output-dtype ulp relative to the value (docs/NUMERICS.md, "Tolerances in the tests").
+double ulp_rel(DType dtype) { return dtype == DType::bf16 ? 0x1p-7 : 0x1p-10; }
+
+// [rows, ld] of `dtype`: uniform values in [low, high) in columns < cols, NaN in the padding.
+HostTensor padded_random(DType dtype, int64_t rows, int64_t cols, int64_t ld, uint32_t seed, float low, float high) {
+  HostTensor tensor = random_tensor(dtype, {rows, ld}, seed, low, high);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = cols; c < ld; ++c) tensor.data_as<uint16_t>()[r * ld + c] = kPoison;
+  }
+  return tensor;
+}
+
+template <class F>
+void expect_error(F&& call, const std::string& needle) {
+  try {
+    call();
+    ADD_FAILURE() << "no Error; expected one naming \"" << needle << "\"";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << error.what();
+  }
+}
+
+// A problem: W [n, k] (row stride ldw) on the device, x [rows, k] (ldx), y [rows, n] (ldy).
+struct Problem {
+  DType dtype = DType::bf16;
+  int64_t rows = 1, n = 1, k = 8;
+  int64_t ldx = 8, ldw = 8, ldy = 1;
+  bool accumulate = false;
+};
+
+class Gemv : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    LATENTMOE_REQUIRE_GPU();
+    gpu_ = std::make_unique<CudaBackend>(0);
+    cpu_ = make_cpu_backend();
+  }
+  cudaStream_t stream() const { return static_cast<cudaStream_t>(gpu_->stream()); }
+
+  // Runs `problem` with the weights `w` (host, [n, ldw]) already on the device at `dw`, against the CPU
+  // reference; returns the output buffer [rows + 1, ldy] (one row more than written, to check it stays).
+  HostTensor check(const Problem& problem, const HostTensor& w, const DeviceTensor& dw, uint32_t seed,
+                   const GemvShape& shape = {}) {
+    const auto [dtype, rows, n, k, ldx, ldw, ldy, accumulate] = problem;
+    SCOPED_TRACE(name_of(dtype) + ", rows " + std::to_string(rows) + ", n " + std::to_string(n) + ", k " +
+                 std::to_string(k) + ", ldx " + std::to_string(ldx) + ", ldw " + std::to_string(ldw) + ", ldy " +
+                 std::to_string(ldy) + (accumulate ? ", accumulate" : "") + ", shape {" + std::to_string(shape.warps) +
+                 ", " + std::to_string(shape.split) + ", " + std::to_string(shape.clusters) + "}");
+    const HostTensor x = padded_random(dtype, rows, k, ldx, seed, -1.0f, 1.0f);
+    // y: the block [rows, n] random when accumulating (poisoned otherwise), everything else poisoned.
+    HostTensor y0(dtype, {rows + 1, ldy});
+    const HostTensor y_values = random_tensor(dtype, {rows, n}, seed + 1, -2.0f, 2.0f);
+    for (int64_t i = 0; i < y0.numel(); ++i) y0.data_as<uint16_t>()[i] = kPoison;
+    if (accumulate) {
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(y0.data_as<uint16_t>() + r * ldy, y_values.data_as<uint16_t>() + r * n, n * 2);
+      }
+    }
+    DeviceTensor dx = upload(*gpu_, x), dy = upload(*gpu_, y0);
+    gemv(dtype, dx.view.data(), ldx, rows, dw.view.data(), ldw, n, k, dy.view.data(), ldy, accumulate, stream(), shape);
+    HostTensor got = download(*gpu_, dy.view);
+
+    HostTensor ref = accumulate ? to_host_tensor(y_values.view(), dtype) : HostTensor(dtype, {rows, n});
+    cpu_->linear(x.view().slice_cols(0, k), w.view().slice_cols(0, k), ref.view(), accumulate);
+    int64_t bad = 0;
+    for (int64_t r = 0; r <= rows; ++r) {
+      for (int64_t c = 0; c < ldy; ++c) {
+        const int64_t index = r * ldy + c;
+        if (r == rows || c >= n) {  // outside the written block
+          if (got.data_as<uint16_t>()[index] != kPoison && ++bad <= 5) {
+            ADD_FAILURE() << "element (" << r << ", " << c << ") outside the block was written";
+          }
+          continue;
+        }
+        double scale = accumulate ? std::abs(static_cast<double>(value_at(y_values, r * n + c))) : 0.0;
+        for (int64_t e = 0; e < k; ++e) {
+          scale += std::abs(static_cast<double>(value_at(x, r * ldx + e)) * value_at(w, c * ldw + e));
+        }
+        const double expected = value_at(ref, r * n + c), out = value_at(got, index);
+        // One rounding step of the output plus fp32 sums in another order (docs/NUMERICS.md).
+        const double bound =
+            ulp_rel(dtype) * std::abs(expected) + 4.0 * 0x1p-24 * std::sqrt(double(k)) * scale + 0x1p-24;
+        if (!(std::abs(out - expected) <= bound) && ++bad <= 5) {
+          ADD_FAILURE() << "y(" << r << ", " << c << ") = " << out << ", reference " << expected << ", bound " << bound;
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0);
+    return got;
+  }
+
+  // Weights [n, ldw] (padding NaN) on the host and the device.
+  std::pair<HostTensor, DeviceTensor> weights(DType dtype, int64_t n, int64_t k, int64_t ldw, uint32_t seed) {
+    HostTensor w = padded_random(dtype, n, k, ldw, seed, -0.25f, 0.25f);
+    DeviceTensor dw = upload(*gpu_, w);
+    return {std::move(w), std::move(dw)};
+  }
+
+  std::unique_ptr<CudaBackend> gpu_;
+  std::unique_ptr<Backend> cpu_;
+};
+
+TEST_F(Gemv, matches_the_reference_for_every_shape_dtype_and_row_count) {
+  uint32_t seed = 1000;
+  int index = 0;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    for (int64_t n : {1, 7, 100, 3584 + 8}) {
+      for (int64_t k : {8, 264, 3584, 7168}) {
+        const bool padded = (index++ % 2) == 1;  // every other problem with longer rows than k
+        const int64_t ldw = k + (padded ? 8 : 0);
+        auto [w, dw] = weights(dtype, n, k, ldw, seed += 7);
+        const bool large = n * k > (int64_t{1} << 22);
+        for (int64_t rows = 1; rows <= kGemvMaxRows; ++rows) {
+          if (large && rows != 1 && rows != kGemvMaxRows) continue;  // keep the host reference quick
+          for (bool accumulate : {false, true}) {
+            if (large && accumulate != (rows == kGemvMaxRows)) continue;
+            Problem problem{dtype, rows, n, k, k + (padded ? 24 : 0), ldw, n + (padded ? 5 : 0), accumulate};
+            check(problem, w, dw, seed += 3);
+          }
+        }
+      }
+    }
+  }
+}
+
+// k at the limit: x takes 128 KiB of shared memory at four rows.
+TEST_F(Gemv, runs_at_the_longest_reduction) {
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    auto [w, dw] = weights(dtype, 37, kGemvMaxK, kGemvMaxK, 5);
+    for (int64_t rows : {1, kGemvMaxRows})
+      check({dtype, rows, 37, kGemvMaxK, kGemvMaxK, kGemvMaxK, 40, true}, w, dw, 6);
+  }
+}
+
+// Every launch path: short rows (k < 256) and long rows; one warp to 16; split rows within a CTA and,
+// on sm_90, across clusters of 2, 4 and 8 CTAs; more clusters than rows (CTAs with nothing to do);
+// ranges shorter than a warp step. Each against the reference; every shape twice gives the same bits.
+TEST_F(Gemv, every_launch_shape_matches_the_reference) {
+  std::vector<GemvShape> shapes = {{1, 1, 1}, {3, 1, 5}, {16, 1, 0}, {0, 1, 0}, {5, 1, 7}, {2, 1, 300}, {0, 0, 0}};
+  if (current_compute_capability() >= 90) {
+    shapes.insert(shapes.end(), {{4, 2, 3}, {0, 2, 0}, {8, 4, 0}, {2, 8, 3}, {16, 8, 1}, {0, 8, 0}, {1, 8, 200}});
+  }
+  const std::vector<std::pair<int64_t, int64_t>> problems = {{100, 264},  {7, 3584}, {1, 7168}, {33, 8},
+                                                             {300, 1000}, {5, 256},  {64, 248}, {9, 136}};
+  uint32_t seed = 2000;
+  for (const auto& [n, k] : problems) {
+    auto [w, dw] = weights(DType::bf16, n, k, k + 8, seed += 11);
+    for (const GemvShape& shape : shapes) {
+      for (int64_t rows : {1, 3}) {
+        const Problem problem{DType::bf16, rows, n, k, k, k + 8, n + 1, rows == 3};
+        const HostTensor first = check(problem, w, dw, seed + 1, shape);
+        const HostTensor second = check(problem, w, dw, seed + 1, shape);
+        EXPECT_TRUE(bytes_equal(first, second)) << "n " << n << ", k " << k << ": two runs differ";
+      }
+    }
+  }
+}
+
+TEST_F(Gemv, gives_the_same_bits_on_every_run) {
+  const int64_t rows = 2, n = 3584, k = 7168;
+  auto [w, dw] = weights(DType::bf16, n, k, k, 31);
+  const HostTensor x = random_tensor(DType::bf16, {rows, k}, 32);
+  DeviceTensor dx = upload(*gpu_, x);
+  std::vector<GemvShape> shapes = {{}, {7, 1, 0}};
+  if (current_compute_capability() >= 90) shapes.push_back({0, 2, 0});
+  for (const GemvShape& shape : shapes) {
+    HostTensor previous;
+    for (int run = 0; run < 3; ++run) {
+      DeviceTensor dy = poisoned(*gpu_, DType::bf16, {rows, n});
+      gemv(DType::bf16, dx.view.data(), k, rows, dw.view.data(), k, n, k, dy.view.data(), n, false, stream(), shape);
+      HostTensor out = download(*gpu_, dy.view);
+      EXPECT_EQ(count_non_finite(out), 0);
+      if (run > 0) EXPECT_TRUE(bytes_equal(out, previous)) << "run " << run;
+      previous = std::move(out);
+    }
+  }
+}
+
+// RMSNorm (launched as a programmatic dependent itself) -> GEMV -> GEMV accumulating into the same y,
+// captured once and replayed with new inputs written into the same buffers: bit-identical to eager runs
+// and right against the reference on the normalised x the GPU produced.
+TEST_F(Gemv, replays_in_a_cuda_graph_with_new_inputs) {
+  const DType dtype = DType::bf16;
+  const int64_t n = 3584, k = 7168;
+  auto [w, dw] = weights(dtype, n, k, k, 41);
+  auto [w2, dw2] = weights(dtype, n, k, k, 42);
+  DeviceTensor gamma = upload(*gpu_, random_tensor(DType::f32, {k}, 43, 0.5f, 1.5f));
+  DeviceTensor raw = device_empty(*gpu_, dtype, {1, k});
+  DeviceTensor normed = device_empty(*gpu_, dtype, {1, k});
+  DeviceTensor y = device_empty(*gpu_, dtype, {1, n});
+  auto step = [&] {
+    gpu_->rms_norm(raw.view, gamma.view, 1e-6f, normed.view);
+    gemv(dtype, normed.view.data(), k, 1, dw.view.data(), k, n, k, y.view.data(), n, false, stream());
+    gemv(dtype, normed.view.data(), k, 1, dw2.view.data(), k, n, k, y.view.data(), n, true, stream());
+  };
+  step();  // eager first: kernels loaded, shared-memory limits set
+  ASSERT_EQ(cudaStreamSynchronize(stream()), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeGlobal), cudaSuccess);
+  step();
+  ASSERT_EQ(cudaStreamEndCapture(stream(), &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  cudaGraphDestroy(graph);
+  for (uint32_t seed : {50u, 60u, 70u}) {
+    const HostTensor input = random_tensor(dtype, {1, k}, seed, -3.0f, 3.0f);
+    gpu_->copy(input.view(), raw.view);
+    poison(*gpu_, y);
+    poison(*gpu_, normed);
+    step();
+    const HostTensor eager = download(*gpu_, y.view);
+    gpu_->copy(input.view(), raw.view);
+    poison(*gpu_, y);
+    poison(*gpu_, normed);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream()), cudaSuccess);
+    const HostTensor replayed = download(*gpu_, y.view);
+    EXPECT_TRUE(bytes_equal(eager, replayed)) << "seed " << seed;
+    EXPECT_EQ(count_non_finite(replayed), 0);
+    // Reference: both products on the GPU's normalised x, summed in double, rounded once.
+    const HostTensor x = download(*gpu_, normed.view);
+    HostTensor ref(dtype, {1, n}), first(DType::f32, {1, n}), second(DType::f32, {1, n});
+    cpu_->linear(x.view(), w.view(), first.view(), false);
+    cpu_->linear(x.view(), w2.view(), second.view(), false);
+    for (int64_t c = 0; c < n; ++c) {
+      store_from_float(ref.data(), dtype, c, value_at(first, c) + value_at(second, c));
+    }
+    EXPECT_LT(relative_error(replayed, ref), 1e-2) << "seed " << seed;
+  }
+  cudaGraphExecDestroy(exec);
+}
+
+TEST_F(Gemv, rejects_what_it_does_not_take_and_names_the_problem) {
+  DeviceTensor buffer = device_empty(*gpu_, DType::bf16, {8, kGemvMaxK + 64});
+  DeviceTensor out = device_empty(*gpu_, DType::bf16, {8, 64});
+  void* base = buffer.view.data();
+  const void* unaligned = static_cast<const char*>(base) + 2;
+  void* y = out.view.data();
+
+  EXPECT_TRUE(gemv_supported(DType::bf16, 2, 16, 64, base, 72, base, 64));
+  EXPECT_TRUE(gemv_supported(DType::f16, kGemvMaxRows, 1, kGemvMaxK, base, kGemvMaxK, base, kGemvMaxK));
+  EXPECT_FALSE(gemv_supported(DType::bf16, 2, 16, 60, base, 64, base, 64));  // k % 8
+  EXPECT_FALSE(gemv_supported(DType::bf16, 2, 16, 0, base, 64, base, 64));   // k = 0
+  EXPECT_FALSE(gemv_supported(DType::bf16, 2, 16, kGemvMaxK + 8, base, kGemvMaxK + 8, base, kGemvMaxK + 8));
+  EXPECT_FALSE(gemv_supported(DType::bf16, 2, 16, 64, unaligned, 64, base, 64));            // x pointer
+  EXPECT_FALSE(gemv_supported(DType::bf16, 2, 16, 64, base, 68, base, 64));                 // x row stride
+  EXPECT_FALSE(gemv_supported(DType::bf16, 2, 16, 64, base, 64, unaligned, 64));            // W pointer
+  EXPECT_FALSE(gemv_supported(DType::bf16, 2, 16, 64, base, 64, base, 66));                 // W row stride
+  EXPECT_FALSE(gemv_supported(DType::bf16, 0, 16, 64, base, 64, base, 64));                 // rows
+  EXPECT_FALSE(gemv_supported(DType::bf16, kGemvMaxRows + 1, 16, 64, base, 64, base, 64));  // rows
+  EXPECT_FALSE(gemv_supported(DType::bf16, 2, 0, 64, base, 64, base, 64));                  // n
+  EXPECT_FALSE(gemv_supported(DType::f32, 2, 16, 64, base, 64, base, 64));                  // dtype
+  // One row: its stride does not matter.
+  EXPECT_TRUE(gemv_supported(DType::bf16, 1, 16, 64, base, 68, base, 64));
+
+  auto call = [&](DType dtype, int64_t rows, int64_t n, int64_t k, const void* x, int64_t ldx, const void* w,
+                  int64_t ldw, int64_t ldy, const GemvShape& shape = {}) {
+    return [=, this] { gemv(dtype, x, ldx, rows, w, ldw, n, k, y, ldy, false, stream(), shape); };
+  };
+  expect_error(call(DType::bf16, 2, 16, 60, base, 64, base, 64, 64), "not a positive multiple of 8");
+  expect_error(call(DType::bf16, 2, 16, kGemvMaxK + 8, base, kGemvMaxK + 8, base, kGemvMaxK + 8, 64), "kGemvMaxK");
+  expect_error(call(DType::bf16, 2, 16, 64, unaligned, 64, base, 64, 64), "x rows are not 16-byte aligned");
+  expect_error(call(DType::bf16, 2, 16, 64, base, 68, base, 64, 64), "x rows are not 16-byte aligned");
+  expect_error(call(DType::bf16, 2, 16, 64, base, 64, unaligned, 64, 64), "W rows are not 16-byte aligned");
+  expect_error(call(DType::bf16, kGemvMaxRows + 1, 16, 64, base, 64, base, 64, 64), "rows");
+  expect_error(call(DType::f32, 2, 16, 64, base, 64, base, 64, 64), "dtype F32");
+  expect_error(call(DType::bf16, 2, 16, 64, base, 32, base, 64, 64), "x row stride 32 is shorter than k");
+  expect_error(call(DType::bf16, 2, 16, 64, base, 64, base, 64, 8), "y row stride 8 is shorter than n");
+  expect_error(call(DType::bf16, 2, 16, 64, base, 64, base, 64, 64, {17, 0, 0}), "warps");
+  expect_error(call(DType::bf16, 2, 16, 64, base, 64, base, 64, 64, {0, 3, 0}), "split 3");
+  expect_error(call(DType::bf16, 2, 16, 64, base, 64, base, 64, 64, {0, 0, -1}), "clusters");
+  ASSERT_EQ(cudaStreamSynchronize(stream()), cudaSuccess);  // nothing was launched, nothing failed
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// --- CudaBackend::linear ---------------------------------------------------------------------------
+
+class GemvBackend : public Gemv {
+ protected:
+  // linear() through the backend against the CPU backend; the output as downloaded.
+  HostTensor linear(DType dtype, int64_t rows, int64_t n, int64_t k, bool accumulate, int64_t ld_out, uint32_t seed) {
+    const HostTensor x = random_tensor(dtype, {rows, k}, seed, -1.0f, 1.0f);
+    const HostTensor w = random_tensor(dtype, {n, k}, seed + 1, -0.1f, 0.1f);
+    const HostTensor y0 = random_tensor(dtype, {rows, ld_out}, seed + 2, -1.0f, 1.0f);
+    HostTensor ref = to_host_tensor(y0.view(), dtype);
+    cpu_->linear(x.view(), w.view(), ref.view().slice_cols(0, n), accumulate);
+    DeviceTensor dx = upload(*gpu_, x), dw = upload(*gpu_, w), dy = upload(*gpu_, y0);
+    if (!accumulate) poison(*gpu_, dy);
+    gpu_->linear(dx.view, dw.view, dy.view.slice_cols(0, n), accumulate);
+    HostTensor got = download(*gpu_, dy.view);
+    HostTensor block(dtype, {rows, n}), ref_block(dtype, {rows, n});
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < ld_out; ++c) {
+        const float value = value_at(got, r * ld_out + c);
+        if (c < n) {
+          store_from_float(block.data(), dtype, r * n + c, value);
+          store_from_float(ref_block.data(), dtype, r * n + c, value_at(ref, r * ld_out + c));
+        } else {
+          EXPECT_TRUE(accumulate ? value == value_at(y0, r * ld_out + c) : std::isnan(value))
+              << "column " << c << " past n was written";
+        }
+      }
+    }
+    EXPECT_EQ(count_non_finite(block), 0);
+    EXPECT_LT(relative_error(block, ref_block), tolerance(dtype));
+    // The same call made directly on the GEMV, for the caller to compare bits with.
+    DeviceTensor direct = upload(*gpu_, y0);
+    if (!accumulate) poison(*gpu_, direct);
+    gemv_bits_ = HostTensor();
+    if (gemv_supported(dtype, rows, n, k, dx.view.data(), k, dw.view.data(), k)) {
+      gemv(dtype, dx.view.data(), k, rows, dw.view.data(), k, n, k, direct.view.data(), ld_out, accumulate, stream());
+      gemv_bits_ = download(*gpu_, direct.view);
+    }
+    return got;
+  }
+  HostTensor gemv_bits_;  // the direct GEMV's output of the last linear(), if it takes the problem
+};
+
+TEST_F(GemvBackend, linear_takes_the_gemv_at_one_token_and_matches_the_cpu_backend) {
+  ASSERT_EQ(gpu_->gemv_max_tokens(), 1);
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(name_of(dtype));
+    // Kimi-K3's W_down and W_up at one token, and an accumulation into a strided column block.
+    EXPECT_TRUE(bytes_equal(linear(dtype, 1, 3584, 7168, false, 3584, 1), gemv_bits_));
+    EXPECT_TRUE(bytes_equal(linear(dtype, 1, 7168, 3584, false, 7168, 2), gemv_bits_));
+    EXPECT_TRUE(bytes_equal(linear(dtype, 1, 250, 520, true, 264, 3), gemv_bits_));
+  }
+  // f32 stays on cuBLASLt (true fp32; the GEMV does not take f32).
+  const HostTensor x = random_tensor(DType::f32, {1, 512}, 4), w = random_tensor(DType::f32, {96, 512}, 5);
+  HostTensor ref(DType::f32, {1, 96});
+  cpu_->linear(x.view(), w.view(), ref.view(), false);
+  DeviceTensor dx = upload(*gpu_, x), dw = upload(*gpu_, w), dy = poisoned(*gpu_, DType::f32, {1, 96});
+  gpu_->linear(dx.view, dw.view, dy.view, false);
+  EXPECT_LT(relative_error(download(*gpu_, dy.view), ref), 2e-6);
+}
+
+TEST_F(GemvBackend, gemv_max_tokens_chooses_who_runs_a_linear) {
+  // Off: cuBLASLt, still right; on up to 4 rows: the GEMV, bit for bit.
+  gpu_->set_gemv_max_tokens(0);
+  linear(DType::bf16, 1, 3584, 7168, false, 3584, 11);
+  gpu_->set_gemv_max_tokens(kGemvMaxRows);
+  for (int64_t rows = 1; rows <= kGemvMaxRows; ++rows) {
+    EXPECT_TRUE(bytes_equal(linear(DType::bf16, rows, 520, 1000, rows % 2 == 0, 528, 12), gemv_bits_)) << rows;
+  }
+  // Beyond gemv_max_tokens and for problems it does not take (k % 8 != 0): cuBLASLt, still right.
+  gpu_->set_gemv_max_tokens(1);
+  linear(DType::bf16, 2, 520, 1000, false, 520, 13);
+  linear(DType::bf16, 1, 64, 60, false, 64, 14);
+  EXPECT_THROW(gpu_->set_gemv_max_tokens(kGemvMaxRows + 1), Error);
+  EXPECT_THROW(gpu_->set_gemv_max_tokens(-1), Error);
+  EXPECT_EQ(gpu_->gemv_max_tokens(), 1);
+}
+
+// The skinny kernels keep their precedence: forced on (set_skinny_always), a one-row linear runs on
+// skinny_down, not on the GEMV.
+TEST_F(GemvBackend, the_skinny_kernels_come_first_when_forced) {
+  gpu_->set_skinny_always(true);
+  const int64_t n = 512, k = 1024;
+  const HostTensor x = random_tensor(DType::bf16, {1, k}, 21), w = random_tensor(DType::bf16, {n, k}, 22);
+  DeviceTensor dx = upload(*gpu_, x), dw = upload(*gpu_, w);
+  DeviceTensor by_backend = poisoned(*gpu_, DType::bf16, {1, n}), skinny = poisoned(*gpu_, DType::bf16, {1, n});
+  gpu_->linear(dx.view, dw.view, by_backend.view, false);
+  skinny_down(DType::bf16, SkinnyRouting{}, {dx.view.data(), k}, 1, SkinnyWeights{nullptr, dw.view.data(), n, k, k, 0},
+              skinny.view.data(), n, false, stream());
+  EXPECT_TRUE(bytes_equal(download(*gpu_, by_backend.view), download(*gpu_, skinny.view)));
+}
+
+}  // namespace
+}  // namespace latentmoe::cuda::testing
