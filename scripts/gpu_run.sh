@@ -3,7 +3,8 @@
 # and the PyTorch peers, each under its own time limit; logs and JSON go to $OUT.
 #   scripts/gpu_run.sh BIN_DIR COMMIT STEPS
 # BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh);
-# STEPS is a comma list of: tests, sanitize, bench, bench_decode, bench_no_skinny, peers.
+# STEPS is a comma list of: tests, sanitize, bench, bench_decode, bench_no_skinny, bench_no_gemv, peers
+# (run in that order: tests, bench, bench_decode, bench_no_skinny, bench_no_gemv, peers, sanitize).
 set -u
 bin=$1
 commit=$2
@@ -15,7 +16,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,te
   --format=csv,noheader
 has() { [[ ,$steps, == *,$1,* ]]; }
 if has tests; then
-  timeout 110 "$bin/latentmoe_cuda_tests" > "$out/cuda_tests.log" 2>&1
+  timeout 150 "$bin/latentmoe_cuda_tests" > "$out/cuda_tests.log" 2>&1
   echo "cuda tests rc=$?"
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests ran" "$out/cuda_tests.log" | head -20
   timeout 60 "$bin/latentmoe" run --help > /dev/null && echo "cli starts"
@@ -35,6 +36,11 @@ if has bench_no_skinny; then  # the decode token counts without the skinny path,
     --skinny-max-tokens 0 --commit "$commit" --json "$out/layer_no_skinny.json" 2>&1 | tee "$out/layer_no_skinny.log"
   echo "bench (no skinny) rc=${PIPESTATUS[0]}"
 fi
+if has bench_no_gemv; then  # the decode token counts with every linear on cuBLASLt, for comparison
+  timeout 60 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,8 \
+    --gemv-max-tokens 0 --commit "$commit" --json "$out/layer_no_gemv.json" 2>&1 | tee "$out/layer_no_gemv.log"
+  echo "bench (no gemv) rc=${PIPESTATUS[0]}"
+fi
 if has peers; then
   timeout 90 python3 bench/peers/torch_eager_layer.py --json "$out/peer_eager_layer.json" 2>&1
   echo "eager peer rc=${PIPESTATUS[0]}"
@@ -43,9 +49,9 @@ if has peers; then
 fi
 if has sanitize; then
   timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
-    --gtest_filter='*route_block*:*combine_is_exact*:*CudaGraph*:*Runner*:*split_k*:*f16_relu2_t160*:*Skinny*' > "$out/memcheck.log" 2>&1
+    --gtest_filter='*route_block*:*combine_is_exact*:*CudaGraph*:*Runner*:*split_k*:*f16_relu2_t160*:*f16_situ_t250*:*Skinny*:Gemv.matches_the_reference*:Gemv.every_launch_shape*' > "$out/memcheck.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|tests ran|FAILED" "$out/memcheck.log" | head -5
   timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
-    --gtest_filter='*route_block_and_warp*:*split_k*:*f16_relu2_t160*:Skinny.linear*:Skinny.a_token*:Skinny.routed_experts_with*' > "$out/racecheck.log" 2>&1
+    --gtest_filter='*route_block_and_warp*:*split_k*:*f16_relu2_t160*:*f16_situ_t250*:Skinny.linear*:Skinny.a_token*:Skinny.routed_experts_with*:Gemv.every_launch_shape*' > "$out/racecheck.log" 2>&1
   echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests ran|FAILED" "$out/racecheck.log" | head -5
 fi
