@@ -10,18 +10,20 @@
 //     it shares with its neighbours in the cluster (a *split row*).
 //   - Short rows (kv < 32; gemv_short_kernel): every warp takes whole rows (n q / workers ..), a group
 //     of g lanes (g the power of two >= kv) per row, 32 / g rows per step; no split rows.
-// The launcher sizes the grid from the SM count: one CTA of 12 warps per SM (fewer CTAs when the
-// matrix is small), `split` 2 (or 4, 8 when rows are few) where a cluster's rows balance the SMs
-// better than whole rows per CTA (sm_90; docs/CUDA_BACKEND.md, "Decode GEMV").
+// The launcher sizes the grid from the SM count: one CTA of 16 warps per SM (fewer CTAs when the
+// matrix is small, fewer warps when x leaves too little shared memory for their rings), `split` 2 (or
+// 4, 8 when rows are few) where a cluster's rows balance the SMs better than whole rows per CTA (sm_90;
+// docs/CUDA_BACKEND.md, "Decode GEMV").
 //
 // Streaming. Each lane walks its worker's range 32 vectors (512 contiguous bytes per warp) a step.
-// kBatch = 12 steps are in flight per lane: a ring of 12 uint4 registers, each refilled with the load
-// 12 steps ahead as soon as it is consumed, so the 12 warps of a CTA keep 72 KB per SM in flight.
-// 12 warps, not 16: at up to 128 registers a thread the CTA takes 48K of the SM's 64K registers and
-// still fits beside a 512-thread, 32-register RMSNorm block, the usual kernel before it, so no CTA has
-// to wait for the previous kernel's last block to leave its SM. Weight loads are 16-byte ld.global with
-// L1::no_allocate and an L2 evict-first policy (createpolicy), so the weights stream past the caches
-// without evicting x, y or the next kernel's data.
+// Long rows: every warp streams through its own ring of kRingSteps steps in shared memory (cp.async,
+// one commit group per step, kRingSteps - 1 steps in flight; each lane reads back only the 16 bytes it
+// copied, so the ring needs no barrier): 16 warps keep 152 KB per SM in flight. A first version kept
+// 12 steps in registers (72 KB per SM at 12 warps) and streamed at 1.5 TB/s, its time proportional to
+// 1 / warps (bench/micro/gemv_bench.cu, bench/results/gemv_bench_da4cfb7.json): latency-bound, and
+// registers cannot hold more. Weight copies are evict-first in L2 with 256-byte fetches, so the weights
+// stream past the caches without evicting x, y or the next kernel's data. Short rows keep the register
+// ring (kBatch loads in flight per lane; their matrices are small).
 //
 // Reduction (long rows), all in fp32 and in a fixed order. Each lane adds the 8 products of its vector
 // for each x row (in element order) into its accumulator of the worker's current row, or of the next
@@ -35,8 +37,9 @@
 // memory alive until then. So no atomics, no global workspace, and the same bits on every run.
 //
 // Programmatic dependent launch (src/cuda/pdl.cuh). Invariants of both kernels:
-//   1. Before pdl_wait() a thread only computes its range and issues its first kBatch weight loads into
-//      registers: W is never written by any kernel of a forward (rule 1 of pdl.cuh).
+//   1. Before pdl_wait() a thread only computes its range and issues its first weight copies (long
+//      rows: kRingSteps - 1 steps into its ring; short rows: kBatch loads into registers): W is never
+//      written by any kernel of a forward (rule 1 of pdl.cuh).
 //   2. x, the old y and y are read or written only after pdl_wait() (x staged into shared memory, y
 //      written by whichever worker finishes a row). Every thread of every CTA calls pdl_wait(), also
 //      those with an empty range, so the kernel never completes before its predecessor.
@@ -59,6 +62,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
 #include "cuda/gemv.h"
+#include "cuda/grouped_gemm_mma.cuh"  // cp.async copies, the L2 policy
 #include "cuda/pdl.cuh"
 #include "latentmoe/error.h"
 
@@ -66,14 +70,17 @@ namespace latentmoe::cuda {
 namespace {
 
 constexpr int kMaxWarps = 16;        // warps per CTA (a forced shape may take up to 16)
-constexpr int kDefaultWarps = 12;    // one 384-thread CTA per SM (the file comment says why)
+constexpr int kDefaultWarps = 16;    // one 512-thread CTA per SM (fewer where x leaves too little room)
 constexpr int kMaxSplit = 8;         // the portable cluster size
 constexpr int kLongRowVectors = 32;  // kv from which the long-row kernel runs (a step meets <= 1 boundary)
 constexpr int kStageUnroll = 4;      // x vectors each thread loads before it stores them to shared memory
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Steps (32 vectors per warp) in flight per lane: 12 x 16 B x 32 lanes x 12 warps = 72 KB per SM.
+// Short rows: steps (32 vectors per warp) in flight per lane, in registers.
 constexpr int kBatch = 12;
+// Long rows: steps in each warp's shared-memory ring (512 B each); kRingSteps - 1 are in flight.
+constexpr int kRingSteps = 20;
+constexpr size_t kRingBytesPerWarp = size_t{kRingSteps} * 32 * sizeof(uint4);
 constexpr int kMinBatchSteps = 8;  // a CTA gets at least warps x 32 x this many vectors (grid sizing)
 
 struct GemvParams {
@@ -89,13 +96,6 @@ struct GemvParams {
   int group = 1;  // lanes per row (short rows): the power of two >= kv
   bool accumulate = false;
 };
-
-// An L2 policy that marks the lines it touches evict-first.
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
 
 // 16 bytes of weights: not allocated in L1, evict-first in L2. A weak ld.global, not ld.global.nc:
 // with .nc (LDG.CONSTANT) ptxas scheduled the wait (ACQBULK) above these loads, which would start the
@@ -247,14 +247,20 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_rows_kernel(const Gemv
   }
   const int len = static_cast<int>(end - begin);  // < 2^31 - 2^11 (checked by the launcher)
 
-  // Issue cursor: this lane's next vector, kBatch steps ahead of the multiply.
+  // Issue cursor: this lane's next vector, kRingSteps - 1 steps ahead of the multiply. Shared memory:
+  // the warps' rings [warps][kRingSteps][32 lanes] vectors, then x, then the partials.
   int issue_column = static_cast<int>((begin + lane) % kv);
   const uint4* source = static_cast<const uint4*>(p.w) + (begin + lane) / kv * (p.ldw / 8) + issue_column;
   const int64_t wrap = p.ldw / 8 - kv;                     // from past a row's end to the next row's start
   int to_issue = len > lane ? (len - lane + 31) / 32 : 0;  // valid steps of this lane not yet issued
-  const uint64_t policy = evict_first_policy();
-  auto issue = [&](uint4& slot) {
-    slot = to_issue > 0 ? stream_load(source, policy) : make_uint4(0, 0, 0, 0);
+  const uint64_t policy = gg::evict_first_policy();
+  uint4* lane_ring = smem + warp * kRingSteps * 32 + lane;  // this lane's vector of ring step 0
+  const uint32_t lane_ring_u32 = gg::smem_u32(lane_ring);
+  // Copies this lane's next vector into ring slot `slot` (zeros past the range) as one commit group.
+  auto issue = [&](int slot) {
+    const bool ok = to_issue > 0;
+    gg::cp_async_16_stream(lane_ring_u32 + slot * 32 * sizeof(uint4), ok ? source : p.w, ok, policy);
+    gg::cp_async_commit();
     --to_issue;
     source += 32;
     issue_column += 32;
@@ -263,15 +269,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_rows_kernel(const Gemv
       source += wrap;
     }
   };
-  int column = issue_column;  // multiply cursor: the same column, kBatch steps behind
-  uint4 ring[kBatch];
+  int column = issue_column;  // multiply cursor: the same column, kRingSteps - 1 steps behind
 #pragma unroll
-  for (int i = 0; i < kBatch; ++i) issue(ring[i]);  // before the wait: W is never written in a forward
+  for (int i = 0; i < kRingSteps - 1; ++i) issue(i);  // before the wait: W is never written in a forward
 
   pdl_wait();  // x and y: the previous kernel's
   pdl_trigger();
-  uint4* xs = smem;
-  float* partials = reinterpret_cast<float*>(smem + kRows * kv);
+  uint4* xs = smem + static_cast<size_t>(warps) * kRingSteps * 32;
+  float* partials = reinterpret_cast<float*>(xs + kRows * kv);
   stage_x<kRows>(p, xs);
 
   // Rows of the range (n < 2^31): the first may start before `begin`, the last may end after `end`;
@@ -308,13 +313,19 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_rows_kernel(const Gemv
   };
 
   const int steps = (len + 31) / 32;
+  int read_slot = 0, fill_slot = kRingSteps - 1;
   for (int s0 = 0; s0 < steps; s0 += kBatch) {
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
       const int s = s0 + i;
       if (s < steps) {  // warp-uniform
-        const uint4 weights = ring[i];
-        issue(ring[i]);
+        // Step s's group is complete when at most kRingSteps - 2 later groups are pending; its slot is
+        // read back by the lane that copied it. The next copy refills the slot step s - 1 read.
+        gg::cp_async_wait<kRingSteps - 2>();
+        const uint4 weights = lane_ring[read_slot * 32];
+        issue(fill_slot);
+        read_slot = read_slot + 1 == kRingSteps ? 0 : read_slot + 1;
+        fill_slot = fill_slot + 1 == kRingSteps ? 0 : fill_slot + 1;
         float d[kRows];
         dot8<T, kRows>(d, weights, xs, column, kv);
         const int v = 32 * s + lane;
@@ -342,6 +353,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_rows_kernel(const Gemv
     }
   }
   if (len > 0) finish_row();  // the range's last row
+  gg::cp_async_wait<0>();     // the ring's last (zero-filling) copies land before the CTA can exit
 
   // Split rows: the owner adds every worker's partials of the row in worker order, then writes it.
   cluster_barrier(p.split);
@@ -378,7 +390,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_short_kernel(const Gem
   const int lane_steps = column_valid && rows > slot ? (rows - slot + per_step - 1) / per_step : 0;
   const int64_t advance = per_step * (p.ldw / 8);
   const uint4* source = static_cast<const uint4*>(p.w) + (first + slot) * (p.ldw / 8) + column;
-  const uint64_t policy = evict_first_policy();
+  const uint64_t policy = gg::evict_first_policy();
   int issued = 0;
   auto issue = [&](uint4& target) {
     target = issued < lane_steps ? stream_load(source, policy) : make_uint4(0, 0, 0, 0);
@@ -511,7 +523,18 @@ Plan choose_plan(int64_t rows, int64_t n, int64_t k, const GemvShape& shape) {
   Plan plan;
   const int64_t kv = k / 8;
   plan.short_rows = kv < kLongRowVectors;
-  plan.warps = shape.warps > 0 ? shape.warps : kDefaultWarps;
+  // Shared memory: x, and for long rows each warp's ring and two partial sums per x row.
+  const size_t optin = static_cast<size_t>(current_shared_memory_optin());
+  const size_t x_bytes = static_cast<size_t>(rows * kv) * sizeof(uint4);
+  const size_t per_warp = plan.short_rows ? 0 : kRingBytesPerWarp + 2 * static_cast<size_t>(rows) * sizeof(float);
+  if (shape.warps > 0) {
+    plan.warps = shape.warps;
+  } else {
+    // As many warps as kDefaultWarps and the shared memory left by x allow (x of kGemvMaxK at four rows
+    // leaves room for 12).
+    const size_t fit = per_warp == 0 || x_bytes >= optin ? kDefaultWarps : (optin - x_bytes) / per_warp;
+    plan.warps = static_cast<int>(std::clamp<size_t>(fit, 1, kDefaultWarps));
+  }
   const int64_t per_cta = int64_t{plan.warps} * 32 * kMinBatchSteps;
   const int64_t grid = std::clamp<int64_t>((n * kv + per_cta - 1) / per_cta, 1, current_sm_count());
   // Short rows never split a row: their kernel takes no clusters, whatever the shape asks.
@@ -526,10 +549,9 @@ Plan choose_plan(int64_t rows, int64_t n, int64_t k, const GemvShape& shape) {
                               : (cluster_rows * kv + plan.split * plan.warps - 1) / (int64_t{plan.split} * plan.warps);
   LATENTMOE_CHECK(longest <= INT_MAX - 64 * 32, "GEMV: ", n, " x ", k, " is too large for ", plan.clusters,
                   " clusters of ", plan.split, " x ", plan.warps, " warps");
-  plan.shared = static_cast<size_t>(rows * kv) * sizeof(uint4) +
-                (plan.short_rows ? 0 : static_cast<size_t>(plan.warps) * 2 * rows * sizeof(float));
-  LATENTMOE_CHECK(plan.shared <= static_cast<size_t>(current_shared_memory_optin()), "GEMV: ", plan.shared,
-                  " bytes of shared memory exceed the device's ", current_shared_memory_optin());
+  plan.shared = x_bytes + static_cast<size_t>(plan.warps) * per_warp;
+  LATENTMOE_CHECK(plan.shared <= optin, "GEMV: ", plan.shared, " bytes of shared memory (x and ", plan.warps,
+                  " warps' copy rings) exceed the device's ", optin);
   return plan;
 }
 
