@@ -405,7 +405,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   repro_stream << " --tokens ";
   join(options.tokens);
   if (options.skinny_max_tokens != 8) repro_stream << " --skinny-max-tokens " << options.skinny_max_tokens;
-  if (options.gemv_max_tokens != 1) repro_stream << " --gemv-max-tokens " << options.gemv_max_tokens;
+  if (options.gemv_max_tokens != 0) repro_stream << " --gemv-max-tokens " << options.gemv_max_tokens;
   const std::string repro = repro_stream.str();
   std::printf("# repro: %s\n", repro.c_str());
   report["repro"] = repro;

@@ -102,7 +102,7 @@ struct CudaBackend::State {
   bool skinny_always = false;
   SkinnyShape skinny_shape;  // {}: each call chooses
   // Rows up to which linear takes the decode GEMV (0: never).
-  int gemv_max_tokens = 1;
+  int gemv_max_tokens = 0;  // off: slower than cuBLASLt as measured (cuda_backend.h)
 
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
   bool overlapping = false;
@@ -181,8 +181,8 @@ namespace {
 // (Kimi-K3, l = 3584: 46.6 against 57.6 µs at tp 8; Nemotron-3, l = 1024, loses: 38.4 against 31.3),
 // and the shared expert at one token when its intermediate is small (tp 8: 22.3 against 28.0 µs;
 // at Is = 6144 it loses, 97.3 against 87.2). A dense linear of one row is faster on cuBLASLt at every
-// shape measured (W_down 18.8 against 24.7 µs), so it never takes them by this rule (a linear of up to
-// gemv_max_tokens rows takes the decode GEMV of gemv.h instead).
+// shape measured (W_down 18.8 against 24.7 µs), so it never takes them by this rule (nor the decode
+// GEMV of gemv.h, unless set_gemv_max_tokens turns it on: it measured slower too).
 enum class SkinnyOp { linear, dense_mlp, routed_experts };
 bool skinny_pays(SkinnyOp op, int64_t rows, int64_t reduction, int64_t intermediate) {
   switch (op) {
