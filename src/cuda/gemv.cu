@@ -46,7 +46,6 @@
 //   3. pdl_trigger() follows the thread's own pdl_wait(), so a dependent launched after this kernel
 //      starts its prologue only once everything before this kernel has completed.
 // y must not overlap x or W (as for cuBLASLt): another CTA may write y while one still stages x.
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -58,6 +57,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/cluster.cuh"
 #include "cuda/convert.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
@@ -193,26 +193,6 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint4* xs) {
     }
   }
   __syncthreads();
-}
-
-// The barrier of the cluster (of the CTA when split == 1): shared-memory writes before it are visible
-// to every CTA of the cluster after it.
-__device__ __forceinline__ void cluster_barrier(int split) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (split > 1) {
-    cooperative_groups::this_cluster().sync();
-    return;
-  }
-#endif
-  __syncthreads();
-}
-
-// `own` (this CTA's shared memory) as seen in CTA `rank` of the cluster.
-__device__ __forceinline__ const float* cluster_shared(float* own, int rank, int split) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (split > 1) return cooperative_groups::this_cluster().map_shared_rank(own, rank);
-#endif
-  return own;
 }
 
 // The vectors of a cluster's whole rows, cut into `workers` equal contiguous ranges (long rows).

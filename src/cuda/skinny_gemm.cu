@@ -42,7 +42,6 @@
 // Programmatic dependent launch (src/cuda/pdl.cuh): skinny_gate_up waits before it reads topk_ids
 // (routed) or x; skinny_down builds its table (topk_ids: written two kernels back) and issues its first
 // weight loads before it waits, and reads `a` and `out` after. Both trigger right after their wait.
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -51,6 +50,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "cuda/cluster.cuh"
 #include "cuda/convert.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
@@ -268,25 +268,6 @@ __device__ __forceinline__ void load_step_input(uint4 (&v)[2], const T* x, int o
   v[1] = x != nullptr && offset + kChunk < k ? load_input(x + kChunk) : make_uint4(0, 0, 0, 0);
 }
 
-// The cluster's barrier of one unit (the file comment's protocol); a block barrier when split == 1.
-__device__ __forceinline__ void unit_barrier(int split) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (split > 1) {
-    cooperative_groups::this_cluster().sync();
-    return;
-  }
-#endif
-  __syncthreads();
-}
-
-// The partials buffer `buffer` of CTA `rank` of this cluster (this CTA's own when split == 1).
-__device__ __forceinline__ const float* cluster_partials(float* own, int rank, int split) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (split > 1) return cooperative_groups::this_cluster().map_shared_rank(own, rank);
-#endif
-  return own;
-}
-
 // This warp's steps of every unit: [begin, end) of the unit's `steps`, the same in every unit.
 struct WarpRange {
   int begin, end;
@@ -457,7 +438,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpPa
       buffer[warp * kAccs * kAccPerWarp + lane * 4 + e] = acc_u[e];
       if constexpr (kGated) buffer[(warp * kAccs + 1) * kAccPerWarp + lane * 4 + e] = acc_g[e];
     }
-    unit_barrier(split);
+    cluster_barrier(split);
     if (rank != 0) continue;
     const int u = cluster + i * clusters;
     const int ue = u / p.row_blocks, block = u - ue * p.row_blocks;
@@ -467,7 +448,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpPa
       if (out_row < 0 || row >= p.n) continue;
       float sum_u = 0.0f, sum_g = 0.0f;
       for (int r = 0; r < split; ++r) {
-        const float* from = cluster_partials(buffer, r, split);
+        const float* from = cluster_shared(buffer, r, split);
         for (int w = 0; w < warps; ++w) {
           sum_u += from[w * kAccs * kAccPerWarp + index];
           if constexpr (kGated) sum_g += from[(w * kAccs + 1) * kAccPerWarp + index];
@@ -479,7 +460,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gate_up_kernel(GateUpPa
     }
   }
   copy_wait<0>();
-  if (split > 1) unit_barrier(split);  // the first CTA has read every CTA's partials
+  if (split > 1) cluster_barrier(split);  // the first CTA has read every CTA's partials
 }
 
 struct DownParams {
@@ -648,7 +629,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
     float* buffer = partials + (i & 1) * warps * kAccPerWarp;
 #pragma unroll
     for (int e = 0; e < 4; ++e) buffer[warp * kAccPerWarp + lane * 4 + e] = sum[e];
-    unit_barrier(split);
+    cluster_barrier(split);
     if (rank != 0) continue;
     const int block = cluster + i * clusters;
     for (int index = threadIdx.x; index < kAccPerWarp; index += blockDim.x) {
@@ -657,7 +638,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
       if (token >= p.rows || row >= p.n) continue;
       float value = 0.0f;
       for (int r = 0; r < split; ++r) {
-        const float* from = cluster_partials(buffer, r, split);
+        const float* from = cluster_shared(buffer, r, split);
         for (int v = 0; v < warps; ++v) value += from[v * kAccPerWarp + index];
       }
       T* target = out + token * p.ld_out + row;
@@ -666,7 +647,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
     }
   }
   copy_wait<0>();
-  if (split > 1) unit_barrier(split);  // the first CTA has read every CTA's partials
+  if (split > 1) cluster_barrier(split);  // the first CTA has read every CTA's partials
 }
 
 // Shared memory of one warp: its copy ring and its two partials buffers (`accumulators` tiles each).
