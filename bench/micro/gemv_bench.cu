@@ -140,8 +140,8 @@ int main(int argc, char** argv) {
     auto report = [&](const std::string& kernel, double us) {
       std::printf("  %-7s %-12s %9.2f %8.2f\n", s.name, kernel.c_str(), us, bytes / us * 1e-6);
       json += std::string(first ? "" : ",\n") + "  {\"matrix\": \"" + s.name + "\", \"n\": " + std::to_string(s.n) +
-              ", \"k\": " + std::to_string(s.k) + ", \"kernel\": \"" + kernel + "\", \"time_us\": " + std::to_string(us) +
-              ", \"tb_per_s\": " + std::to_string(bytes / us * 1e-6) + "}";
+              ", \"k\": " + std::to_string(s.k) + ", \"kernel\": \"" + kernel +
+              "\", \"time_us\": " + std::to_string(us) + ", \"tb_per_s\": " + std::to_string(bytes / us * 1e-6) + "}";
       first = false;
     };
     report("read", timer.median_us([&] {
@@ -163,7 +163,8 @@ int main(int argc, char** argv) {
         shape.warps = warps;
         shape.split = split;
         report("gemv " + std::to_string(warps) + "/" + std::to_string(split), timer.median_us([&] {
-          latentmoe::cuda::gemv(latentmoe::DType::bf16, x, s.k, 1, w, s.k, s.n, s.k, y, s.n, false, timer.stream, shape);
+          latentmoe::cuda::gemv(latentmoe::DType::bf16, x, s.k, 1, w, s.k, s.n, s.k, y, s.n, false, timer.stream,
+                                shape);
         }));
       }
     }

@@ -53,11 +53,11 @@ template <int kBlockM_, int kStages_, int kBlocksPerWg_>
 struct WgmmaConfig {
   static constexpr int kWarpGroups = 2;
   static constexpr int kThreads = kWarpGroups * 128;
-  static constexpr int kBlocksPerWg = kBlocksPerWg_;                  // m64 weight blocks per warpgroup
+  static constexpr int kBlocksPerWg = kBlocksPerWg_;                   // m64 weight blocks per warpgroup
   static constexpr int kWeightRows = kWarpGroups * 64 * kBlocksPerWg;  // weight rows per n-tile
-  static constexpr int kBlockM = kBlockM_;  // expert rows per tile (the MMA's N, at most)
-  static constexpr int kAcc = kBlockM / 2;  // fp32 accumulators per thread and m64 block
-  static constexpr int kBlockK = 64;                     // one 128-byte swizzled row per weight or expert row
+  static constexpr int kBlockM = kBlockM_;                             // expert rows per tile (the MMA's N, at most)
+  static constexpr int kAcc = kBlockM / 2;                             // fp32 accumulators per thread and m64 block
+  static constexpr int kBlockK = 64;  // one 128-byte swizzled row per weight or expert row
   static constexpr int kStages = kStages_;
   static constexpr int kRowBytes = kBlockK * 2;
   static constexpr int kWeightBytes = kWeightRows * kRowBytes;  // weight tile of one stage
@@ -339,9 +339,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
         const uint64_t desc_x = sw128_desc(stage + Cfg::kWeightBytes);
         const int accumulate = kt > 0 ? 1 : 0;
         switch (mma_n >> 3) {
-#define LATENTMOE_WGMMA_CASE(N)                                          \
-  case N / 8:                                                            \
-    wgmma_stage<T, N>(acc, desc_w, desc_x, accumulate);                  \
+#define LATENTMOE_WGMMA_CASE(N)                         \
+  case N / 8:                                           \
+    wgmma_stage<T, N>(acc, desc_w, desc_x, accumulate); \
     break;
           LATENTMOE_WGMMA_CASE(8)
           LATENTMOE_WGMMA_CASE(16)
