@@ -493,13 +493,7 @@ int choose_split(int64_t n, int64_t kv, int64_t grid) {
 }
 
 Plan choose_plan(int64_t rows, int64_t n, int64_t k, const GemvShape& shape) {
-  const bool clusters_supported = current_compute_capability() >= 90;
-  LATENTMOE_CHECK(shape.warps >= 0 && shape.warps <= kMaxWarps, "GEMV: ", shape.warps, " warps per CTA (1..", kMaxWarps,
-                  ")");
-  LATENTMOE_CHECK(shape.split == 0 || shape.split == 1 ||
-                      ((shape.split == 2 || shape.split == 4 || shape.split == 8) && clusters_supported),
-                  "GEMV: split ", shape.split, " (1, or 2, 4, 8 on sm_90 and later)");
-  LATENTMOE_CHECK(shape.clusters >= 0, "GEMV: ", shape.clusters, " clusters");
+  check_cluster_shape("GEMV", shape.warps, kMaxWarps, shape.split, shape.clusters);
   Plan plan;
   const int64_t kv = k / 8;
   plan.short_rows = kv < kLongRowVectors;

@@ -673,13 +673,8 @@ struct Launch {
 Launch choose_launch(const void* kernel, int64_t units, int64_t steps, size_t table_bytes, size_t per_warp,
                      const SkinnyShape& shape) {
   const size_t limit = static_cast<size_t>(current_shared_memory_optin());
+  check_cluster_shape("skinny GEMM", shape.warps, kMaxWarps, shape.split, shape.clusters);
   const bool clusters_supported = current_compute_capability() >= 90;
-  LATENTMOE_CHECK(shape.warps >= 0 && shape.warps <= kMaxWarps, "skinny GEMM: ", shape.warps, " warps (1..", kMaxWarps,
-                  ")");
-  LATENTMOE_CHECK(shape.split == 0 || shape.split == 1 ||
-                      ((shape.split == 2 || shape.split == 4 || shape.split == 8) && clusters_supported),
-                  "skinny GEMM: split ", shape.split, " (1, or 2, 4, 8 on sm_90 and later)");
-  LATENTMOE_CHECK(shape.clusters >= 0, "skinny GEMM: ", shape.clusters, " clusters");
   const int fit =
       limit > table_bytes ? static_cast<int>(std::min<size_t>(kMaxWarps, (limit - table_bytes) / per_warp)) : 0;
   LATENTMOE_CHECK(fit >= 1, "skinny GEMM: the table (", table_bytes, " bytes) leaves no shared memory for a warp");
