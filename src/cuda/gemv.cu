@@ -61,6 +61,7 @@
 #include "cuda/convert.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
+#include "cuda/elementwise.cuh"  // warp_sum
 #include "cuda/gemv.h"
 #include "cuda/grouped_gemm_mma.cuh"  // cp.async copies, the L2 policy
 #include "cuda/pdl.cuh"
@@ -143,12 +144,6 @@ __device__ __forceinline__ void dot8(float (&d)[kRows], const uint4& weights, co
     for (int e = 1; e < 8; ++e) sum = fmaf(w[e], x[e], sum);
     d[t] = sum;
   }
-}
-
-__device__ __forceinline__ float warp_sum(float value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(kFullMask, value, offset);
-  return value;
 }
 
 // The old y[t, column] (accumulate), read from L2. After pdl_wait() only. The kernels load it a row
@@ -293,7 +288,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_rows_kernel(const Gemv
   };
 
   const int steps = (len + 31) / 32;
-  int read_slot = 0, fill_slot = kRingSteps - 1;
+  int slot = 0;  // step s's ring slot: s % kRingSteps; the refill goes one slot behind it
   for (int s0 = 0; s0 < steps; s0 += kBatch) {
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
@@ -302,10 +297,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_rows_kernel(const Gemv
         // Step s's group is complete when at most kRingSteps - 2 later groups are pending; its slot is
         // read back by the lane that copied it. The next copy refills the slot step s - 1 read.
         gg::cp_async_wait<kRingSteps - 2>();
-        const uint4 weights = lane_ring[read_slot * 32];
-        issue(fill_slot);
-        read_slot = read_slot + 1 == kRingSteps ? 0 : read_slot + 1;
-        fill_slot = fill_slot + 1 == kRingSteps ? 0 : fill_slot + 1;
+        const uint4 weights = lane_ring[slot * 32];
+        issue(slot == 0 ? kRingSteps - 1 : slot - 1);
+        slot = slot + 1 == kRingSteps ? 0 : slot + 1;
         float d[kRows];
         dot8<T, kRows>(d, weights, xs, column, kv);
         const int v = 32 * s + lane;
