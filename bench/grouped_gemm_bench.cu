@@ -1,4 +1,4 @@
-// Benchmark of the grouped expert GEMMs (src/cuda/grouped_gemm.h) against the device's own ceilings.
+// Benchmark of the grouped expert GEMMs (src/cuda/gemm/grouped_gemm.h) against the device's own ceilings.
 //
 // One run measures the ceilings (device-to-device copy bandwidth counting bytes read plus written; a
 // dense bf16 8192^3 cuBLAS GEMM on random data), then for each preset, tp shard and token count:
@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/grouped_gemm.h"
+#include "cuda/gemm/grouped_gemm.h"
 
 namespace {
 

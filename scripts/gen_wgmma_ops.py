@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-# Generates the wgmma wrappers of src/cuda/grouped_gemm_wgmma_ops.cuh (one inline-asm function per N and
+# Generates the wgmma wrappers of src/cuda/gemm/grouped_gemm_wgmma_ops.cuh (one inline-asm function per N and
 # element type: an asm statement's register list must be spelled out). Regenerate with
-#   python3 scripts/gen_wgmma_ops.py > src/cuda/grouped_gemm_wgmma_ops.cuh && clang-format -i src/cuda/grouped_gemm_wgmma_ops.cuh
+#   python3 scripts/gen_wgmma_ops.py > src/cuda/gemm/grouped_gemm_wgmma_ops.cuh && clang-format -i src/cuda/gemm/grouped_gemm_wgmma_ops.cuh
 MAX_N = 256
 out = []
 out.append(f"""// wgmma.mma_async m64nNk16 with fp32 accumulators, both operands from shared memory through descriptors,

@@ -1,4 +1,4 @@
-// Why is the decode GEMV (src/cuda/gemv.h) slower than cuBLASLt at one row? A measurement for
+// Why is the decode GEMV (src/cuda/gemm/gemv.h) slower than cuBLASLt at one row? A measurement for
 // docs/CUDA_BACKEND.md: the two Kimi-K3 linears at one token (W_down [3584, 7168], W_up [7168, 3584],
 // bf16, 51 MB each), each timed alone after an L2 flush (a read of 512 MB), CUDA events, median of 30
 // after 3 warm-ups:
@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/device.h"
-#include "cuda/gemv.h"
+#include "cuda/common/device.h"
+#include "cuda/gemm/gemv.h"
 
 namespace {
 

@@ -19,9 +19,12 @@
 
 namespace latentmoe {
 
+class Runner;
 namespace detail {
 struct RunnerState;
-}
+// The runner's internals (src/core/runner_state.h): for the benchmark's per-phase timings only.
+RunnerState& state_of(Runner& runner);
+}  // namespace detail
 
 enum class BackendKind { automatic, cpu, cuda };
 std::string_view to_string(BackendKind kind);
@@ -59,7 +62,12 @@ class Runner {
  public:
   // `weights` must be this rank's shard (see shard_layer_weights / load_layer_weights) in the
   // compute dtype; `communicator` must outlive the runner and match parallel.tp_size/rank.
+  // Construction may allocate and synchronise; when it returns, the runner's device work is done.
   Runner(const LayerConfig& config, const ParallelConfig& parallel, const LayerWeights& weights,
+         Communicator& communicator, const RunnerOptions& options = {});
+  // The same from views: host views are copied to the runner's device, views already on that device
+  // are used in place (LayerWeightViews says what the caller then keeps alive).
+  Runner(const LayerConfig& config, const ParallelConfig& parallel, const LayerWeightViews& weights,
          Communicator& communicator, const RunnerOptions& options = {});
   ~Runner();
   Runner(const Runner&) = delete;
@@ -72,7 +80,12 @@ class Runner {
   // Runs the layer. Inputs and outputs live on device() (host tensors for the CPU backend).
   // Returns the tier it ran. Throws Error on bad shapes or dtypes, an impossible forced tier, or
   // more than max_tokens tokens.
-  TailTier forward(const ForwardInputs& inputs, const ForwardOutputs& outputs);
+  // CUDA: every kernel is enqueued on `stream` (a cudaStream_t; nullptr: the runner's own stream),
+  // with the overlapped work on an aux stream forked from and joined back into it by events. forward
+  // allocates nothing and never synchronises the host, so a caller can capture it into a CUDA graph
+  // (cudaStreamBeginCapture on `stream`, thread-local mode) and replay it with new inputs written to
+  // the same buffers.
+  TailTier forward(const ForwardInputs& inputs, const ForwardOutputs& outputs, StreamHandle stream = nullptr);
 
   // forward() on host tensors whatever the backend: for a GPU backend, inputs are staged to the
   // device and outputs back (the staging buffers are allocated on the first call, for max_tokens).
@@ -80,6 +93,7 @@ class Runner {
   TailTier forward_host(const ForwardInputs& inputs, const ForwardOutputs& outputs);
 
  private:
+  friend detail::RunnerState& detail::state_of(Runner& runner);
   std::unique_ptr<detail::RunnerState> impl_;
 };
 

@@ -29,9 +29,25 @@ struct LayerWeights {
   HostTensor shared_down;  // [d, Is_r]; present iff shared expert
 };
 
+// Non-owning views of one rank's weights (fields as in LayerWeights), each either on the host or
+// already on the device the runner will use. A Runner copies host views to its device and uses
+// device views in place: an engine that loaded its weights itself keeps them alive and unchanged
+// for the runner's lifetime, and the runner holds no second copy.
+struct LayerWeightViews {
+  DType dtype = DType::f32;
+  TensorView gate, score_bias, down_proj, latent_norm, up_proj;
+  TensorView expert_gate, expert_up, expert_down;
+  TensorView shared_gate, shared_up, shared_down;
+};
+
+// Views of host weights (valid while `weights` lives).
+LayerWeightViews views_of(const LayerWeights& weights);
+
 // Throws Error naming the first tensor whose presence, dtype or shape does not match `config`
 // for a rank of a tp_size group.
 void validate_layer_weights(const LayerWeights& weights, const LayerConfig& config, int tp_size);
+// The same for views; also requires every present view to be contiguous.
+void validate_layer_weights(const LayerWeightViews& weights, const LayerConfig& config, int tp_size);
 
 // Loads rank `parallel.rank`'s shard straight from the file (only that rank's slices are copied),
 // converting matrices to `dtype`. Names may carry `prefix` (e.g. "model.layers.3.mlp."); the

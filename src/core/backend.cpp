@@ -2,6 +2,8 @@
 // backend's own operations) and the parameter structs derived from the config.
 #include "core/backend.h"
 
+#include "latentmoe/error.h"
+
 namespace latentmoe::detail {
 
 RoutingParams RoutingParams::from_config(const LayerConfig& config) {
@@ -46,5 +48,14 @@ void Backend::run_overlapped(const std::function<void()>& main, const std::funct
   main();
   aux();
 }
+
+#ifndef LATENTMOE_WITH_CUDA
+// Built without CUDA: no device, and asking for the backend is an error (src/cuda/backend/factory.cpp
+// defines both otherwise).
+std::unique_ptr<Backend> make_cuda_backend(int) {
+  throw_error("the CUDA backend is not available: latentmoe was built without CUDA");
+}
+int cuda_device_count() noexcept { return 0; }
+#endif
 
 }  // namespace latentmoe::detail

@@ -91,6 +91,11 @@ class Backend {
   virtual void copy(const TensorView& src, const TensorView& dst) = 0;
   // Stream the backend's operations run on (nullptr on the CPU); passed to the communicator.
   virtual StreamHandle stream() const { return nullptr; }
+  // Makes `stream` the stream the following operations are enqueued on (nullptr: the backend's own).
+  // The runner binds the caller's stream for the duration of one forward. Ignored on the CPU.
+  virtual void bind_stream(StreamHandle stream) {}
+  // Waits until everything the backend enqueued on its own streams has completed (construction).
+  virtual void synchronize() {}
   // Called once by the runner at construction, after the weights are placed: a backend sizes its
   // internal workspaces (e.g. the grouped-GEMM layout) for up to `max_tokens` tokens here, so that
   // no operation allocates during forward.
@@ -146,5 +151,11 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
+
+// The CUDA backend on device `device_ordinal` (src/cuda/backend/); throws Error when latentmoe was
+// built without CUDA or the device does not exist.
+std::unique_ptr<Backend> make_cuda_backend(int device_ordinal);
+// Number of CUDA devices; 0 without CUDA, a driver or a GPU. Never throws.
+int cuda_device_count() noexcept;
 
 }  // namespace latentmoe::detail

@@ -8,9 +8,6 @@
 #include "core/runner_state.h"
 #include "core/tails.h"
 #include "latentmoe/error.h"
-#ifdef LATENTMOE_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace latentmoe {
 
@@ -35,13 +32,7 @@ BackendKind parse_backend_kind(std::string_view name) {
 
 namespace {
 
-bool cuda_backend_available() {
-#ifdef LATENTMOE_WITH_CUDA
-  return cuda::cuda_device_count() > 0;
-#else
-  return false;
-#endif
-}
+bool cuda_backend_available() { return detail::cuda_device_count() > 0; }
 
 }  // namespace
 
@@ -50,7 +41,7 @@ BackendKind resolve_backend_kind(BackendKind kind) {
 #ifndef LATENTMOE_WITH_CUDA
   LATENTMOE_CHECK(kind != BackendKind::cuda, "the CUDA backend is not available: latentmoe was built without CUDA");
 #else
-  LATENTMOE_CHECK(kind != BackendKind::cuda || cuda::cuda_device_count() > 0,
+  LATENTMOE_CHECK(kind != BackendKind::cuda || detail::cuda_device_count() > 0,
                   "the CUDA backend is not available: no CUDA device was found");
 #endif
   return kind;
@@ -64,28 +55,32 @@ std::unique_ptr<Backend> make_backend(BackendKind kind, const ParallelConfig& pa
   switch (resolve_backend_kind(kind)) {
     case BackendKind::cpu:
       return make_cpu_backend();
-    case BackendKind::cuda:
-#ifdef LATENTMOE_WITH_CUDA
-    {
-      const int num_devices = cuda::cuda_device_count();
+    case BackendKind::cuda: {
+      const int num_devices = cuda_device_count();
       const int device = device_ordinal >= 0 ? device_ordinal : parallel.rank % num_devices;
       LATENTMOE_CHECK(device < num_devices, "CUDA device ", device, " does not exist (", num_devices, " found)");
-      return cuda::make_cuda_backend(device);
+      return make_cuda_backend(device);
     }
-#endif
     case BackendKind::automatic:
       break;
   }
   throw_error("internal: unresolved backend kind");
 }
 
-// Copies one host weight to the backend's device; undefined host tensors stay undefined.
-DeviceTensor place(Backend& backend, const HostTensor& host) {
+// One weight on the backend's device: a host view is copied there, a view already on the device is
+// used in place; undefined views stay undefined.
+DeviceTensor place(Backend& backend, const TensorView& weight, const char* name) {
   DeviceTensor placed;
-  if (!host.defined()) return placed;
-  placed.buffer = backend.allocate(host.nbytes());
-  placed.view = TensorView(placed.buffer.get(), host.dtype(), host.shape(), backend.device());
-  backend.copy(host.view(), placed.view);
+  if (!weight.defined()) return placed;
+  if (weight.device() == backend.device() && backend.device() != Device::cpu) {
+    placed.view = weight;
+    return placed;
+  }
+  LATENTMOE_CHECK(weight.device() == Device::cpu, "layer weights: ", name,
+                  " is on a GPU but the runner's backend is on the CPU");
+  placed.buffer = backend.allocate(static_cast<size_t>(weight.numel()) * dtype_size(weight.dtype()));
+  placed.view = TensorView(placed.buffer.get(), weight.dtype(), weight.shape(), backend.device());
+  backend.copy(weight, placed.view);
   return placed;
 }
 
@@ -123,6 +118,10 @@ using detail::check_tensor;
 
 Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const LayerWeights& weights,
                Communicator& communicator, const RunnerOptions& options)
+    : Runner(config, parallel, views_of(weights), communicator, options) {}
+
+Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const LayerWeightViews& weights,
+               Communicator& communicator, const RunnerOptions& options)
     : impl_(std::make_unique<detail::RunnerState>(config, parallel, communicator, options)) {
   config.validate();
   validate_parallel(config, parallel);
@@ -141,17 +140,17 @@ Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const 
   state.routing = detail::RoutingParams::from_config(config);
   state.activation = detail::ActivationParams::from_config(config);
 
-  state.gate = detail::place(backend, weights.gate);
-  state.score_bias = detail::place(backend, weights.score_bias);
-  state.down_proj = detail::place(backend, weights.down_proj);
-  state.latent_norm = detail::place(backend, weights.latent_norm);
-  state.up_proj = detail::place(backend, weights.up_proj);
-  state.expert_gate = detail::place(backend, weights.expert_gate);
-  state.expert_up = detail::place(backend, weights.expert_up);
-  state.expert_down = detail::place(backend, weights.expert_down);
-  state.shared_gate = detail::place(backend, weights.shared_gate);
-  state.shared_up = detail::place(backend, weights.shared_up);
-  state.shared_down = detail::place(backend, weights.shared_down);
+  state.gate = detail::place(backend, weights.gate, "gate");
+  state.score_bias = detail::place(backend, weights.score_bias, "score_bias");
+  state.down_proj = detail::place(backend, weights.down_proj, "down_proj");
+  state.latent_norm = detail::place(backend, weights.latent_norm, "latent_norm");
+  state.up_proj = detail::place(backend, weights.up_proj, "up_proj");
+  state.expert_gate = detail::place(backend, weights.expert_gate, "expert_gate");
+  state.expert_up = detail::place(backend, weights.expert_up, "expert_up");
+  state.expert_down = detail::place(backend, weights.expert_down, "expert_down");
+  state.shared_gate = detail::place(backend, weights.shared_gate, "shared_gate");
+  state.shared_up = detail::place(backend, weights.shared_up, "shared_up");
+  state.shared_down = detail::place(backend, weights.shared_down, "shared_down");
 
   const int64_t max_tokens = options.max_tokens;
   const int64_t d = config.hidden_size, l = config.latent_size, k = config.top_k;
@@ -166,9 +165,13 @@ Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const 
   state.shared_partial = detail::workspace(backend, state.dtype, {max_tokens, d});
   state.hidden_shard = detail::workspace(backend, state.dtype, {max_tokens, shard});
   backend.prepare(config, state.dtype, max_tokens, parallel.tp_size);
+  // forward may run on any stream of the caller's: the weights and zeroed workspaces must be in place.
+  backend.synchronize();
 }
 
 Runner::~Runner() = default;
+
+detail::RunnerState& detail::state_of(Runner& runner) { return *runner.impl_; }
 
 DType Runner::dtype() const { return impl_->dtype; }
 Device Runner::device() const { return impl_->backend->device(); }
@@ -177,7 +180,7 @@ TailTier Runner::select_tier(int64_t num_tokens) const {
   return select_tail_tier(impl_->options.policy, impl_->fused_path_conditions(), num_tokens);
 }
 
-TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outputs) {
+TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outputs, StreamHandle stream) {
   detail::RunnerState& state = *impl_;
   const LayerConfig& config = state.config;
   const Device device = state.backend->device();
@@ -214,6 +217,12 @@ TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outp
   }
   if (num_tokens == 0) return tier;  // every rank sees the same T, so all skip the collectives together
 
+  // The caller's stream for this call only; the backend's own again afterwards, even on an error.
+  struct StreamBinding {
+    detail::Backend& backend;
+    ~StreamBinding() { backend.bind_stream(nullptr); }
+  } binding{*state.backend};
+  state.backend->bind_stream(stream);
   detail::run_layer(state, inputs, outputs, tier, num_tokens);
   return tier;
 }

@@ -122,8 +122,8 @@ SafetensorsEntry parse_entry(const std::string& path, const std::string& name, c
   entry.begin = *begin;
   entry.end = *end;
   LATENTMOE_CHECK(entry.end - entry.begin == nbytes, path, ": tensor \"", name, "\": ", dtype_name(entry.dtype),
-                  " shape ", shape_string(entry.shape), " needs ", nbytes, " bytes but data_offsets [", entry.begin, ", ",
-                  entry.end, "] span ", entry.end - entry.begin);
+                  " shape ", shape_string(entry.shape), " needs ", nbytes, " bytes but data_offsets [", entry.begin,
+                  ", ", entry.end, "] span ", entry.end - entry.begin);
   return entry;
 }
 

@@ -179,7 +179,7 @@ std::string expert_name(int64_t expert, const char* projection) {
 
 enum class Presence { required, optional, absent };
 
-void check_field(const char* field, const HostTensor& tensor, Presence presence, const char* absent_reason, DType dtype,
+void check_field(const char* field, const TensorView& tensor, Presence presence, const char* absent_reason, DType dtype,
                  const std::vector<int64_t>& shape) {
   if (!tensor.defined()) {
     LATENTMOE_CHECK(presence != Presence::required, "layer weights: ", field, " is missing (expected ",
@@ -191,6 +191,8 @@ void check_field(const char* field, const HostTensor& tensor, Presence presence,
                   ", expected ", dtype_name(dtype));
   LATENTMOE_CHECK(tensor.shape() == shape, "layer weights: ", field, " has shape ", shape_string(tensor.shape()),
                   ", expected ", shape_string(shape));
+  LATENTMOE_CHECK(tensor.is_contiguous(), "layer weights: ", field, " must be contiguous");
+  LATENTMOE_CHECK(tensor.data() != nullptr || tensor.numel() == 0, "layer weights: ", field, " has no data");
 }
 
 // --- random weights ---------------------------------------------------------------------------
@@ -209,7 +211,29 @@ float inverse_sqrt(int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(
 
 }  // namespace
 
+LayerWeightViews views_of(const LayerWeights& weights) {
+  auto view = [](const HostTensor& tensor) { return tensor.defined() ? tensor.view() : TensorView(); };
+  LayerWeightViews views;
+  views.dtype = weights.dtype;
+  views.gate = view(weights.gate);
+  views.score_bias = view(weights.score_bias);
+  views.down_proj = view(weights.down_proj);
+  views.latent_norm = view(weights.latent_norm);
+  views.up_proj = view(weights.up_proj);
+  views.expert_gate = view(weights.expert_gate);
+  views.expert_up = view(weights.expert_up);
+  views.expert_down = view(weights.expert_down);
+  views.shared_gate = view(weights.shared_gate);
+  views.shared_up = view(weights.shared_up);
+  views.shared_down = view(weights.shared_down);
+  return views;
+}
+
 void validate_layer_weights(const LayerWeights& weights, const LayerConfig& config, int tp_size) {
+  validate_layer_weights(views_of(weights), config, tp_size);
+}
+
+void validate_layer_weights(const LayerWeightViews& weights, const LayerConfig& config, int tp_size) {
   LATENTMOE_CHECK(tp_size >= 1, "layer weights: tp size ", tp_size, " is not positive");
   LATENTMOE_CHECK(config.intermediate_size % tp_size == 0, "layer weights: tp size ", tp_size,
                   " does not divide moe_intermediate_size ", config.intermediate_size);

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "core/backend.h"
-#include "cuda/cuda_backend.h"
+#include "cuda/backend/cuda_backend.h"
 #include "latentmoe/dtype.h"
 #include "latentmoe/tensor.h"
 

@@ -8,9 +8,9 @@
 #include <limits>
 #include <random>
 
-#include "cuda/cuda_backend.h"
-#include "cuda/device.h"
-#include "cuda/routing.cuh"
+#include "cuda/backend/cuda_backend.h"
+#include "cuda/common/device.h"
+#include "cuda/kernels/routing.h"
 #include "cuda_test_util.h"
 #include "latentmoe/error.h"
 

@@ -8,9 +8,9 @@
 #include <numeric>
 #include <random>
 
-#include "cuda/cuda_backend.h"
-#include "cuda/elementwise.cuh"
-#include "cuda/routing.cuh"
+#include "cuda/backend/cuda_backend.h"
+#include "cuda/kernels/elementwise.h"
+#include "cuda/kernels/routing.h"
 #include "cuda_test_util.h"
 #include "latentmoe/error.h"
 
@@ -42,7 +42,7 @@ class CudaExperts : public ::testing::Test {
     cpu_ = make_cpu_backend();
   }
 
-  // Builds the layout on the device and checks it against the definition in cuda/moe_layout.h.
+  // Builds the layout on the device and checks it against the definition in cuda/kernels/moe_layout.h.
   void check_layout(int64_t tokens, int64_t k, int64_t num_experts, int64_t num_zero_experts, uint32_t seed) {
     SCOPED_TRACE("Z = " + std::to_string(num_zero_experts));
     check_layout_of(random_ids(tokens, k, num_experts, num_zero_experts, seed), num_experts);

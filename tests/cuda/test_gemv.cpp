@@ -1,4 +1,4 @@
-// The decode GEMV (cuda/gemv.h) against the CPU reference (double sums, one rounding): bf16 and f16,
+// The decode GEMV (cuda/gemm/gemv.h) against the CPU reference (double sums, one rounding): bf16 and f16,
 // 1..kGemvMaxRows rows, n = 1, 7, 100, 3592, k = 8, 264, 3584, 7168 and the limit kGemvMaxK, row strides
 // longer than the rows (their padding NaN, so a read past k shows), accumulation on and off, outputs
 // poisoned around the written block; every launch path (short and long rows, one warp to 16, clusters
@@ -16,10 +16,10 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/cuda_backend.h"
-#include "cuda/device.h"
-#include "cuda/gemv.h"
-#include "cuda/skinny_gemm.h"
+#include "cuda/backend/cuda_backend.h"
+#include "cuda/common/device.h"
+#include "cuda/gemm/gemv.h"
+#include "cuda/gemm/skinny_gemm.h"
 #include "cuda_test_util.h"
 #include "latentmoe/error.h"
 

@@ -1,4 +1,4 @@
-// The grouped expert GEMMs (src/cuda/grouped_gemm.h) against a host fp64 loop: every engine variant,
+// The grouped expert GEMMs (src/cuda/gemm/grouped_gemm.h) against a host fp64 loop: every engine variant,
 // every activation and dtype, odd shapes, experts with no rows and one with many, zero-expert pairs,
 // poisoned outputs, and CUDA-graph capture replayed with a new layout.
 #include <cuda_runtime.h>
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/grouped_gemm.h"
+#include "cuda/gemm/grouped_gemm.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {

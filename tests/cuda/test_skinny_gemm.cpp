@@ -1,4 +1,4 @@
-// The skinny kernels (cuda/skinny_gemm.h) against the CPU reference: dense projections (linear, with
+// The skinny kernels (cuda/gemm/skinny_gemm.h) against the CPU reference: dense projections (linear, with
 // accumulation and a strided output), the dense MLP and the routed experts at 1-8 tokens, every
 // activation, bf16 and f16, shapes whose n is not a multiple of 16 and whose k is not a multiple of 32,
 // shared, repeated and zero experts; that the backend takes them for decode-sized batches (bit-identical
@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_backend.h"
-#include "cuda/device.h"
-#include "cuda/skinny_gemm.h"
+#include "cuda/backend/cuda_backend.h"
+#include "cuda/common/device.h"
+#include "cuda/gemm/skinny_gemm.h"
 #include "cuda_test_util.h"
 #include "latentmoe/error.h"
 

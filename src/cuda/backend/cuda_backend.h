@@ -1,0 +1,127 @@
+// The CUDA backend: every Backend operation of src/core/backend.h on one NVIDIA GPU.
+//
+// Life cycle (docs/CUDA_BACKEND.md):
+//   1. make_cuda_backend(ordinal): creates the backend's two non-blocking streams (main and aux),
+//      its events, the cuBLASLt handle and 2 x 32 MiB of cuBLASLt workspace (one per stream).
+//   2. allocate()/copy(): the runner places the weights.
+//   3. prepare(config, dtype, max_tokens, tp_size): called once by the runner, after the weights are placed;
+//      sizes the internal workspaces of routed_experts (MoE layout, grouped-GEMM rows), dense_mlp
+//      (the shared expert's intermediate) and router_logits (x widened to f32 for an f32 gate) for
+//      up to max_tokens tokens. linear, route, rms_norm, add and add_scaled_rows need no prepare;
+//      router_logits without it runs a slower fp32 kernel for a 16-bit x with an f32 gate.
+//   4. forward: every operation only enqueues work on stream(): no allocation, no host
+//      synchronisation (except copy() into or out of host memory), so a whole forward can be captured
+//      into a CUDA graph and replayed. An operation whose workspace prepare() did not size throws.
+//
+// Threads: one backend serves one rank; its operations are called from one thread at a time.
+// Each operation makes the backend's device current for its duration and restores the caller's.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "core/backend.h"
+#include "cuda/gemm/gemv.h"
+#include "cuda/gemm/skinny_gemm.h"
+
+namespace latentmoe::cuda {
+
+// Number of CUDA devices; 0 when there is no driver or GPU. Never throws. (Also in cuda/common/device.h.)
+int cuda_device_count() noexcept;
+
+// The shapes the internal workspaces are sized for.
+struct WorkspaceSpec {
+  int64_t max_tokens = 0;
+  size_t element_size = 4;          // bytes per element of the compute dtype (4 fits every dtype)
+  int64_t hidden_size = 0;          // d; > 0: room to widen x to f32 for an f32 router gate
+  int64_t num_experts = 0;          // E; 0: no routed experts
+  int64_t top_k = 0;                // k
+  int64_t latent_size = 0;          // l
+  int64_t expert_intermediate = 0;  // I / tp
+  int64_t dense_intermediate = 0;   // Is / tp; 0: no dense MLP
+};
+
+class CudaBackend final : public ::latentmoe::detail::Backend {
+ public:
+  // Throws Error when the device does not exist or a CUDA/cuBLAS call fails.
+  explicit CudaBackend(int device_ordinal);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  Device device() const override { return Device::cuda; }
+  ::latentmoe::detail::DeviceBuffer allocate(size_t bytes) override;
+  // Equal shape and dtype; rank-2 views may have row strides (cudaMemcpy2DAsync). A copy that
+  // touches host memory synchronises the stream before returning; device-to-device copies are
+  // stream-ordered and capturable.
+  void copy(const TensorView& src, const TensorView& dst) override;
+  // The stream operations are enqueued on: the main stream, or the aux stream inside the `aux`
+  // function of run_overlapped.
+  StreamHandle stream() const override;
+  // The caller's stream becomes the main stream (nullptr: the backend's own again); the aux stream
+  // forks from and joins into it.
+  void bind_stream(StreamHandle stream) override;
+  void synchronize() override;
+
+  // Sizes the workspaces from the config: E, k, l, I/tp and Is/tp, in `dtype`, for up to max_tokens
+  // tokens.
+  void prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) override;
+  // Sizes the workspaces for `spec` exactly (tests; engines that know their shapes).
+  void prepare(const WorkspaceSpec& spec);
+  const WorkspaceSpec& workspace_spec() const;
+
+  void router_logits(const TensorView& x, const TensorView& gate, const TensorView& logits) override;
+  void route(const ::latentmoe::detail::RoutingParams& params, const TensorView& logits, const TensorView& bias,
+             const TensorView& topk_ids, const TensorView& topk_weights, const TensorView& zero_weight_sum) override;
+  void linear(const TensorView& x, const TensorView& w, const TensorView& y, bool accumulate) override;
+  void routed_experts(const ::latentmoe::detail::ActivationParams& activation, const TensorView& z,
+                      const TensorView& topk_ids, const TensorView& topk_weights,
+                      const ::latentmoe::detail::MlpWeights& experts, const TensorView& out) override;
+  void dense_mlp(const ::latentmoe::detail::ActivationParams& activation, const TensorView& x,
+                 const ::latentmoe::detail::MlpWeights& mlp, const TensorView& out) override;
+  void rms_norm(const TensorView& in, const TensorView& gamma, float eps, const TensorView& out) override;
+  void add(const TensorView& a, const TensorView& b, const TensorView& out) override;
+  void add_scaled_rows(const TensorView& x, const TensorView& scale, const TensorView& out) override;
+
+  // `main` on the main stream and `aux` on the aux stream, forked from and joined back into the
+  // main stream with events (capturable). routed_experts and dense_mlp each own one workspace, so
+  // each may run on one of the two streams per call, not on both (checked).
+  void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) override;
+
+  // Up to how many rows (tokens) linear, dense_mlp and routed_experts may run on the skinny kernels
+  // (cuda/gemm/skinny_gemm.h) instead of cuBLASLt and the grouped GEMMs: 0..kSkinnyMaxRows (8, the default);
+  // 0 turns them off (the benchmark compares both). Throws Error outside that range. Within it a call
+  // takes them where they were measured faster (cuda_backend.cu, skinny_pays: today the routed
+  // experts with a long latent and the small shared expert, at one token), or always after
+  // set_skinny_always(true) (tests).
+  void set_skinny_max_tokens(int tokens);
+  int skinny_max_tokens() const;
+  // The launch shape of every skinny call from now on (tests reach each schedule with it); the
+  // default {} lets each call choose. The call checks the shape when it launches.
+  void set_skinny_shape(const SkinnyShape& shape);
+  void set_skinny_always(bool always);
+  // Up to how many rows (tokens) linear() runs on the decode GEMV (cuda/gemm/gemv.h) instead of cuBLASLt:
+  // 0..kGemvMaxRows (4), default 0 (off): on the H200 it streams a 51 MB one-row linear in 20.7-22.4 µs
+  // against cuBLASLt's 18.4-18.9 (bench/results/gemv_bench_1fe0158.json), and the one-token layer is
+  // 109.6 µs with it against 96.5 without. It stays for the benchmark (--gemv-max-tokens) and for the
+  // decode tails, whose up-projection follows a collective that leaves the memory idle: there its
+  // weight stream starting before the collective ends is what pays. Throws Error outside that range. Within it a call
+  // takes the GEMV when x, w and y share a 16-bit dtype (f32 stays on cuBLASLt's true-fp32 path) and gemv_supported()
+  // holds; the skinny kernels, where set_skinny_always sends a linear to them, come first.
+  void set_gemv_max_tokens(int tokens);
+  int gemv_max_tokens() const;
+
+  int device_ordinal() const;
+  // cudaMalloc calls made so far (allocate() and internal workspaces); forward adds none.
+  int64_t num_device_allocations() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// The CUDA backend on device `device_ordinal` (the runner's factory).
+std::unique_ptr<::latentmoe::detail::Backend> make_cuda_backend(int device_ordinal);
+
+}  // namespace latentmoe::cuda

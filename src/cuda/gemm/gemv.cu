@@ -1,0 +1,597 @@
+// The decode GEMV of gemv.h: two kernels (long rows, short rows) and their launcher.
+//
+// Work split. W is read as 16-byte *vectors* of 8 elements; k is a multiple of 8, so a vector never
+// straddles two rows: vector v is row v / kv, elements 8 (v % kv) .. 8 (v % kv) + 7, kv = k / 8.
+//   - Long rows (kv >= 32, k >= 256; gemv_rows_kernel). The grid is `clusters` clusters of `split`
+//     CTAs of `warps` warps. Cluster c owns the whole rows [n c / clusters, n (c + 1) / clusters);
+//     their vectors are cut into split * warps equal contiguous ranges, one per warp (a *worker*), so
+//     every warp of a cluster streams the same bytes to within one vector, and clusters differ by at
+//     most one row. A worker's range covers whole rows, plus at most a part of a row at each end that
+//     it shares with its neighbours in the cluster (a *split row*).
+//   - Short rows (kv < 32; gemv_short_kernel): every warp takes whole rows (n q / workers ..), a group
+//     of g lanes (g the power of two >= kv) per row, 32 / g rows per step; no split rows.
+// The launcher sizes the grid from the SM count: one CTA of 16 warps per SM (fewer CTAs when the
+// matrix is small, fewer warps when x leaves too little shared memory for their rings), `split` 2 (or
+// 4, 8 when rows are few) where a cluster's rows balance the SMs better than whole rows per CTA (sm_90;
+// docs/CUDA_BACKEND.md, "Decode GEMV").
+//
+// Streaming. Each lane walks its worker's range 32 vectors (512 contiguous bytes per warp) a step.
+// Long rows: every warp streams through its own ring of kRingSteps steps in shared memory (cp.async,
+// one commit group per step, kRingSteps - 1 steps in flight; each lane reads back only the 16 bytes it
+// copied, so the ring needs no barrier): 16 warps keep 152 KB per SM in flight. A first version kept
+// 12 steps in registers (72 KB per SM at 12 warps) and streamed at 1.5 TB/s, its time proportional to
+// 1 / warps (bench/micro/gemv_bench.cu, bench/results/gemv_bench_da4cfb7.json): latency-bound, and
+// registers cannot hold more. Weight copies are evict-first in L2 with 256-byte fetches, so the weights
+// stream past the caches without evicting x, y or the next kernel's data. Short rows keep the register
+// ring (kBatch loads in flight per lane; their matrices are small).
+//
+// Reduction (long rows), all in fp32 and in a fixed order. Each lane adds the 8 products of its vector
+// for each x row (in element order) into its accumulator of the worker's current row, or of the next
+// row for the lanes past the row boundary (k >= 256: a step of 32 vectors meets at most one boundary).
+// When the whole warp has left a row, the lanes' sums are added by a butterfly of shuffles; a row the
+// worker holds whole is written at once (old y added in fp32 when accumulating, one rounding). A split
+// row's partial sums go to shared memory, `partials[warp][slot][x row]` (slot 0: the worker's first row,
+// 1: its last). After a barrier of the cluster (of the CTA when split == 1), the worker that holds a
+// split row's first vector adds the partials of every worker of the row in worker order (over
+// distributed shared memory on sm_90) and writes it. A second cluster barrier keeps every CTA's shared
+// memory alive until then. So no atomics, no global workspace, and the same bits on every run.
+//
+// Programmatic dependent launch (src/cuda/common/pdl.cuh). Invariants of both kernels:
+//   1. Before pdl_wait() a thread only computes its range and issues its first weight copies (long
+//      rows: kRingSteps - 1 steps into its ring; short rows: kBatch loads into registers): W is never
+//      written by any kernel of a forward (rule 1 of pdl.cuh).
+//   2. x, the old y and y are read or written only after pdl_wait() (x staged into shared memory, y
+//      written by whichever worker finishes a row). Every thread of every CTA calls pdl_wait(), also
+//      those with an empty range, so the kernel never completes before its predecessor.
+//   3. pdl_trigger() follows the thread's own pdl_wait(), so a dependent launched after this kernel
+//      starts its prologue only once everything before this kernel has completed.
+// y must not overlap x or W (as for cuBLASLt): another CTA may write y while one still stages x.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+#include "cuda/common/cluster.cuh"
+#include "cuda/common/convert.cuh"
+#include "cuda/common/cuda_check.h"
+#include "cuda/common/device.h"
+#include "cuda/common/pdl.cuh"
+#include "cuda/common/reduce.cuh"
+#include "cuda/gemm/gemv.h"
+#include "cuda/gemm/grouped_gemm_mma.cuh"  // cp.async copies, the L2 policy
+#include "latentmoe/error.h"
+
+namespace latentmoe::cuda {
+namespace {
+
+constexpr int kMaxWarps = 16;        // warps per CTA (a forced shape may take up to 16)
+constexpr int kDefaultWarps = 16;    // one 512-thread CTA per SM (fewer where x leaves too little room)
+constexpr int kMaxSplit = 8;         // the portable cluster size
+constexpr int kLongRowVectors = 32;  // kv from which the long-row kernel runs (a step meets <= 1 boundary)
+constexpr int kStageUnroll = 4;      // x vectors each thread loads before it stores them to shared memory
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Short rows: steps (32 vectors per warp) in flight per lane, in registers.
+constexpr int kBatch = 12;
+// Long rows: steps in each warp's shared-memory ring (512 B each); kRingSteps - 1 are in flight.
+constexpr int kRingSteps = 20;
+constexpr size_t kRingBytesPerWarp = size_t{kRingSteps} * 32 * sizeof(uint4);
+constexpr int kMinBatchSteps = 8;  // a CTA gets at least warps x 32 x this many vectors (grid sizing)
+
+struct GemvParams {
+  const void* x = nullptr;
+  int64_t ldx = 0;  // elements
+  const void* w = nullptr;
+  int64_t ldw = 0;
+  void* y = nullptr;
+  int64_t ldy = 0;
+  int64_t n = 0;
+  int kv = 0;     // k / 8: vectors per row
+  int split = 1;  // CTAs per cluster (long rows)
+  int group = 1;  // lanes per row (short rows): the power of two >= kv
+  bool accumulate = false;
+};
+
+// 16 bytes of weights: not allocated in L1, evict-first in L2. A weak ld.global, not ld.global.nc:
+// with .nc (LDG.CONSTANT) ptxas scheduled the wait (ACQBULK) above these loads, which would start the
+// stream only after the previous kernel; weak loads keep their place before it (checked in the SASS
+// of every instance). volatile: the compiler keeps them before pdl_wait() (whose asm clobbers memory).
+__device__ __forceinline__ uint4 stream_load(const uint4* pointer, uint64_t policy) {
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(pointer), "l"(policy));
+  return v;
+}
+
+// Two packed 16-bit values (low half first) as floats.
+template <class T>
+__device__ __forceinline__ float2 widen(uint32_t word) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(word << 16), __uint_as_float(word & 0xffff0000u));
+  } else {
+    __half2 pair;
+    static_assert(sizeof(pair) == sizeof(word));
+    memcpy(&pair, &word, sizeof(word));
+    return __half22float2(pair);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void widen8(const uint4& v, float (&out)[8]) {
+  const float2 a = widen<T>(v.x), b = widen<T>(v.y), c = widen<T>(v.z), d = widen<T>(v.w);
+  out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y, out[4] = c.x, out[5] = c.y, out[6] = d.x, out[7] = d.y;
+}
+
+// d[t] = the 8 products of one weight vector with x row t at vector column `column`, added in element
+// order (fp32).
+template <class T, int kRows>
+__device__ __forceinline__ void dot8(float (&d)[kRows], const uint4& weights, const uint4* xs, int column, int kv) {
+  float w[8];
+  widen8<T>(weights, w);
+#pragma unroll
+  for (int t = 0; t < kRows; ++t) {
+    float x[8];
+    widen8<T>(xs[t * kv + column], x);
+    float sum = w[0] * x[0];
+#pragma unroll
+    for (int e = 1; e < 8; ++e) sum = fmaf(w[e], x[e], sum);
+    d[t] = sum;
+  }
+}
+
+// The old y[t, column] (accumulate), read from L2. After pdl_wait() only. The kernels load it a row
+// (a step) before they need it, so no warp waits for it in the middle of its stream.
+template <class T>
+__device__ __forceinline__ float load_y(const GemvParams& p, int t, int64_t column) {
+  const unsigned short bits =
+      __ldcg(reinterpret_cast<const unsigned short*>(static_cast<const T*>(p.y) + t * p.ldy) + column);
+  T old;
+  memcpy(&old, &bits, sizeof(old));
+  return to_float(old);
+}
+
+// y[t, column] = sum (+ old, the old y[t, column], added in fp32 when accumulating), rounded once.
+template <class T>
+__device__ __forceinline__ void store_y(const GemvParams& p, int t, int64_t column, float sum, float old) {
+  static_cast<T*>(p.y)[t * p.ldy + column] = from_float<T>(p.accumulate ? sum + old : sum);
+}
+
+// x [kRows, k] into shared memory as [kRows][kv] vectors, then a block barrier. After pdl_wait() only.
+// Each thread loads kStageUnroll vectors before it stores them, so a CTA's x arrives in one round trip
+// (k = 7168: 896 vectors a row, 1536 a round at 12 warps).
+template <int kRows>
+__device__ __forceinline__ void stage_x(const GemvParams& p, uint4* xs) {
+  const int kv = p.kv, total = kRows * kv, threads = static_cast<int>(blockDim.x);
+  const uint4* x = static_cast<const uint4*>(p.x);
+  const int64_t ldx = p.ldx / 8;
+  for (int base = 0; base < total; base += kStageUnroll * threads) {
+    uint4 v[kStageUnroll];
+#pragma unroll
+    for (int j = 0; j < kStageUnroll; ++j) {
+      const int i = base + j * threads + static_cast<int>(threadIdx.x);
+      if (i < total) {
+        const int t = (i >= kv) + (i >= 2 * kv) + (i >= 3 * kv);  // kRows <= 4
+        v[j] = __ldcg(x + t * ldx + (i - t * kv));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kStageUnroll; ++j) {
+      const int i = base + j * threads + static_cast<int>(threadIdx.x);
+      if (i < total) xs[i] = v[j];
+    }
+  }
+  __syncthreads();
+}
+
+// The vectors of a cluster's whole rows, cut into `workers` equal contiguous ranges (long rows).
+struct ClusterRange {
+  int64_t first = 0;   // the cluster's first vector
+  int64_t length = 0;  // its vectors
+  int workers = 1;     // split x warps
+  // Worker q's range is [begin(q), begin(q + 1)).
+  __device__ __forceinline__ int64_t begin(int q) const { return first + length * q / workers; }
+};
+
+__device__ __forceinline__ ClusterRange cluster_range(const GemvParams& p, int warps) {
+  const int cluster = static_cast<int>(blockIdx.x) / p.split, clusters = static_cast<int>(gridDim.x) / p.split;
+  const int64_t row_begin = p.n * cluster / clusters, row_end = p.n * (cluster + 1) / clusters;
+  return {row_begin * p.kv, (row_end - row_begin) * p.kv, p.split * warps};
+}
+
+// Long rows (kv >= 32). Shared memory: x [kRows][kv] vectors, then partials [warps][2][kRows] floats.
+// The file comment has the split, the reduction and the launch protocol.
+template <class T, int kRows>
+__global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_rows_kernel(const GemvParams p) {
+  extern __shared__ uint4 smem[];
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int warps = static_cast<int>(blockDim.x) >> 5;
+  const int kv = p.kv;
+  const int me = static_cast<int>(blockIdx.x) % p.split * warps + warp;  // worker: (cluster rank, warp)
+  int64_t begin, end;
+  {
+    const ClusterRange range = cluster_range(p, warps);
+    begin = range.begin(me);
+    end = range.begin(me + 1);
+  }
+  const int len = static_cast<int>(end - begin);  // < 2^31 - 2^11 (checked by the launcher)
+
+  // Issue cursor: this lane's next vector, kRingSteps - 1 steps ahead of the multiply. Shared memory:
+  // the warps' rings [warps][kRingSteps][32 lanes] vectors, then x, then the partials.
+  int issue_column = static_cast<int>((begin + lane) % kv);
+  const uint4* source = static_cast<const uint4*>(p.w) + (begin + lane) / kv * (p.ldw / 8) + issue_column;
+  const int64_t wrap = p.ldw / 8 - kv;                     // from past a row's end to the next row's start
+  int to_issue = len > lane ? (len - lane + 31) / 32 : 0;  // valid steps of this lane not yet issued
+  const uint64_t policy = gg::evict_first_policy();
+  uint4* lane_ring = smem + warp * kRingSteps * 32 + lane;  // this lane's vector of ring step 0
+  const uint32_t lane_ring_u32 = gg::smem_u32(lane_ring);
+  // Copies this lane's next vector into ring slot `slot` (zeros past the range) as one commit group.
+  auto issue = [&](int slot) {
+    const bool ok = to_issue > 0;
+    gg::cp_async_16_stream(lane_ring_u32 + slot * 32 * sizeof(uint4), ok ? source : p.w, ok, policy);
+    gg::cp_async_commit();
+    --to_issue;
+    source += 32;
+    issue_column += 32;
+    if (issue_column >= kv) {  // kv >= 32: at most one row boundary per step
+      issue_column -= kv;
+      source += wrap;
+    }
+  };
+  int column = issue_column;  // multiply cursor: the same column, kRingSteps - 1 steps behind
+#pragma unroll
+  for (int i = 0; i < kRingSteps - 1; ++i) issue(i);  // before the wait: W is never written in a forward
+
+  pdl_wait();  // x and y: the previous kernel's
+  pdl_trigger();
+  uint4* xs = smem + static_cast<size_t>(warps) * kRingSteps * 32;
+  float* partials = reinterpret_cast<float*>(xs + kRows * kv);
+  stage_x<kRows>(p, xs);
+
+  // Rows of the range (n < 2^31): the first may start before `begin`, the last may end after `end`;
+  // such a row is split (shared with the neighbouring workers).
+  const int first_row = static_cast<int>(begin / kv), last_row = len > 0 ? static_cast<int>((end - 1) / kv) : first_row;
+  const bool first_split = len > 0 && (int64_t{first_row} * kv < begin || int64_t{first_row + 1} * kv > end);
+  const bool last_split = len > 0 && (int64_t{last_row} * kv < begin || int64_t{last_row + 1} * kv > end);
+  // The worker that holds the first vector of its split last row adds that row's partials up.
+  const bool owner = last_split && int64_t{last_row} * kv >= begin;
+  int row = first_row;  // the row `acc` holds
+  // Lane t < kRows: the old y[t, row] when accumulating, loaded when the warp enters the row.
+  float old = p.accumulate && lane < kRows && len > 0 ? load_y<T>(p, lane, row) : 0.0f;
+  int boundary = static_cast<int>(int64_t{first_row + 1} * kv - begin);  // range offset where row + 1 starts
+  float acc[kRows], next[kRows];
+#pragma unroll
+  for (int t = 0; t < kRows; ++t) acc[t] = next[t] = 0.0f;
+
+  // The warp has left `row`: add the lanes' sums, write the row or leave its partial sums.
+  auto finish_row = [&]() {
+    float mine = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kRows; ++t) {
+      const float sum = warp_sum(acc[t]);
+      if (lane == t) mine = sum;
+    }
+    const bool split_row = (row == first_row && first_split) || (row == last_row && last_split);
+    if (lane < kRows) {
+      if (!split_row) {
+        store_y<T>(p, lane, row, mine, old);
+      } else {
+        partials[(warp * 2 + (row == first_row ? 0 : 1)) * kRows + lane] = mine;
+      }
+    }
+  };
+
+  const int steps = (len + 31) / 32;
+  int slot = 0;  // step s's ring slot: s % kRingSteps; the refill goes one slot behind it
+  for (int s0 = 0; s0 < steps; s0 += kBatch) {
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int s = s0 + i;
+      if (s < steps) {  // warp-uniform
+        // Step s's group is complete when at most kRingSteps - 2 later groups are pending; its slot is
+        // read back by the lane that copied it. The next copy refills the slot step s - 1 read.
+        gg::cp_async_wait<kRingSteps - 2>();
+        const uint4 weights = lane_ring[slot * 32];
+        issue(slot == 0 ? kRingSteps - 1 : slot - 1);
+        slot = slot + 1 == kRingSteps ? 0 : slot + 1;
+        float d[kRows];
+        dot8<T, kRows>(d, weights, xs, column, kv);
+        const int v = 32 * s + lane;
+        const bool valid = v < len, in_next = v >= boundary;
+#pragma unroll
+        for (int t = 0; t < kRows; ++t) {
+          const float value = valid ? d[t] : 0.0f;
+          acc[t] += in_next ? 0.0f : value;
+          next[t] += in_next ? value : 0.0f;
+        }
+        column += 32;
+        if (column >= kv) column -= kv;
+        if (32 * (s + 1) >= boundary && boundary < len) {  // every later vector is past `row`
+          finish_row();
+#pragma unroll
+          for (int t = 0; t < kRows; ++t) {
+            acc[t] = next[t];
+            next[t] = 0.0f;
+          }
+          ++row;
+          boundary += kv;
+          if (p.accumulate && lane < kRows) old = load_y<T>(p, lane, row);
+        }
+      }
+    }
+  }
+  if (len > 0) finish_row();  // the range's last row
+  gg::cp_async_wait<0>();     // the ring's last (zero-filling) copies land before the CTA can exit
+
+  // Split rows: the owner adds every worker's partials of the row in worker order, then writes it.
+  cluster_barrier(p.split);
+  if (owner && lane < kRows) {
+    const ClusterRange range = cluster_range(p, warps);
+    // The worker holding the row's last vector: the last q with begin(q) < the row's end.
+    const int64_t row_end = int64_t{last_row + 1} * kv - range.first;
+    const int last_worker = static_cast<int>((row_end * range.workers - 1) / range.length);
+    float value = partials[(warp * 2 + (last_row == first_row ? 0 : 1)) * kRows + lane];
+    for (int q = me + 1; q <= last_worker; ++q) {
+      if (range.begin(q) == range.begin(q + 1)) continue;  // an empty range (more workers than vectors)
+      const float* from = cluster_shared(partials, q / warps, p.split);
+      value += from[((q % warps) * 2 + 0) * kRows + lane];  // the row is worker q's first
+    }
+    store_y<T>(p, lane, last_row, value, old);  // old: y[lane, last_row], the row `acc` held last
+  }
+  if (p.split > 1) cluster_barrier(p.split);  // every CTA's partials stay until they are read
+}
+
+// Short rows (kv < 32): whole rows per warp, a group of p.group lanes per row, 32 / group rows a step.
+// Shared memory: x [kRows][kv] vectors. The launch protocol is the long-row kernel's.
+template <class T, int kRows>
+__global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_short_kernel(const GemvParams p) {
+  extern __shared__ uint4 smem[];
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int warps = static_cast<int>(blockDim.x) >> 5;
+  const int group = p.group, per_step = 32 / group, kv = p.kv;
+  const int workers = static_cast<int>(gridDim.x) * warps, me = static_cast<int>(blockIdx.x) * warps + warp;
+  const int64_t first = p.n * me / workers;
+  const int rows = static_cast<int>(p.n * (me + 1) / workers - first);
+  const int slot = lane / group, column = lane % group;
+  const bool column_valid = column < kv;
+  const int steps = (rows + per_step - 1) / per_step;
+  const int lane_steps = column_valid && rows > slot ? (rows - slot + per_step - 1) / per_step : 0;
+  const int64_t advance = per_step * (p.ldw / 8);
+  const uint4* source = static_cast<const uint4*>(p.w) + (first + slot) * (p.ldw / 8) + column;
+  const uint64_t policy = gg::evict_first_policy();
+  int issued = 0;
+  auto issue = [&](uint4& target) {
+    target = issued < lane_steps ? stream_load(source, policy) : make_uint4(0, 0, 0, 0);
+    ++issued;
+    source += advance;
+  };
+  uint4 ring[kBatch];
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) issue(ring[i]);  // before the wait: W is never written in a forward
+
+  pdl_wait();  // x and y: the previous kernel's
+  pdl_trigger();
+  uint4* xs = smem;
+  stage_x<kRows>(p, xs);
+
+  // The writing lanes (column 0) load the old y of their row a step before they need it (accumulate).
+  auto load_old = [&](int s, float(&old)[kRows]) {
+    const int local = s * per_step + slot;
+#pragma unroll
+    for (int t = 0; t < kRows; ++t) {
+      old[t] = p.accumulate && column == 0 && local < rows ? load_y<T>(p, t, first + local) : 0.0f;
+    }
+  };
+  float old[kRows];
+  load_old(0, old);
+  for (int s0 = 0; s0 < steps; s0 += kBatch) {
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int s = s0 + i;
+      if (s < steps) {  // warp-uniform
+        const uint4 weights = ring[i];
+        issue(ring[i]);
+        float upcoming[kRows];
+        load_old(s + 1, upcoming);
+        float d[kRows];
+        dot8<T, kRows>(d, weights, xs, column_valid ? column : 0, kv);
+        const int local = s * per_step + slot;
+        const bool valid = column_valid && local < rows;
+#pragma unroll
+        for (int t = 0; t < kRows; ++t) {
+          float value = valid ? d[t] : 0.0f;
+          for (int offset = group >> 1; offset > 0; offset >>= 1) value += __shfl_xor_sync(kFullMask, value, offset);
+          d[t] = value;
+        }
+        if (column == 0 && local < rows) {
+#pragma unroll
+          for (int t = 0; t < kRows; ++t) store_y<T>(p, t, first + local, d[t], old[t]);
+        }
+#pragma unroll
+        for (int t = 0; t < kRows; ++t) old[t] = upcoming[t];
+      }
+    }
+  }
+}
+
+// --- launcher --------------------------------------------------------------------------------------
+
+struct Plan {
+  bool short_rows = false;
+  int warps = kDefaultWarps;
+  int split = 1;
+  int clusters = 1;
+  size_t shared = 0;
+};
+
+bool aligned_rows(const void* data, int64_t ld, int64_t rows) {
+  return reinterpret_cast<uintptr_t>(data) % 16 == 0 && (rows <= 1 || ld % 8 == 0);  // 8 x 2 bytes
+}
+
+// Why gemv() does not take these operands, or "" when it does.
+std::string unsupported(DType dtype, int64_t rows, int64_t n, int64_t k, const void* x, int64_t ldx, const void* w,
+                        int64_t ldw) {
+  std::ostringstream why;
+  if (dtype != DType::bf16 && dtype != DType::f16) {
+    why << "dtype " << dtype_name(dtype) << " (bf16 or f16 only)";
+  } else if (rows < 1 || rows > kGemvMaxRows) {
+    why << rows << " rows (1.." << kGemvMaxRows << ", kGemvMaxRows)";
+  } else if (n < 1 || n > INT_MAX) {
+    why << "n = " << n << " output columns (1.." << INT_MAX << ")";
+  } else if (k < 8 || k % 8 != 0) {
+    why << "k = " << k << " is not a positive multiple of 8";
+  } else if (k > kGemvMaxK) {
+    why << "k = " << k << " exceeds the limit kGemvMaxK = " << kGemvMaxK << " (x is staged in shared memory)";
+  } else if (x == nullptr || w == nullptr) {
+    why << (x == nullptr ? "x" : "W") << " is null";
+  } else if (ldx < k || ldw < k) {
+    why << (ldx < k ? "x" : "W") << " row stride " << (ldx < k ? ldx : ldw) << " is shorter than k = " << k;
+  } else if (!aligned_rows(x, ldx, rows)) {
+    why << "x rows are not 16-byte aligned (address " << x << ", row stride " << ldx << " elements)";
+  } else if (!aligned_rows(w, ldw, n)) {
+    why << "W rows are not 16-byte aligned (address " << w << ", row stride " << ldw << " elements)";
+  } else if (current_compute_capability() < 80) {
+    why << "compute capability " << current_compute_capability() << " (8.0 or later)";
+  }
+  return why.str();
+}
+
+// Vectors of the most loaded CTA with `split` CTAs per cluster over `grid` CTAs (long rows).
+int64_t most_vectors_per_cta(int64_t n, int64_t kv, int64_t grid, int split) {
+  const int64_t clusters = std::max<int64_t>(1, grid / split);
+  return ((n + clusters - 1) / clusters * kv + split - 1) / split;
+}
+
+// Not yet measured: split 2 where it lightens the most loaded CTA by 1 % or more (Kimi-K3's W_down on
+// 132 SMs: 27.5 rows per CTA against 28), 4 or 8 only where that saves 10 % more (few long rows: a
+// cluster of 4 or 8 may not find its SMs free in one GPC as readily).
+int choose_split(int64_t n, int64_t kv, int64_t grid) {
+  if (current_compute_capability() < 90) return 1;
+  int best = 1;
+  int64_t best_load = most_vectors_per_cta(n, kv, grid, 1);
+  for (int split = 2; split <= kMaxSplit && split <= grid; split *= 2) {
+    const int64_t load = most_vectors_per_cta(n, kv, grid, split);
+    const double keep = split == 2 ? 0.99 : 0.9;
+    if (static_cast<double>(load) < keep * static_cast<double>(best_load)) {
+      best = split;
+      best_load = load;
+    }
+  }
+  return best;
+}
+
+Plan choose_plan(int64_t rows, int64_t n, int64_t k, const GemvShape& shape) {
+  check_cluster_shape("GEMV", shape.warps, kMaxWarps, shape.split, shape.clusters);
+  Plan plan;
+  const int64_t kv = k / 8;
+  plan.short_rows = kv < kLongRowVectors;
+  // Shared memory: x, and for long rows each warp's ring and two partial sums per x row.
+  const size_t optin = static_cast<size_t>(current_shared_memory_optin());
+  const size_t x_bytes = static_cast<size_t>(rows * kv) * sizeof(uint4);
+  const size_t per_warp = plan.short_rows ? 0 : kRingBytesPerWarp + 2 * static_cast<size_t>(rows) * sizeof(float);
+  if (shape.warps > 0) {
+    plan.warps = shape.warps;
+  } else {
+    // As many warps as kDefaultWarps and the shared memory left by x allow (x of kGemvMaxK at four rows
+    // leaves room for 12).
+    const size_t fit = per_warp == 0 || x_bytes >= optin ? kDefaultWarps : (optin - x_bytes) / per_warp;
+    plan.warps = static_cast<int>(std::clamp<size_t>(fit, 1, kDefaultWarps));
+  }
+  const int64_t per_cta = int64_t{plan.warps} * 32 * kMinBatchSteps;
+  const int64_t grid = std::clamp<int64_t>((n * kv + per_cta - 1) / per_cta, 1, current_sm_count());
+  // Short rows never split a row: their kernel takes no clusters, whatever the shape asks.
+  plan.split = plan.short_rows ? 1 : (shape.split > 0 ? shape.split : choose_split(n, kv, grid));
+  const int64_t clusters = shape.clusters > 0 ? shape.clusters : std::max<int64_t>(1, grid / plan.split);
+  LATENTMOE_CHECK(clusters * plan.split <= INT_MAX, "GEMV: ", clusters, " clusters exceed the grid");
+  plan.clusters = static_cast<int>(clusters);
+  // The per-warp counters are 32-bit: the longest range (vectors, or rows for short rows) must fit.
+  const int64_t cluster_rows = (n + clusters - 1) / clusters;
+  const int64_t longest = plan.short_rows
+                              ? cluster_rows
+                              : (cluster_rows * kv + plan.split * plan.warps - 1) / (int64_t{plan.split} * plan.warps);
+  LATENTMOE_CHECK(longest <= INT_MAX - 64 * 32, "GEMV: ", n, " x ", k, " is too large for ", plan.clusters,
+                  " clusters of ", plan.split, " x ", plan.warps, " warps");
+  plan.shared = x_bytes + static_cast<size_t>(plan.warps) * per_warp;
+  LATENTMOE_CHECK(plan.shared <= optin, "GEMV: ", plan.shared, " bytes of shared memory (x and ", plan.warps,
+                  " warps' copy rings) exceed the device's ", optin);
+  return plan;
+}
+
+// Sets a kernel's dynamic shared-memory limit to the device's, once per device.
+void open_shared_memory(const void* kernel, std::atomic<uint64_t>* devices_done) {
+  int device = 0;
+  LATENTMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (devices_done->load(std::memory_order_acquire) & bit) != 0) return;
+  LATENTMOE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, current_shared_memory_optin()));
+  devices_done->fetch_or(bit, std::memory_order_acq_rel);
+}
+
+template <class T, int kRows>
+void launch(const GemvParams& params, const Plan& plan, cudaStream_t stream) {
+  static std::atomic<uint64_t> rows_done{0}, short_done{0};
+  auto* kernel = plan.short_rows ? gemv_short_kernel<T, kRows> : gemv_rows_kernel<T, kRows>;
+  open_shared_memory(reinterpret_cast<const void*>(kernel), plan.short_rows ? &short_done : &rows_done);
+  const unsigned split = static_cast<unsigned>(plan.split);
+  launch_kernel_clustered(plan.short_rows ? "gemv_short_kernel" : "gemv_rows_kernel", pdl_supported(), split, kernel,
+                          dim3(static_cast<unsigned>(plan.clusters) * split),
+                          dim3(static_cast<unsigned>(plan.warps * 32)), plan.shared, stream, params);
+}
+
+template <class T>
+void launch_rows(int64_t rows, const GemvParams& params, const Plan& plan, cudaStream_t stream) {
+  switch (rows) {
+    case 1:
+      return launch<T, 1>(params, plan, stream);
+    case 2:
+      return launch<T, 2>(params, plan, stream);
+    case 3:
+      return launch<T, 3>(params, plan, stream);
+    default:
+      return launch<T, 4>(params, plan, stream);
+  }
+}
+
+}  // namespace
+
+bool gemv_supported(DType dtype, int64_t rows, int64_t n, int64_t k, const void* x, int64_t ldx, const void* w,
+                    int64_t ldw) {
+  return unsupported(dtype, rows, n, k, x, ldx, w, ldw).empty();
+}
+
+void gemv(DType dtype, const void* x, int64_t ldx, int64_t rows, const void* w, int64_t ldw, int64_t n, int64_t k,
+          void* y, int64_t ldy, bool accumulate, cudaStream_t stream, const GemvShape& shape) {
+  const std::string why = unsupported(dtype, rows, n, k, x, ldx, w, ldw);
+  LATENTMOE_CHECK(why.empty(), "GEMV: not a GEMV problem: ", why);
+  LATENTMOE_CHECK(y != nullptr, "GEMV: y is null");
+  LATENTMOE_CHECK(ldy >= n, "GEMV: y row stride ", ldy, " is shorter than n = ", n);
+  static_assert(kGemvMaxRows == 4, "stage_x and launch_rows handle up to 4 rows");
+  const Plan plan = choose_plan(rows, n, k, shape);
+  GemvParams params;
+  params.x = x;
+  params.ldx = ldx;
+  params.w = w;
+  params.ldw = ldw;
+  params.y = y;
+  params.ldy = ldy;
+  params.n = n;
+  params.kv = static_cast<int>(k / 8);
+  params.split = plan.split;
+  params.group = 1;
+  while (params.group < params.kv) params.group *= 2;
+  params.accumulate = accumulate;
+  if (dtype == DType::bf16) {
+    launch_rows<__nv_bfloat16>(rows, params, plan, stream);
+  } else {
+    launch_rows<__half>(rows, params, plan, stream);
+  }
+}
+
+}  // namespace latentmoe::cuda

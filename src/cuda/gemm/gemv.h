@@ -1,0 +1,55 @@
+// The decode GEMV: a dense linear of 1..kGemvMaxRows rows that streams its weight matrix once, at the
+// read bandwidth, and starts streaming before the kernel before it on the stream has finished.
+//
+//   y[r, :] = x[r, :] · W^T  (+ y[r, :] when accumulate)   for r < rows
+//
+// W [n, k] row-major (row stride ldw), x [rows, k] (ldx), y [rows, n] (ldy); x, W and y of one dtype,
+// bf16 or f16. Numerics: products and sums in fp32, one rounding of each stored value; with accumulate
+// the fp32 sum of the old y and the product is rounded once (what cuBLASLt gives with beta = 1).
+// Deterministic: one launch shape (the default one on a given GPU) gives the same bits on every run.
+//
+// Programmatic dependent launch (src/cuda/common/pdl.cuh): every thread issues its first weight loads before
+// it waits for the previous kernel; x and y are read, and y written, only after the wait. So the
+// weights must not be written by the kernel just before this one (weights never are), and y must not
+// overlap x or W.
+//
+// No allocation, no host synchronisation: capturable in a CUDA graph. docs/CUDA_BACKEND.md, "Decode
+// GEMV", has the design; the kernel's comment in gemv.cu has the protocol.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "latentmoe/dtype.h"
+
+namespace latentmoe::cuda {
+
+// The most rows (tokens) one call takes.
+inline constexpr int kGemvMaxRows = 4;
+// The longest reduction: x (rows x k elements of the storage dtype, 128 KiB at most) is staged in
+// each CTA's shared memory.
+inline constexpr int64_t kGemvMaxK = 16384;
+
+// How a call is spread over the GPU; 0 lets the launcher choose (gemv.cu, "Work split"). Tests force
+// other shapes to reach every path; shapes agree within rounding, and one shape gives the same bits
+// on every run.
+struct GemvShape {
+  int warps = 0;     // warps per CTA, 1..16
+  int split = 0;     // CTAs per cluster that share whole rows: 1, or 2, 4, 8 on sm_90 and later
+  int clusters = 0;  // clusters in the grid
+};
+
+// True when gemv() takes these operands: bf16 or f16, 1..kGemvMaxRows rows, n >= 1, k a multiple of 8
+// in 8..kGemvMaxK, and every row of x and W 16-byte aligned (data pointer and row stride), on a GPU
+// of compute capability 8.0 or later. Otherwise the caller keeps cuBLASLt.
+bool gemv_supported(DType dtype, int64_t rows, int64_t n, int64_t k, const void* x, int64_t ldx, const void* w,
+                    int64_t ldw);
+
+// y (+)= x · W^T as above, enqueued on `stream`. Throws latentmoe::Error naming the problem when
+// gemv_supported() is false (which rule failed), when a stride is shorter than its row, or for an
+// impossible shape. Nothing is launched then.
+void gemv(DType dtype, const void* x, int64_t ldx, int64_t rows, const void* w, int64_t ldw, int64_t n, int64_t k,
+          void* y, int64_t ldy, bool accumulate, cudaStream_t stream, const GemvShape& shape = {});
+
+}  // namespace latentmoe::cuda

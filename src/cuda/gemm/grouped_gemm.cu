@@ -1,0 +1,285 @@
+// The grouped expert GEMMs' entry points: argument checks, the choice of engine and tile variant,
+// and the launch. No host synchronisation and no allocation: safe inside CUDA-graph capture.
+#include <algorithm>
+#include <array>
+#include <atomic>
+
+#include "cuda/common/device.h"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/grouped_gemm_launch.cuh"
+#include "cuda/gemm/grouped_gemm_wgmma_launch.cuh"
+#include "latentmoe/error.h"
+
+namespace latentmoe::cuda {
+namespace gg {
+
+void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  LATENTMOE_CHECK(err == cudaSuccess, what, ": launch failed: ", cudaGetErrorString(err));
+}
+
+namespace {
+
+int current_device() {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  LATENTMOE_CHECK(err == cudaSuccess, "grouped GEMM: cudaGetDevice failed: ", cudaGetErrorString(err));
+  return device;
+}
+
+}  // namespace
+
+void ensure_smem_limit(const void* kernel, int bytes, std::atomic<uint64_t>* done_mask) {
+  const int device = current_device();
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (done_mask->load(std::memory_order_acquire) & bit) != 0) return;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  LATENTMOE_CHECK(err == cudaSuccess, "grouped GEMM: cannot give a kernel ", bytes,
+                  " bytes of shared memory: ", cudaGetErrorString(err));
+  done_mask->fetch_or(bit, std::memory_order_acq_rel);
+}
+
+int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,
+                         int num_experts) {
+  // Expected m-tiles: touched experts (at most T*k) times the m-tiles of an average expert.
+  const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, launch.max_rows));
+  const int64_t mean_rows = (launch.max_rows + touched - 1) / touched;
+  const int64_t entries = touched * ((mean_rows + block_m - 1) / block_m);
+  // Two n-tiles per CTA paid off for the down projection at every size measured (one pipeline across
+  // the n-tile boundary, half the tile look-ups), as long as every SM still gets a CTA; a short k
+  // (fewer steps than twice the pipeline) asks for the same.
+  if (!launch.prefer_two_tiles && num_k_tiles >= 2 * stages) return 1;
+  if (n_tiles < 2 || entries * ((n_tiles + 1) / 2) < launch.sm_count) return 1;
+  return 2;
+}
+
+}  // namespace gg
+
+namespace detail {
+
+int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident) {
+  // The kernels are bound by streaming weights, and every CTA pays a fixed start (tile look-up, the
+  // first DRAM round trip) before it streams. So: no split while the tiles alone give most SMs a CTA;
+  // else as many splits as keep all CTAs in one wave (more bytes in flight, no second wave), each
+  // split keeping at least kMinKTiles k-tiles so that its copy pipeline fills before it drains.
+  constexpr int kMinKTiles = 4;
+  if (ctas <= 0 || resident <= 0 || 2 * ctas > resident) return 1;
+  const int64_t max_splits = std::max(1, num_k_tiles / kMinKTiles);
+  return static_cast<int>(std::clamp<int64_t>(resident / ctas, 1, max_splits));
+}
+
+std::string to_string(GemmVariant variant) {
+  switch (variant) {
+    case GemmVariant::automatic:
+      return "automatic";
+    case GemmVariant::simt:
+      return "simt";
+    case GemmVariant::mma_s:
+      return "mma_s";
+    case GemmVariant::mma_s_wide:
+      return "mma_s_wide";
+    case GemmVariant::mma_s_k128:
+      return "mma_s_k128";
+    case GemmVariant::mma_m32:
+      return "mma_m32";
+    case GemmVariant::mma_m:
+      return "mma_m";
+    case GemmVariant::mma_l4:
+      return "mma_l4";
+    case GemmVariant::mma_l:
+      return "mma_l";
+    case GemmVariant::mma_xl:
+      return "mma_xl";
+    case GemmVariant::wgmma:
+      return "wgmma";
+    case GemmVariant::wgmma_tall:
+      return "wgmma_tall";
+  }
+  return "unknown";
+}
+
+std::vector<GemmVariant> all_variants() {
+  return {GemmVariant::simt,    GemmVariant::mma_s, GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
+          GemmVariant::mma_m32, GemmVariant::mma_m, GemmVariant::mma_l4,     GemmVariant::mma_l,
+          GemmVariant::mma_xl,  GemmVariant::wgmma, GemmVariant::wgmma_tall};
+}
+
+GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
+                           int64_t intermediate, int64_t latent) {
+  if (dtype == DType::f32 || current_compute_capability() < 80) return GemmVariant::simt;
+  if (latent % 8 != 0 || intermediate % 8 != 0) return GemmVariant::simt;
+  // Measured on an H200 (docs/GROUPED_GEMM.md). Decode-sized batches: small m-tiles; deep copy
+  // pipelines (mma_s_k128) while the CTAs fit in about one wave, wider tiles (mma_s_wide) when there are
+  // many. Larger batches: m-tiles that cover a touched expert's mean row count.
+  // An expert gets at most one row per token (top-k picks distinct experts), so T bounds its rows.
+  const int64_t pairs = num_tokens * top_k;
+  const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, pairs));
+  const int64_t mean_rows = pairs / touched;
+  if (num_tokens <= 16) {
+    if (down) return GemmVariant::mma_s_wide;
+    const int64_t cols = gated ? 32 : 64;  // output columns of an mma_s_k128 gate/up CTA
+    const int64_t ctas = touched * ((intermediate + cols - 1) / cols);
+    return ctas <= 9 * current_sm_count() ? GemmVariant::mma_s_k128 : GemmVariant::mma_s_wide;
+  }
+  // Hopper, more than 96 rows per touched expert: the tall wgmma tiles (up to 256 rows, an expert's weights
+  // read once) where they measured faster than the 96-row tiles (H200, 4096 and 8192 tokens,
+  // bench/results/grouped_gemm_tall_aabf667.json): relu2's gate/up (Nemotron: 2-18 %) and a down
+  // projection into a latent of 2048 or more (Kimi: 8-10 %). Gated gate/up (Kimi: 3-5 % slower) and
+  // Nemotron's 1024-wide down (even at 4096, 1-12 % slower at 8192) keep the 96-row tiles.
+  if (mean_rows > 96 && wgmma_available() && (down ? latent >= 2048 : !gated)) return GemmVariant::wgmma_tall;
+  // Hopper, at least 16 rows per touched expert and 384 output columns: the wgmma kernel (5-23 % faster
+  // than mma.sync at 1024 and 4096 tokens; at 336 columns, Nemotron's I/8, mma.sync stays ahead).
+  const int64_t out_cols = down ? latent : intermediate;
+  if (mean_rows >= 16 && out_cols >= 384 && wgmma_available()) return GemmVariant::wgmma;
+  if (mean_rows <= 16) return GemmVariant::mma_s_wide;
+  if (mean_rows <= 48) return GemmVariant::mma_m;
+  return GemmVariant::mma_l4;
+}
+
+namespace {
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+void check_common(DType dtype, const MoeLayout& layout, const ExpertGemmWeights& w, const char* what) {
+  LATENTMOE_CHECK(is_compute_dtype(dtype), what, ": dtype ", dtype_name(dtype),
+                  " is not a compute dtype (f32, bf16, f16)");
+  LATENTMOE_CHECK(w.num_experts > 0 && layout.num_experts == w.num_experts, what, ": the layout has ",
+                  layout.num_experts, " experts but the weights have ", w.num_experts);
+  LATENTMOE_CHECK(layout.top_k > 0 && layout.num_tokens >= 0, what, ": bad layout (top_k ", layout.top_k,
+                  ", num_tokens ", layout.num_tokens, ")");
+  LATENTMOE_CHECK(
+      w.intermediate > 0 && w.latent > 0 && w.intermediate < (int64_t{1} << 30) && w.latent < (int64_t{1} << 30), what,
+      ": bad expert shape (intermediate ", w.intermediate, ", latent ", w.latent, ")");
+  LATENTMOE_CHECK(layout.num_tokens * layout.top_k < (int64_t{1} << 31), what, ": too many rows (", layout.num_tokens,
+                  " tokens x top_k ", layout.top_k, ")");
+  LATENTMOE_CHECK(layout.num_tokens == 0 || (layout.expert_offsets != nullptr && layout.sorted_pairs != nullptr), what,
+                  ": the layout's device arrays are missing");
+}
+
+// Points the launch at the split-K workspace (none when workspace is null).
+void attach_split_k(gg::MmaLaunch& launch, void* workspace, size_t workspace_bytes) {
+  if (workspace == nullptr) return;
+  LATENTMOE_CHECK(workspace_bytes >= gg::kSplitKWorkspaceBytes, "grouped GEMM: a workspace of ", workspace_bytes,
+                  " bytes is smaller than grouped_gemm_workspace_bytes() = ", gg::kSplitKWorkspaceBytes);
+  LATENTMOE_CHECK(aligned16(workspace), "grouped GEMM: the workspace is not 16-byte aligned");
+  launch.tile_counters = static_cast<int*>(workspace);
+  launch.num_tile_counters = gg::kSplitKCounters;
+  launch.partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + gg::kSplitKCounters * sizeof(int));
+  launch.partial_floats = gg::kSplitKPartialBytes / sizeof(float);
+}
+
+void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& args, int64_t num_tokens,
+         int64_t intermediate, int64_t latent, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  const bool down = mode == gg::Mode::plain;
+  GemmVariant variant = choice.variant;
+  if (variant == GemmVariant::automatic) {
+    variant = choose_variant(dtype, down, mode == gg::Mode::gated, num_tokens, args.top_k, args.num_experts,
+                             intermediate, latent);
+  }
+  const bool tensor_core_ok = dtype != DType::f32 && current_compute_capability() >= 80 && args.n % 8 == 0 &&
+                              args.k % 8 == 0 && aligned16(args.a) && aligned16(args.w0) &&
+                              (args.w1 == nullptr || aligned16(args.w1)) && aligned16(args.out);
+  const int64_t max_rows = num_tokens * args.top_k;
+  if (variant == GemmVariant::simt || !tensor_core_ok) {
+    gg::launch_simt(dtype, mode, args, max_rows, stream);
+    return;
+  }
+  gg::MmaLaunch launch;
+  launch.max_rows = max_rows;
+  launch.num_tokens = num_tokens;
+  launch.n_tiles_per_cta = choice.n_tiles_per_cta;
+  // Programmatic dependent launches on sm_90 (src/cuda/common/pdl.cuh): the gate/up kernel waits for the
+  // layout kernel before it looks up its tiles; the down kernel looks up its tiles (written two kernels
+  // back) and streams its first weights before it waits for gate/up. Both kernels (mma.sync and wgmma)
+  // trigger their dependent after their own wait.
+  const bool hopper = current_compute_capability() >= 90;
+  launch.programmatic = hopper;
+  launch.wait_before_tile = hopper && !down;
+  launch.trigger = hopper;
+  launch.sm_count = current_sm_count();
+  launch.prefer_two_tiles = down;
+  launch.k_splits = choice.k_splits;
+  attach_split_k(launch, workspace, workspace_bytes);
+  if (variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall) {
+    LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the ", detail::to_string(variant),
+                    " variant needs an sm_90 device and sm_90a code");
+    gg::launch_wgmma(dtype, variant == GemmVariant::wgmma_tall, mode, args, launch, stream);
+    return;
+  }
+  if (dtype == DType::bf16) {
+    gg::launch_mma_bf16(variant, mode, args, launch, stream);
+  } else {
+    gg::launch_mma_f16(variant, mode, args, launch, stream);
+  }
+}
+
+}  // namespace
+
+void grouped_gate_up_variant(GemmChoice choice, DType dtype, const latentmoe::detail::ActivationParams& act,
+                             const void* z, const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows,
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  check_common(dtype, layout, w, "grouped_gate_up");
+  if (layout.num_tokens == 0) return;
+  const bool gated = act.activation != Activation::relu2;
+  LATENTMOE_CHECK(w.up != nullptr && (!gated || w.gate != nullptr), "grouped_gate_up: the ",
+                  gated ? "gate or up" : "up", " weights are missing");
+  LATENTMOE_CHECK(z != nullptr && act_rows != nullptr, "grouped_gate_up: z or act_rows is null");
+  gg::KernelArgs args;
+  args.a = z;
+  args.w0 = gated ? w.gate : w.up;
+  args.w1 = gated ? w.up : nullptr;
+  args.out = act_rows;
+  args.expert_offsets = layout.expert_offsets;
+  args.sorted_pairs = layout.sorted_pairs;
+  args.top_k = layout.top_k;
+  args.num_experts = layout.num_experts;
+  args.n = static_cast<int>(w.intermediate);
+  args.k = static_cast<int>(w.latent);
+  args.situ = act.activation == Activation::situ;
+  args.situ_beta = act.situ_beta;
+  args.situ_linear_beta = act.situ_linear_beta;
+  run(choice, dtype, gated ? gg::Mode::gated : gg::Mode::relu2, args, layout.num_tokens, w.intermediate, w.latent,
+      workspace, workspace_bytes, stream);
+}
+
+void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, const MoeLayout& layout,
+                          const ExpertGemmWeights& w, void* y_rows, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream) {
+  check_common(dtype, layout, w, "grouped_down");
+  if (layout.num_tokens == 0) return;
+  LATENTMOE_CHECK(w.down != nullptr, "grouped_down: the down weights are missing");
+  LATENTMOE_CHECK(act_rows != nullptr && y_rows != nullptr, "grouped_down: act_rows or y_rows is null");
+  gg::KernelArgs args;
+  args.a = act_rows;
+  args.w0 = w.down;
+  args.out = y_rows;
+  args.expert_offsets = layout.expert_offsets;
+  args.sorted_pairs = nullptr;
+  args.top_k = layout.top_k;
+  args.num_experts = layout.num_experts;
+  args.n = static_cast<int>(w.latent);
+  args.k = static_cast<int>(w.intermediate);
+  run(choice, dtype, gg::Mode::plain, args, layout.num_tokens, w.intermediate, w.latent, workspace, workspace_bytes,
+      stream);
+}
+
+}  // namespace detail
+
+void grouped_gate_up(DType dtype, const latentmoe::detail::ActivationParams& act, const void* z,
+                     const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows, void* workspace,
+                     size_t workspace_bytes, cudaStream_t stream) {
+  detail::grouped_gate_up_variant(detail::GemmVariant::automatic, dtype, act, z, layout, w, act_rows, workspace,
+                                  workspace_bytes, stream);
+}
+
+void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, const ExpertGemmWeights& w, void* y_rows,
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  detail::grouped_down_variant(detail::GemmVariant::automatic, dtype, act_rows, layout, w, y_rows, workspace,
+                               workspace_bytes, stream);
+}
+
+size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts) {
+  return gg::kSplitKWorkspaceBytes;
+}
+
+}  // namespace latentmoe::cuda

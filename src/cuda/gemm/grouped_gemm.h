@@ -1,0 +1,113 @@
+// The grouped expert GEMMs of the routed experts: one launch computes every touched expert's
+// gate/up projection with the activation fused, one launch its down projection. Rows are grouped by
+// expert as the MoeLayout says (src/cuda/kernels/moe_layout.h); how many rows each expert has is known only on
+// the device, so every kernel finds its tile from expert_offsets on the device (no host sync, no
+// allocation, CUDA-graph capturable). docs/GROUPED_GEMM.md says how the engine was chosen.
+//
+// Engines, dispatched on the device's compute capability at run time:
+//   sm_80+ (bf16, f16): tensor-core kernels (mma.sync m16n8k16, fp32 accumulators, cp.async multi-stage
+//                       pipeline, swizzled shared memory). The tile shape is picked from the host-known
+//                       row bound (T) by a table measured on an H200 (grouped_gemm.cu).
+//   any GPU, f32, or shapes whose l or I_r is not a multiple of 8: a SIMT kernel in true fp32 (no TF32).
+// Any I_r and l are accepted: partial tiles are guarded inside, the caller never pads.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "cuda/kernels/moe_layout.h"
+#include "latentmoe/dtype.h"
+
+namespace latentmoe::cuda {
+
+// One rank's stacked routed-expert weights, row-major, in the compute dtype.
+struct ExpertGemmWeights {
+  const void* gate = nullptr;  // [E, I_r, l]; nullptr for relu2 (non-gated)
+  const void* up = nullptr;    // [E, I_r, l]
+  const void* down = nullptr;  // [E, l, I_r]
+  int64_t intermediate = 0;    // I_r
+  int64_t latent = 0;          // l
+  int num_experts = 0;         // E (must equal layout.num_experts)
+};
+
+// act_rows [T*k, I_r]: for grouped row i of expert e (expert_offsets[e] <= i < expert_offsets[e+1]),
+// a[i] = act(u·Wg_e^T, u·Wu_e^T) with u = z[sorted_pairs[i] / top_k] (z [T, l]); fp32 accumulation, the
+// activation applied to the fp32 accumulators, stored rounded to dtype. relu2: a = relu(u·Wu_e^T)^2.
+// Rows past expert_offsets[E] are not written.
+void grouped_gate_up(DType dtype, const latentmoe::detail::ActivationParams& act, const void* z,
+                     const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows, void* workspace,
+                     size_t workspace_bytes, cudaStream_t stream);
+
+// y_rows [T*k, l]: y[i] = a[i]·Wd_e^T, fp32 accumulation, stored in dtype. Rows past expert_offsets[E]
+// are not written.
+// Ordering: call it on the stream right after grouped_gate_up of the same layout. On sm_90 it is
+// launched as a programmatic dependent of the kernel before it: it reads expert_offsets and streams
+// its weights while that kernel finishes, and waits for it before reading act_rows or writing y_rows.
+// So nothing enqueued between the two calls may write the layout or the weights.
+void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, const ExpertGemmWeights& w, void* y_rows,
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// Workspace of the split-K reduction (tile counters and fp32 partial sums), which the tensor-core
+// kernels use when a problem has too few output tiles to fill the GPU (decode-sized batches). The
+// same size for every shape. It must be zero-filled once before its first use (cudaMemset); every
+// launch leaves it zeroed again. One workspace serves one stream: grouped_gate_up and grouped_down
+// of the same stream may share it. With workspace == nullptr the kernels run without split-K.
+size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts);
+
+// --- For the benchmark and the tests: run one named kernel variant instead of the automatic choice.
+namespace detail {
+
+enum class GemmVariant {
+  automatic,   // the table in grouped_gemm.cu
+  simt,        // fp32 SIMT (every dtype; the only engine for f32)
+  mma_s,       // mma.sync, 16-row tiles, 4 warps, 64 weight rows: small row counts (decode)
+  mma_s_wide,  // mma.sync, 16-row tiles, 4 warps, 128 weight rows
+  mma_s_k128,  // mma.sync, 16-row tiles, 4 warps, 64 weight rows, 128-deep k-tiles
+  mma_m32,     // mma.sync, 32-row tiles, 8 warps, 5 stages
+  mma_m,       // mma.sync, 64-row tiles, 8 warps
+  mma_l4,      // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
+  mma_l,       // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
+  mma_xl,      // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
+  wgmma,       // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N (<= 96)
+  wgmma_tall,  // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
+};
+
+// A variant, how many n-tiles one CTA computes (0: chosen from the shape) and how many CTAs split the
+// reduction of one output tile (0: chosen from the shape; 1: no split-K; more needs a workspace large
+// enough, else the call throws). Split-K runs one n-tile per CTA.
+struct GemmChoice {
+  GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0, int splits = 0)
+      : variant(v), n_tiles_per_cta(tiles_per_cta), k_splits(splits) {}
+  GemmVariant variant;
+  int n_tiles_per_cta;
+  int k_splits;
+};
+
+std::string to_string(GemmVariant variant);
+std::vector<GemmVariant> all_variants();
+// True when the current device can run GemmVariant::wgmma and wgmma_tall: compute capability 9.0 and a
+// binary that carries sm_90a code.
+bool wgmma_available();
+// Splits of the reduction for `ctas` output tiles of num_k_tiles k-tiles each, when `resident` CTAs fit
+// on the GPU at once: 1 when the tiles fill at least half of it, else as many as fit in one wave
+// (each split keeping at least 4 k-tiles).
+int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident);
+// The variant `automatic` resolves to for this problem on the current device.
+// gated: the gate/up projection of silu/situ (two weight matrices); false for relu2's and for down.
+GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
+                           int64_t intermediate, int64_t latent);
+
+void grouped_gate_up_variant(GemmChoice choice, DType dtype, const latentmoe::detail::ActivationParams& act,
+                             const void* z, const MoeLayout& layout, const ExpertGemmWeights& w, void* act_rows,
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream);
+void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, const MoeLayout& layout,
+                          const ExpertGemmWeights& w, void* y_rows, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream);
+
+}  // namespace detail
+}  // namespace latentmoe::cuda

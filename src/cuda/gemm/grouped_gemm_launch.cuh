@@ -1,0 +1,57 @@
+// Internal launchers of the grouped GEMM kernels (one per engine and dtype), used by grouped_gemm.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/grouped_gemm_common.cuh"
+
+namespace latentmoe::cuda::gg {
+
+struct MmaLaunch {
+  int64_t max_rows = 0;           // host-known bound on grouped rows (T * top_k): the grid covers every tile
+                                  // that many rows can make, and CTAs without a tile exit
+  int64_t num_tokens = 0;         // T (an expert has at most T rows when top-k ids are distinct)
+  int n_tiles_per_cta = 0;        // 0: chosen from the shape (choose_tiles_per_cta)
+  bool programmatic = false;      // launch with programmatic stream serialization (sm_90)
+  bool wait_before_tile = false;  // programmatic, and expert_offsets come from the kernel just before
+  bool trigger = false;           // let the next kernel launch early (sm_90)
+  bool prefer_two_tiles = false;  // the down projection: two n-tiles per CTA where the grid stays full
+  int sm_count = 0;
+  // Split-K (tensor-core kernels): 0 chosen from the shape, 1 off, > 1 forced; the workspace (null: off).
+  int k_splits = 0;
+  float* partials = nullptr;
+  size_t partial_floats = 0;
+  int* tile_counters = nullptr;
+  int64_t num_tile_counters = 0;
+};
+
+// The split-K workspace (grouped_gemm_workspace_bytes): tile counters, then fp32 partial sums.
+constexpr int64_t kSplitKCounters = 16384;
+constexpr size_t kSplitKPartialBytes = size_t{12} << 20;
+constexpr size_t kSplitKWorkspaceBytes = kSplitKCounters * sizeof(int) + kSplitKPartialBytes;
+
+void launch_mma_bf16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
+                     cudaStream_t stream);
+void launch_mma_f16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
+                    cudaStream_t stream);
+
+// n-tiles per CTA (1 or 2), from the shape and the expected number of m-tiles.
+int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,
+                         int num_experts);
+void launch_simt(DType dtype, Mode mode, const KernelArgs& args, int64_t max_rows, cudaStream_t stream);
+
+// Throws latentmoe::Error naming `what` if the last launch failed.
+void check_launch(const char* what);
+
+// Sets a kernel's dynamic shared-memory limit once per device.
+void ensure_smem_limit(const void* kernel, int bytes, std::atomic<uint64_t>* done_mask);
+
+inline int64_t tile_entries_bound(int64_t max_rows, int num_experts, int block_m) {
+  return (max_rows + block_m - 1) / block_m + (max_rows < num_experts ? max_rows : num_experts);
+}
+
+}  // namespace latentmoe::cuda::gg
