@@ -1,5 +1,6 @@
 // latentmoe: the command-line tool. Every failure ends with one line on stderr and exit code 1
 // (2 for a malformed command line).
+#include <cstdlib>
 #include <iostream>
 
 #include "commands.h"
@@ -8,6 +9,10 @@
 #include "version.h"
 
 int main(int argc, char** argv) {
+  // Ranks simulated on one GPU spin in their collectives while a peer's kernels start; with CUDA's
+  // lazy module loading, loading a kernel can wait for the spinning one (a deadlock until the
+  // timeout). Load every kernel at start-up unless the user chose otherwise.
+  setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   CLI::App app{"latentmoe: the Mixture-of-Experts block of latent-MoE models under tensor parallelism"};
   app.set_version_flag("--version", latentmoe::tools::version_string());
   app.require_subcommand(1);

@@ -34,6 +34,13 @@ class Communicator {
   virtual void all_gather(const TensorView& input, const TensorView& output, StreamHandle stream = nullptr) = 0;
   virtual void barrier(StreamHandle stream = nullptr) = 0;
 
+  // The check point of communicators whose collectives only enqueue work (GPU groups): throws Error
+  // naming the rank and the collective if one enqueued earlier has failed on the device (a peer
+  // never arrived within the timeout, or the group was aborted). Call it once the stream's work has
+  // completed (after a synchronisation the caller makes anyway, e.g. copying the output to the host).
+  // Communicators that fail synchronously (the in-process group) have nothing to report here.
+  virtual void check() {}
+
   // Gives up on the group after a failure on some rank: collectives blocked now or called later,
   // on every rank of the group, throw Error instead of waiting for peers that will never come.
   virtual void abort() = 0;

@@ -1,9 +1,12 @@
 #include "latentmoe/local_group.h"
 
 #include <algorithm>
+#include <barrier>
 #include <chrono>
+#include <optional>
 
 #include "latentmoe/error.h"
+#include "latentmoe/gpu_group.h"
 #include "latentmoe/in_process_group.h"
 
 namespace latentmoe {
@@ -17,13 +20,27 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
                   "hidden_states must be a rank-2 tensor [tokens, hidden_size]");
   validate_parallel(config, ParallelConfig{options.tp_size, 0, false});
   const BackendKind backend = resolve_backend_kind(options.backend);
-  LATENTMOE_CHECK(backend == BackendKind::cpu || options.tp_size == 1, "tp ", options.tp_size, " on the ",
-                  to_string(backend), " backend needs a device communicator, which is not built yet; ",
-                  "use --backend cpu or --tp 1");
   const int64_t num_tokens = inputs.hidden_states.size(0);
   const DType dtype = inputs.hidden_states.dtype();
 
-  auto group = make_in_process_group(options.tp_size);
+  // The CPU backend's ranks exchange host tensors; the CUDA backend's ranks run on one GPU, each with
+  // its own streams, their collectives on the device (latentmoe/gpu_group.h).
+  std::vector<std::unique_ptr<Communicator>> group;
+  int device_ordinal = -1;
+  if (backend == BackendKind::cuda && options.tp_size > 1) {
+    GpuGroupOptions group_options;
+    group_options.dtype = dtype;
+    group_options.capacity_elements =
+        std::max<int64_t>(num_tokens, 1) * std::max(config.hidden_size, config.latent_size);
+    group_options.timeout = default_collective_timeout();
+    group = make_simulated_gpu_group(options.tp_size, group_options);
+    device_ordinal = group_options.device;
+  } else {
+    group = make_in_process_group(options.tp_size);
+  }
+  // Every rank is built before any runs: a rank still constructing (allocating, loading kernels)
+  // while a peer's collective waits for it would only cost that peer its timeout.
+  std::barrier constructed(options.tp_size);
   std::vector<RankResult> results(options.tp_size);
   run_ranks(group, [&](int rank) {
     const ParallelConfig parallel{options.tp_size, rank, false};
@@ -31,7 +48,15 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
     runner_options.backend = backend;
     runner_options.policy = options.policy;
     runner_options.max_tokens = std::max<int64_t>(num_tokens, 1);
-    Runner runner(config, parallel, rank_weights(parallel), *group[rank], runner_options);
+    runner_options.device_ordinal = device_ordinal;
+    std::optional<Runner> runner;
+    try {
+      runner.emplace(config, parallel, rank_weights(parallel), *group[rank], runner_options);
+    } catch (...) {
+      constructed.arrive_and_drop();  // the peers go on; run_ranks aborts the group and reports this
+      throw;
+    }
+    constructed.arrive_and_wait();
 
     RankResult& result = results[rank];
     result.output = HostTensor(dtype, {num_tokens, config.hidden_size});
@@ -47,7 +72,7 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
     std::vector<double> times_ms;
     for (int run = 0; run < options.num_timed_runs; ++run) {
       const auto start = std::chrono::steady_clock::now();
-      result.tier = runner.forward_host(forward_inputs, forward_outputs);
+      result.tier = runner->forward_host(forward_inputs, forward_outputs);
       const auto stop = std::chrono::steady_clock::now();
       times_ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
     }

@@ -270,7 +270,8 @@ TailTier Runner::forward_host(const ForwardInputs& inputs, const ForwardOutputs&
   device_outputs.topk_ids = stage(outputs.topk_ids, staging.topk_ids, false);
   device_outputs.topk_weights = stage(outputs.topk_weights, staging.topk_weights, false);
   const TailTier tier = forward(device_inputs, device_outputs);
-  backend.copy(device_outputs.output, outputs.output);
+  backend.copy(device_outputs.output, outputs.output);  // synchronises: the forward has completed
+  state.comm.check();
   if (outputs.topk_ids.defined()) backend.copy(device_outputs.topk_ids, outputs.topk_ids);
   if (outputs.topk_weights.defined()) backend.copy(device_outputs.topk_weights, outputs.topk_weights);
   return tier;

@@ -1,0 +1,73 @@
+// One-shot Lamport collectives between the ranks of a tensor-parallel group whose buffers every
+// rank can load and store (ranks simulated on one GPU today; GPUs with peer access next). Host
+// interface; includable from C++. The protocol and its invariants open src/cuda/comm/lamport.cu.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "latentmoe/dtype.h"
+
+namespace latentmoe::cuda {
+
+inline constexpr int kMaxLamportRanks = 16;
+// Receive slots in rotation (DESIGN section 2): a rank clears the slot of its previous call while
+// peers may already write the next one.
+inline constexpr int kLamportSlots = 3;
+
+// The plain parameter struct a collective kernel reaches its peers through, bound once when the
+// group is built: kernels depend on no communication library.
+struct LamportPeers {
+  int rank = 0;
+  int size = 1;
+  // Each rank's receive area: kLamportSlots slots x size source regions x capacity_bytes.
+  void* recv[kMaxLamportRanks] = {};
+  int64_t capacity_bytes = 0;  // one source region; a multiple of 16
+  // This rank's device words: [0] epoch (calls completed), [1] CTAs arrived in the current call,
+  // [2 + s] bytes per source region that the last call through slot s used (to be cleared).
+  uint32_t* state = nullptr;
+  const volatile int* abort = nullptr;  // the group's abort flag (host-mapped): non-zero releases every wait
+  int* status = nullptr;                // this rank's error word (host-mapped): 0, or lamport_status()
+  uint64_t timeout_ns = 0;              // the longest a wait may spin before the call fails
+};
+
+enum class LamportOp : int { all_reduce = 1, reduce_scatter = 2, all_gather = 3, barrier = 4 };
+
+// The error word a failed call leaves in LamportPeers::status.
+enum class LamportFailure : int { timeout = 1, aborted = 2 };
+inline constexpr int lamport_status(LamportFailure failure, LamportOp op) {
+  return (static_cast<int>(op) << 8) | static_cast<int>(failure);
+}
+
+struct LamportCall {
+  LamportOp op = LamportOp::all_reduce;
+  DType dtype = DType::bf16;
+  // all_reduce: in, out [rows, cols] (out may alias in);
+  // reduce_scatter: in [rows, cols], out [rows, cols/size] = this rank's column block of the sum;
+  // all_gather: in [rows, cols/size] = this rank's block, out [rows, cols].
+  const void* in = nullptr;
+  int64_t ld_in = 0;
+  void* out = nullptr;
+  int64_t ld_out = 0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  // all_reduce only: out = RMSNorm(sum) · gamma when gamma is set (the fused AR + RMSNorm).
+  const void* gamma = nullptr;
+  DType gamma_dtype = DType::f32;
+  float eps = 1e-5f;
+};
+
+// Bytes one source region must hold for `call` (the message a rank sends to one peer).
+int64_t lamport_message_bytes(const LamportCall& call, int size);
+
+// Enqueues `call` on `stream`; every rank of the group must enqueue the same sequence of calls.
+// Throws Error for a dtype other than f32/bf16/f16, a message larger than capacity_bytes, or shapes
+// the op cannot take; device failures (timeout, abort) surface in *status.
+void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStream_t stream);
+
+// Fills a receive area with the sentinel of `dtype` (-0.0), enqueued on `stream`.
+void lamport_fill_sentinel(void* recv, size_t bytes, DType dtype, cudaStream_t stream);
+
+}  // namespace latentmoe::cuda

@@ -1,0 +1,225 @@
+// make_simulated_gpu_group (latentmoe/gpu_group.h): tp ranks on one GPU exchanging through the
+// Lamport kernels of lamport.cu. The group's memory (receive areas, per-rank device words, the
+// host-mapped abort flag and error words) is owned by one shared object that lives as long as any of
+// the ranks' communicators.
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstring>
+#include <string>
+
+#include "cuda/comm/lamport.h"
+#include "cuda/common/cuda_check.h"
+#include "cuda/common/device.h"
+#include "latentmoe/error.h"
+#include "latentmoe/gpu_group.h"
+
+namespace latentmoe {
+namespace {
+
+using cuda::LamportCall;
+using cuda::LamportOp;
+using cuda::LamportPeers;
+
+constexpr int kStateWords = 8;
+
+struct GroupMemory {
+  int device = 0;
+  int size = 0;
+  DType dtype = DType::bf16;
+  int64_t capacity_bytes = 0;
+  uint64_t timeout_ns = 0;
+  std::array<void*, cuda::kMaxLamportRanks> recv{};
+  uint32_t* state = nullptr;     // [size][kStateWords]
+  void* barrier_data = nullptr;  // [size][16 bytes]: the payload of barrier()
+  int* host_flags = nullptr;     // host-mapped: [0] abort, [1 + r] rank r's status
+  int* device_flags = nullptr;   // the same memory as the device sees it
+
+  ~GroupMemory() {
+    cuda::DeviceGuard guard(device);
+    (void)cudaDeviceSynchronize();  // no kernel of the group may still run
+    for (void* area : recv)
+      if (area != nullptr) (void)cudaFree(area);
+    if (state != nullptr) (void)cudaFree(state);
+    if (barrier_data != nullptr) (void)cudaFree(barrier_data);
+    if (host_flags != nullptr) (void)cudaFreeHost(host_flags);
+  }
+};
+
+std::string_view op_name(int op) {
+  switch (static_cast<LamportOp>(op)) {
+    case LamportOp::all_reduce:
+      return "all-reduce";
+    case LamportOp::reduce_scatter:
+      return "reduce-scatter";
+    case LamportOp::all_gather:
+      return "all-gather";
+    case LamportOp::barrier:
+      return "barrier";
+  }
+  return "collective";
+}
+
+class SimulatedGpuCommunicator final : public Communicator {
+ public:
+  SimulatedGpuCommunicator(std::shared_ptr<GroupMemory> memory, int rank) : memory_(std::move(memory)), rank_(rank) {
+    const GroupMemory& m = *memory_;
+    peers_.rank = rank;
+    peers_.size = m.size;
+    for (int r = 0; r < m.size; ++r) peers_.recv[r] = m.recv[r];
+    peers_.capacity_bytes = m.capacity_bytes;
+    peers_.state = m.state + rank * kStateWords;
+    peers_.abort = m.device_flags;
+    peers_.status = m.device_flags + 1 + rank;
+    peers_.timeout_ns = m.timeout_ns;
+  }
+
+  int size() const override { return memory_->size; }
+  int rank() const override { return rank_; }
+
+  void all_reduce_sum(const TensorView& buffer, StreamHandle stream) override {
+    LamportCall call = call_for(LamportOp::all_reduce, buffer, "all-reduce buffer");
+    call.in = buffer.data();
+    call.ld_in = row_stride(buffer);
+    call.out = buffer.data();
+    call.ld_out = call.ld_in;
+    enqueue(call, stream);
+  }
+
+  void reduce_scatter_sum(const TensorView& input, const TensorView& output, StreamHandle stream) override {
+    LamportCall call = call_for(LamportOp::reduce_scatter, input, "reduce-scatter input");
+    check_shard(output, call.rows, call.cols, "reduce-scatter output");
+    call.in = input.data();
+    call.ld_in = row_stride(input);
+    call.out = output.data();
+    call.ld_out = row_stride(output);
+    enqueue(call, stream);
+  }
+
+  void all_gather(const TensorView& input, const TensorView& output, StreamHandle stream) override {
+    LamportCall call = call_for(LamportOp::all_gather, output, "all-gather output");
+    check_shard(input, call.rows, call.cols, "all-gather input");
+    call.in = input.data();
+    call.ld_in = row_stride(input);
+    call.out = output.data();
+    call.ld_out = row_stride(output);
+    enqueue(call, stream);
+  }
+
+  void barrier(StreamHandle stream) override {
+    LamportCall call;
+    call.op = LamportOp::barrier;
+    call.dtype = memory_->dtype;
+    call.in = static_cast<char*>(memory_->barrier_data) + 16 * rank_;
+    call.rows = 1;
+    call.cols = 16 / static_cast<int64_t>(dtype_size(memory_->dtype));
+    call.ld_in = call.cols;
+    enqueue(call, stream);
+  }
+
+  void abort() override {
+    // Host-mapped: every spinning kernel of the group sees it without any stream operation.
+    reinterpret_cast<volatile int*>(memory_->host_flags)[0] = 1;
+  }
+
+  void check() override {
+    const int status = reinterpret_cast<volatile int*>(memory_->host_flags)[1 + rank_];
+    if (status == 0) return;
+    const int failure = status & 0xff, op = status >> 8;
+    if (failure == static_cast<int>(cuda::LamportFailure::aborted)) {
+      detail::throw_error("rank ", rank_, ": the GPU ", op_name(op), " was aborted: another rank of the group failed");
+    }
+    detail::throw_error("rank ", rank_, ": the GPU ", op_name(op), " timed out after ", memory_->timeout_ns / 1000000,
+                        " ms waiting for its peers (a rank never arrived)");
+  }
+
+  // The group's plain parameters (fused kernels of the CUDA backend reach the peers through them).
+  const LamportPeers& peers() const { return peers_; }
+
+ private:
+  static int64_t row_stride(const TensorView& view) { return view.rank() == 2 ? view.stride(0) : view.numel(); }
+
+  // rows x cols of a rank-1 or rank-2 device tensor of the group's dtype with a contiguous last dim.
+  LamportCall call_for(LamportOp op, const TensorView& view, const char* what) const {
+    check_view(view, what);
+    LamportCall call;
+    call.op = op;
+    call.dtype = view.dtype();
+    call.rows = view.rank() == 2 ? view.size(0) : 1;
+    call.cols = view.rank() == 2 ? view.size(1) : view.numel();
+    LATENTMOE_CHECK(op == LamportOp::all_reduce || call.cols % memory_->size == 0, "rank ", rank_, ": ", what, " ",
+                    view.shape_string(), " does not split into ", memory_->size, " column blocks");
+    return call;
+  }
+
+  void check_view(const TensorView& view, const char* what) const {
+    LATENTMOE_CHECK(view.defined() && view.device() == Device::cuda, "rank ", rank_, ": the GPU group's ", what,
+                    " must be a device tensor");
+    LATENTMOE_CHECK(view.dtype() == memory_->dtype, "rank ", rank_, ": the GPU group's ", what, " has dtype ",
+                    dtype_name(view.dtype()), " but the group was built for ", dtype_name(memory_->dtype));
+    LATENTMOE_CHECK(view.rank() <= 2 && (view.rank() == 1 || view.stride(1) == 1), "rank ", rank_, ": the GPU group's ",
+                    what, " must be rank 1 or 2 with a contiguous last dimension");
+  }
+
+  void check_shard(const TensorView& shard, int64_t rows, int64_t cols, const char* what) const {
+    check_view(shard, what);
+    const int64_t shard_rows = shard.rank() == 2 ? shard.size(0) : 1;
+    const int64_t shard_cols = shard.rank() == 2 ? shard.size(1) : shard.numel();
+    LATENTMOE_CHECK(shard_rows == rows && shard_cols * memory_->size == cols, "rank ", rank_, ": the GPU group's ",
+                    what, " ", shard.shape_string(), " is not a 1/", memory_->size, " column block of [", rows, ", ",
+                    cols, "]");
+  }
+
+  void enqueue(const LamportCall& call, StreamHandle stream) {
+    cuda::DeviceGuard guard(memory_->device);
+    cuda::launch_lamport(peers_, call, static_cast<cudaStream_t>(stream));
+  }
+
+  std::shared_ptr<GroupMemory> memory_;
+  int rank_;
+  LamportPeers peers_;
+};
+
+}  // namespace
+
+std::vector<std::unique_ptr<Communicator>> make_simulated_gpu_group(int tp_size, const GpuGroupOptions& options) {
+  LATENTMOE_CHECK(tp_size >= 1 && tp_size <= cuda::kMaxLamportRanks, "GPU group: tp ", tp_size, " is outside 1..",
+                  cuda::kMaxLamportRanks);
+  LATENTMOE_CHECK(options.capacity_elements >= 1, "GPU group: capacity_elements must be at least 1, got ",
+                  options.capacity_elements);
+  LATENTMOE_CHECK(is_compute_dtype(options.dtype), "GPU group: dtype ", dtype_name(options.dtype),
+                  " is not F32, BF16 or F16");
+  LATENTMOE_CHECK(options.timeout.count() > 0, "GPU group: the timeout must be positive");
+  const int num_devices = cuda::cuda_device_count();
+  LATENTMOE_CHECK(options.device >= 0 && options.device < num_devices, "GPU group: CUDA device ", options.device,
+                  " does not exist (", num_devices, " found)");
+
+  auto memory = std::make_shared<GroupMemory>();
+  GroupMemory& m = *memory;
+  m.device = options.device;
+  m.size = tp_size;
+  m.dtype = options.dtype;
+  m.capacity_bytes = (options.capacity_elements * static_cast<int64_t>(dtype_size(options.dtype)) + 15) / 16 * 16;
+  m.timeout_ns = static_cast<uint64_t>(options.timeout.count()) * 1000000ull;
+  cuda::DeviceGuard guard(options.device);
+  const size_t area_bytes = static_cast<size_t>(cuda::kLamportSlots) * tp_size * m.capacity_bytes;
+  for (int r = 0; r < tp_size; ++r) {
+    LATENTMOE_CUDA_CHECK(cudaMalloc(&m.recv[r], area_bytes));
+    cuda::lamport_fill_sentinel(m.recv[r], area_bytes, options.dtype, nullptr);
+  }
+  LATENTMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&m.state), sizeof(uint32_t) * kStateWords * tp_size));
+  LATENTMOE_CUDA_CHECK(cudaMemset(m.state, 0, sizeof(uint32_t) * kStateWords * tp_size));
+  LATENTMOE_CUDA_CHECK(cudaMalloc(&m.barrier_data, 16 * static_cast<size_t>(tp_size)));
+  LATENTMOE_CUDA_CHECK(cudaMemset(m.barrier_data, 0, 16 * static_cast<size_t>(tp_size)));
+  LATENTMOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&m.host_flags), sizeof(int) * (1 + tp_size),
+                                     cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(m.host_flags, 0, sizeof(int) * (1 + tp_size));
+  LATENTMOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&m.device_flags), m.host_flags, 0));
+  LATENTMOE_CUDA_CHECK(cudaDeviceSynchronize());
+
+  std::vector<std::unique_ptr<Communicator>> group;
+  for (int r = 0; r < tp_size; ++r) group.push_back(std::make_unique<SimulatedGpuCommunicator>(memory, r));
+  return group;
+}
+
+}  // namespace latentmoe

@@ -1,0 +1,230 @@
+// The GPU group with ranks simulated on one GPU (latentmoe/gpu_group.h): every collective against
+// sums computed here in rank order, bit-identical on every rank, through many calls (the receive
+// slots rotate and sizes change between calls); a rank that never arrives gives its peers a timeout
+// Error within a second; an abort releases a waiting rank; and the whole layer at tp 2, 4 and 8,
+// every tier, against the CPU runner.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "cuda_test_util.h"
+#include "latentmoe/compare.h"
+#include "latentmoe/error.h"
+#include "latentmoe/gpu_group.h"
+#include "latentmoe/in_process_group.h"
+#include "latentmoe/local_group.h"
+#include "latentmoe/weights.h"
+#include "layer_test_util.h"
+
+namespace latentmoe::cuda::testing {
+namespace {
+
+// One rank's device side: its own stream and tensors.
+struct Rank {
+  std::unique_ptr<Backend> device = detail::make_cuda_backend(0);
+  cudaStream_t stream = nullptr;
+  Rank() { EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess); }
+  ~Rank() { cudaStreamDestroy(stream); }
+};
+
+float rounded(float value, DType dtype) {
+  HostTensor one(dtype, {1});
+  store_from_float(one.data(), dtype, 0, value);
+  return load_as_float(one.data(), dtype, 0);
+}
+
+// Runs `body(rank)` on one thread per rank (the ranks' launches interleave as they would in a
+// process with one thread per GPU).
+void on_rank_threads(int tp, const std::function<void(int)>& body) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < tp; ++r) threads.emplace_back(body, r);
+  for (auto& thread : threads) thread.join();
+}
+
+class GpuGroupCollectives : public ::testing::TestWithParam<std::tuple<int, DType>> {};
+
+TEST_P(GpuGroupCollectives, match_rank_order_sums_bit_identically_over_many_calls) {
+  LATENTMOE_REQUIRE_GPU();
+  const auto [tp, dtype] = GetParam();
+  const int64_t kCols = 24 * tp;  // every op splits it into tp column blocks
+  const std::vector<int64_t> rows_per_call = {1, 3, 17, 2, 5, 1, 9};
+  GpuGroupOptions options;
+  options.dtype = dtype;
+  options.capacity_elements = 17 * kCols;
+  options.timeout = std::chrono::milliseconds(5000);
+  auto group = make_simulated_gpu_group(tp, options);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int r = 0; r < tp; ++r) ranks.push_back(std::make_unique<Rank>());
+
+  for (size_t call = 0; call < rows_per_call.size(); ++call) {
+    const int64_t rows = rows_per_call[call];
+    SCOPED_TRACE("call " + std::to_string(call) + ", rows " + std::to_string(rows));
+    std::vector<HostTensor> inputs;
+    for (int r = 0; r < tp; ++r) {
+      inputs.push_back(random_tensor(dtype, {rows, kCols}, static_cast<uint32_t>(1000 * call + r)));
+      // A -0.0 payload must arrive (as a zero), not be taken for the sentinel.
+      store_from_float(inputs.back().data(), dtype, 0, -0.0f);
+    }
+    HostTensor gamma = random_tensor(DType::f32, {kCols}, 77, 0.5f, 1.5f);
+    std::vector<HostTensor> reduced(tp), normed(tp), scattered(tp), gathered(tp);
+    on_rank_threads(tp, [&](int r) {
+      Rank& rank = *ranks[r];
+      Communicator& comm = *group[r];
+      DeviceTensor in = upload(*rank.device, inputs[r]);
+      DeviceTensor sum = device_empty(*rank.device, dtype, {rows, kCols});
+      DeviceTensor norm = device_empty(*rank.device, dtype, {rows, kCols});
+      DeviceTensor shard = device_empty(*rank.device, dtype, {rows, kCols / tp});
+      DeviceTensor all = device_empty(*rank.device, dtype, {rows, kCols});
+      DeviceTensor g = upload(*rank.device, gamma);
+      ASSERT_EQ(
+          cudaMemcpyAsync(sum.view.data(), in.view.data(), sum.buffer.bytes(), cudaMemcpyDeviceToDevice, rank.stream),
+          cudaSuccess);
+      comm.all_reduce_sum(sum.view, rank.stream);  // in place
+      comm.reduce_scatter_sum(in.view, shard.view, rank.stream);
+      comm.all_gather(shard.view, all.view, rank.stream);
+      ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
+      comm.check();
+      reduced[r] = download(*rank.device, sum.view);
+      scattered[r] = download(*rank.device, shard.view);
+      gathered[r] = download(*rank.device, all.view);
+    });
+    // Rank-order fp32 sums rounded once.
+    HostTensor expected(dtype, {rows, kCols});
+    for (int64_t i = 0; i < rows * kCols; ++i) {
+      float sum = 0.0f;
+      for (int r = 0; r < tp; ++r) sum += load_as_float(inputs[r].data(), dtype, i);
+      store_from_float(expected.data(), dtype, i, sum);
+    }
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_TRUE(bitwise_equal(reduced[r].view(), expected.view())) << "all-reduce, rank " << r;
+      EXPECT_TRUE(bitwise_equal(gathered[r].view(), expected.view())) << "reduce-scatter + all-gather, rank " << r;
+      HostTensor block(dtype, {rows, kCols / tp});
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t c = 0; c < kCols / tp; ++c)
+          store_from_float(block.data(), dtype, t * (kCols / tp) + c,
+                           load_as_float(expected.data(), dtype, t * kCols + r * (kCols / tp) + c));
+      EXPECT_TRUE(bitwise_equal(scattered[r].view(), block.view())) << "reduce-scatter, rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(TpAndDtype, GpuGroupCollectives,
+                         ::testing::Combine(::testing::Values(2, 4, 8),
+                                            ::testing::Values(DType::bf16, DType::f16, DType::f32)),
+                         [](const auto& info) {
+                           return "tp" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  name_of(std::get<1>(info.param));
+                         });
+
+TEST(GpuGroup, a_rank_that_never_arrives_times_out_its_peers_within_a_second) {
+  LATENTMOE_REQUIRE_GPU();
+  GpuGroupOptions options;
+  options.dtype = DType::bf16;
+  options.capacity_elements = 1024;
+  options.timeout = std::chrono::milliseconds(200);
+  auto group = make_simulated_gpu_group(4, options);
+  Rank ranks[3];
+  std::vector<DeviceTensor> buffers;
+  for (Rank& rank : ranks) buffers.push_back(device_empty(*rank.device, DType::bf16, {2, 64}));
+  const auto start = std::chrono::steady_clock::now();
+  // Ranks 0-2 arrive, each on its own stream; rank 3 never does.
+  for (int r = 0; r < 3; ++r) group[r]->all_reduce_sum(buffers[r].view, ranks[r].stream);
+  for (Rank& rank : ranks) ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 1.0);
+  for (int r = 0; r < 3; ++r) {
+    try {
+      group[r]->check();
+      ADD_FAILURE() << "rank " << r << " did not report the timeout";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("timed out"), std::string::npos) << error.what();
+      EXPECT_NE(std::string(error.what()).find("rank " + std::to_string(r)), std::string::npos) << error.what();
+    }
+  }
+  EXPECT_NO_THROW(group[3]->check());
+}
+
+TEST(GpuGroup, abort_releases_a_waiting_rank) {
+  LATENTMOE_REQUIRE_GPU();
+  GpuGroupOptions options;
+  options.dtype = DType::f32;
+  options.capacity_elements = 1024;
+  options.timeout = std::chrono::milliseconds(20000);
+  auto group = make_simulated_gpu_group(2, options);
+  Rank rank;
+  DeviceTensor buffer = device_empty(*rank.device, DType::f32, {1, 32});
+  group[0]->all_reduce_sum(buffer.view, rank.stream);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto start = std::chrono::steady_clock::now();
+  group[1]->abort();
+  ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
+  EXPECT_THROW(group[0]->check(), Error);
+}
+
+TEST(GpuGroup, rejects_what_it_cannot_carry) {
+  LATENTMOE_REQUIRE_GPU();
+  GpuGroupOptions options;
+  options.dtype = DType::bf16;
+  options.capacity_elements = 64;
+  auto group = make_simulated_gpu_group(2, options);
+  Rank rank;
+  DeviceTensor big = device_empty(*rank.device, DType::bf16, {2, 64});
+  DeviceTensor f32 = device_empty(*rank.device, DType::f32, {1, 8});
+  EXPECT_THROW(group[0]->all_reduce_sum(big.view, rank.stream), Error);  // over capacity
+  EXPECT_THROW(group[0]->all_reduce_sum(f32.view, rank.stream), Error);  // not the group's dtype
+  HostTensor host(DType::bf16, {1, 8});
+  EXPECT_THROW(group[0]->all_reduce_sum(host.view(), rank.stream), Error);  // not on the device
+  EXPECT_THROW(make_simulated_gpu_group(17, options), Error);
+}
+
+// The whole layer on simulated ranks, every tier, against the CPU runner at the same tp.
+class GpuGroupLayer : public ::testing::TestWithParam<std::tuple<int, DType>> {};
+
+TEST_P(GpuGroupLayer, every_tier_matches_the_cpu_runner_and_ranks_agree) {
+  LATENTMOE_REQUIRE_GPU();
+  const auto [tp, dtype] = GetParam();
+  uint64_t seed = 10 * tp;
+  for (const LayerConfig& config :
+       {latentmoe::testing::kimi_like_config(), latentmoe::testing::nemotron_like_config()}) {
+    if (config.hidden_size % tp != 0 || config.latent_size % tp != 0 || config.intermediate_size % tp != 0 ||
+        config.shared_intermediate_size % tp != 0)
+      continue;
+    const LayerWeights weights = make_random_layer_weights(config, dtype, ++seed);
+    for (int64_t tokens : {int64_t{1}, int64_t{3}, int64_t{17}}) {
+      LocalGroupInputs inputs = latentmoe::testing::random_inputs(config, tokens, dtype, ++seed);
+      for (TailTier tier :
+           {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap, TailTier::column_parallel}) {
+        SCOPED_TRACE(std::string(to_string(config.activation)) + ", tp " + std::to_string(tp) + ", " + name_of(dtype) +
+                     ", T " + std::to_string(tokens) + ", " + std::string(to_string(tier)));
+        LocalGroupOptions options;
+        options.tp_size = tp;
+        options.tier = tier;
+        auto shard = [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, config, parallel); };
+        options.backend = BackendKind::cpu;
+        const auto ref = run_local_group(config, shard, inputs, options);
+        options.backend = BackendKind::cuda;
+        const auto got = run_local_group(config, shard, inputs, options);
+        ASSERT_EQ(got.size(), static_cast<size_t>(tp));
+        for (int r = 0; r < tp; ++r) {
+          EXPECT_TRUE(bitwise_equal(got[r].output.view(), got[0].output.view())) << "rank " << r << " differs";
+          EXPECT_EQ(got[r].tier, tier);
+        }
+        EXPECT_EQ(count_non_finite(got[0].output), 0);
+        EXPECT_LT(relative_error(got[0].output, ref[0].output), tolerance(dtype));
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(TpAndDtype, GpuGroupLayer,
+                         ::testing::Combine(::testing::Values(2, 4, 8), ::testing::Values(DType::bf16, DType::f32)),
+                         [](const auto& info) {
+                           return "tp" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  name_of(std::get<1>(info.param));
+                         });
+
+}  // namespace
+}  // namespace latentmoe::cuda::testing
