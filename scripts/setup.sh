@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(cmake make g++ nlohmann-json3-dev libcli11-dev libgtest-dev)
+packages=(cmake make g++ nlohmann-json3-dev libcli11-dev libgtest-dev python3 clang-format)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/backend.h"
@@ -104,5 +105,32 @@ inline int64_t count_non_finite(const HostTensor& tensor) {
 inline double tolerance(DType dtype) { return dtype == DType::f32 ? 1e-5 : 1e-2; }
 
 inline std::string name_of(DType dtype) { return std::string(dtype_name(dtype)); }
+
+// dense_mlp of `gpu` against `cpu` on seeded random inputs x [tokens, d] (in [-2, 2)) and weights
+// (in [-0.15, 0.15)): every output written, finite and within tolerance(dtype). The caller prepares
+// the workspace and picks the path (cuBLASLt or the skinny kernels) through the backend's knobs.
+inline void check_dense_mlp(CudaBackend& gpu, Backend& cpu, Activation act, DType dtype, int64_t tokens, int64_t d,
+                            int64_t inter, uint32_t seed) {
+  SCOPED_TRACE(std::string(to_string(act)) + ", " + name_of(dtype) + ", T = " + std::to_string(tokens) +
+               ", d = " + std::to_string(d) + ", Is = " + std::to_string(inter));
+  ::latentmoe::detail::ActivationParams activation;
+  activation.activation = act;
+  const bool gated = act != Activation::relu2;
+  const HostTensor x = random_tensor(dtype, {tokens, d}, seed, -2.0f, 2.0f);
+  const HostTensor gate = random_tensor(dtype, {inter, d}, seed + 1, -0.15f, 0.15f);
+  const HostTensor up = random_tensor(dtype, {inter, d}, seed + 2, -0.15f, 0.15f);
+  const HostTensor down = random_tensor(dtype, {d, inter}, seed + 3, -0.15f, 0.15f);
+  HostTensor ref(dtype, {tokens, d});
+  cpu.dense_mlp(activation, x.view(),
+                ::latentmoe::detail::MlpWeights{gated ? gate.view() : TensorView(), up.view(), down.view()},
+                ref.view());
+  DeviceTensor dx = upload(gpu, x), dgate = upload(gpu, gate), dup = upload(gpu, up), ddown = upload(gpu, down);
+  DeviceTensor dout = poisoned(gpu, dtype, {tokens, d});
+  gpu.dense_mlp(activation, dx.view,
+                ::latentmoe::detail::MlpWeights{gated ? dgate.view : TensorView(), dup.view, ddown.view}, dout.view);
+  const HostTensor out = download(gpu, dout.view);
+  EXPECT_EQ(count_non_finite(out), 0);
+  EXPECT_LT(relative_error(out, ref), tolerance(dtype));
+}
 
 }  // namespace latentmoe::cuda::testing

@@ -4,9 +4,11 @@
 // ||out - ref|| / ||ref|| (f32 under 1e-5, bf16/f16 under 1e-2).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/common/device.h"
@@ -189,30 +191,6 @@ HostTensor normal_logits(int64_t tokens, int64_t outputs, uint32_t seed) {
   return logits;
 }
 
-TEST_F(CudaOps, route_matches_cpu_exactly) {
-  const RouteCase cases[] = {
-      {"kimi_sigmoid_bias", ScoringFunc::sigmoid, true, 896, 0, 16, 1, 1, true, 1.0f},
-      {"nemotron_sigmoid", ScoringFunc::sigmoid, false, 512, 0, 22, 1, 1, true, 5.0f},
-      {"longcat_softmax_zero_experts", ScoringFunc::softmax, false, 768, 288, 12, 1, 1, false, 6.0f},
-      {"deepseek_groups", ScoringFunc::sigmoid, true, 256, 0, 8, 8, 4, true, 2.5f},
-      {"k32_groups_zero_experts", ScoringFunc::softmax, true, 1024, 32, 32, 8, 3, true, 1.0f},
-      {"k1", ScoringFunc::sigmoid, true, 64, 8, 1, 1, 1, false, 1.0f},
-  };
-  uint32_t seed = 100;
-  for (const RouteCase& c : cases) {
-    const RoutingParams params = params_of(c);
-    const int64_t outputs = c.num_experts + c.num_zero_experts;
-    const HostTensor bias = random_tensor(DType::f32, {outputs}, ++seed, -0.2f, 0.2f);
-    for (int64_t tokens : kTokenCounts) {
-      SCOPED_TRACE(std::string(c.name) + ", T = " + std::to_string(tokens));
-      const HostTensor logits = normal_logits(tokens, outputs, ++seed);
-      const RouteResult ref = route_on(*cpu_, false, params, logits, c.bias ? &bias : nullptr);
-      const RouteResult got = route_on(*gpu_, true, params, logits, c.bias ? &bias : nullptr);
-      expect_same_routing(got, ref);
-    }
-  }
-}
-
 TEST_F(CudaOps, route_ties_go_to_the_lower_index) {
   RoutingParams params;
   params.num_experts = 8;
@@ -267,10 +245,12 @@ TEST_F(CudaOps, route_rejects_impossible_parameters) {
   params.num_experts = 64;
   params.top_k = 33;
   const HostTensor logits = normal_logits(2, 64, 3);
-  EXPECT_THROW(route_on(*gpu_, true, params, logits, nullptr), Error);  // top_k > 32
+  EXPECT_THROW(route_on(*gpu_, true, params, logits, nullptr), Error);  // top_k > 32: the kernels' limit
+#ifndef NDEBUG  // the runner validates the config; the backend checks it again in debug builds only
   params.top_k = 4;
   params.n_group = 5;  // does not divide 64
   EXPECT_THROW(route_on(*gpu_, true, params, logits, nullptr), Error);
+#endif
 }
 
 // Both route kernels (forced), and the automatic choice, against the reference.
@@ -309,30 +289,38 @@ HostTensor tied_logits(int64_t tokens, int64_t outputs, uint32_t seed) {
   return logits;
 }
 
-TEST_F(CudaOps, route_block_and_warp_kernels_match_cpu) {
-  // E+Z = 896 (Kimi), 512 (Nemotron), odd 37, 1056 and 2500 (2 and 3 outputs per thread), 4096 (4).
-  const RouteCase cases[] = {
-      {"kimi_896_k16", ScoringFunc::sigmoid, true, 896, 0, 16, 1, 1, true, 2.827f},
-      {"nemotron_512_k22", ScoringFunc::sigmoid, true, 512, 0, 22, 1, 1, true, 5.0f},
-      {"odd_37_k1", ScoringFunc::sigmoid, false, 37, 0, 1, 1, 1, true, 1.0f},
-      {"odd_37_zero_k16", ScoringFunc::softmax, true, 30, 7, 16, 1, 1, false, 1.0f},
-      {"softmax_1056_zero_k12", ScoringFunc::softmax, false, 768, 288, 12, 1, 1, true, 6.0f},
-      {"groups_896_k16", ScoringFunc::sigmoid, true, 896, 0, 16, 8, 4, true, 1.0f},
-      {"groups_size1_64", ScoringFunc::sigmoid, true, 64, 0, 8, 64, 8, true, 1.0f},
-      {"groups_2500_k32", ScoringFunc::softmax, true, 2400, 100, 32, 20, 3, true, 1.0f},
-      {"wide_4096_k22", ScoringFunc::sigmoid, true, 4000, 96, 22, 1, 1, true, 1.0f},
-  };
-  uint32_t seed = 900;
-  for (const RouteCase& c : cases) {
+// Routing against the reference, exactly: through the backend (its automatic kernel choice) on the
+// configurations of the supported models, and on each route kernel forced (block, warp) over odd and
+// wide E+Z, groups and zero experts, with normal and with tied logits.
+struct RouteSuite {
+  const char* name;
+  std::vector<RouteCase> cases;
+  std::vector<int64_t> tokens;
+  bool forced_kernels;  // false: the backend's route(); true: each kernel through route_with_path
+  bool with_ties;       // also tied logits (tied_logits)
+  uint32_t seed;
+};
+
+class Route : public CudaOps, public ::testing::WithParamInterface<RouteSuite> {};
+
+TEST_P(Route, matches_cpu_exactly) {
+  const RouteSuite& suite = GetParam();
+  uint32_t seed = suite.seed;
+  for (const RouteCase& c : suite.cases) {
     const RoutingParams params = params_of(c);
     const int64_t outputs = c.num_experts + c.num_zero_experts;
     const HostTensor bias = random_tensor(DType::f32, {outputs}, ++seed, -0.2f, 0.2f);
-    for (int64_t tokens : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{64}}) {
+    const HostTensor* b = c.bias ? &bias : nullptr;
+    for (int64_t tokens : suite.tokens) {
       for (bool ties : {false, true}) {
+        if (ties && !suite.with_ties) continue;
         SCOPED_TRACE(std::string(c.name) + ", T = " + std::to_string(tokens) + (ties ? ", tied logits" : ""));
         const HostTensor logits = ties ? tied_logits(tokens, outputs, ++seed) : normal_logits(tokens, outputs, ++seed);
-        const HostTensor* b = c.bias ? &bias : nullptr;
         const RouteResult ref = route_on(*cpu_, false, params, logits, b);
+        if (!suite.forced_kernels) {
+          expect_same_routing(route_on(*gpu_, true, params, logits, b), ref);
+          continue;
+        }
         {
           SCOPED_TRACE("block kernel");
           expect_same_routing(route_with_path(*gpu_, RoutePath::block, params, logits, b), ref);
@@ -345,6 +333,41 @@ TEST_F(CudaOps, route_block_and_warp_kernels_match_cpu) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Suites, Route,
+    ::testing::Values(
+        RouteSuite{"models_through_the_backend",
+                   {
+                       {"kimi_sigmoid_bias", ScoringFunc::sigmoid, true, 896, 0, 16, 1, 1, true, 1.0f},
+                       {"nemotron_sigmoid", ScoringFunc::sigmoid, false, 512, 0, 22, 1, 1, true, 5.0f},
+                       {"longcat_softmax_zero_experts", ScoringFunc::softmax, false, 768, 288, 12, 1, 1, false, 6.0f},
+                       {"deepseek_groups", ScoringFunc::sigmoid, true, 256, 0, 8, 8, 4, true, 2.5f},
+                       {"k32_groups_zero_experts", ScoringFunc::softmax, true, 1024, 32, 32, 8, 3, true, 1.0f},
+                       {"k1", ScoringFunc::sigmoid, true, 64, 8, 1, 1, 1, false, 1.0f},
+                   },
+                   {1, 3, 17, 133},
+                   false,
+                   false,
+                   100},
+        // E+Z = 896 (Kimi), 512 (Nemotron), odd 37, 1056 and 2500 (2 and 3 outputs per thread), 4096 (4).
+        RouteSuite{"block_and_warp_kernels",
+                   {
+                       {"kimi_896_k16", ScoringFunc::sigmoid, true, 896, 0, 16, 1, 1, true, 2.827f},
+                       {"nemotron_512_k22", ScoringFunc::sigmoid, true, 512, 0, 22, 1, 1, true, 5.0f},
+                       {"odd_37_k1", ScoringFunc::sigmoid, false, 37, 0, 1, 1, 1, true, 1.0f},
+                       {"odd_37_zero_k16", ScoringFunc::softmax, true, 30, 7, 16, 1, 1, false, 1.0f},
+                       {"softmax_1056_zero_k12", ScoringFunc::softmax, false, 768, 288, 12, 1, 1, true, 6.0f},
+                       {"groups_896_k16", ScoringFunc::sigmoid, true, 896, 0, 16, 8, 4, true, 1.0f},
+                       {"groups_size1_64", ScoringFunc::sigmoid, true, 64, 0, 8, 64, 8, true, 1.0f},
+                       {"groups_2500_k32", ScoringFunc::softmax, true, 2400, 100, 32, 20, 3, true, 1.0f},
+                       {"wide_4096_k22", ScoringFunc::sigmoid, true, 4000, 96, 22, 1, 1, true, 1.0f},
+                   },
+                   {1, 2, 7, 8, 9, 64},
+                   true,
+                   true,
+                   900}),
+    [](const ::testing::TestParamInfo<RouteSuite>& info) { return info.param.name; });
 
 TEST_F(CudaOps, route_automatic_path_crosses_its_thresholds) {
   // Around kRouteBlockMaxTokens (block below, warp above) and above kRouteBlockMaxOutputs (warp only).
@@ -482,39 +505,56 @@ TEST_F(CudaOps, f32_linear_is_not_tf32) {
 
 // --- dense MLP ------------------------------------------------------------------------------------
 
-TEST_F(CudaOps, dense_mlp_matches_cpu_for_every_activation_and_dtype) {
-  const int64_t d = 336, intermediate = 192;
+// The shared expert on both of its paths: cuBLASLt + the elementwise activation (skinny kernels off;
+// f32, bf16, f16 up to 133 tokens) and the skinny kernels (every decode-sized call; 16-bit only, 1-8
+// tokens, n and k odd multiples of 8).
+struct DenseMlpSuite {
+  const char* name;
+  bool skinny;
+  std::vector<DType> dtypes;
+  std::vector<int64_t> tokens;
+  int64_t d, intermediate;
+  uint32_t seed;
+};
+
+class DenseMlp : public ::testing::TestWithParam<DenseMlpSuite> {
+ protected:
+  void SetUp() override {
+    LATENTMOE_REQUIRE_GPU();
+    gpu_ = std::make_unique<CudaBackend>(0);
+    cpu_ = make_cpu_backend();
+  }
+  std::unique_ptr<CudaBackend> gpu_;
+  std::unique_ptr<Backend> cpu_;
+};
+
+TEST_P(DenseMlp, matches_cpu_for_every_activation_and_dtype) {
+  const DenseMlpSuite& suite = GetParam();
+  if (suite.skinny) {
+    gpu_->set_skinny_always(true);
+  } else {
+    gpu_->set_skinny_max_tokens(0);
+  }
   WorkspaceSpec spec;
-  spec.max_tokens = 133;
-  spec.dense_intermediate = intermediate;
+  spec.max_tokens = *std::max_element(suite.tokens.begin(), suite.tokens.end());
+  spec.dense_intermediate = suite.intermediate;
   gpu_->prepare(spec);
-  uint32_t seed = 600;
+  uint32_t seed = suite.seed;
   for (Activation act : {Activation::silu, Activation::situ, Activation::relu2}) {
-    ActivationParams activation;
-    activation.activation = act;
-    for (DType dtype : kDTypes) {
-      for (int64_t tokens : {int64_t{1}, int64_t{17}, int64_t{133}}) {
-        SCOPED_TRACE(std::string(to_string(act)) + ", " + name_of(dtype) + ", T = " + std::to_string(tokens));
-        const HostTensor x = random_tensor(dtype, {tokens, d}, ++seed, -2.0f, 2.0f);
-        const HostTensor gate = random_tensor(dtype, {intermediate, d}, ++seed, -0.2f, 0.2f);
-        const HostTensor up = random_tensor(dtype, {intermediate, d}, ++seed, -0.2f, 0.2f);
-        const HostTensor down = random_tensor(dtype, {d, intermediate}, ++seed, -0.2f, 0.2f);
-        const bool gated = act != Activation::relu2;
-        HostTensor ref(dtype, {tokens, d});
-        cpu_->dense_mlp(activation, x.view(), MlpWeights{gated ? gate.view() : TensorView(), up.view(), down.view()},
-                        ref.view());
-        DeviceTensor dx = upload(*gpu_, x), dgate = upload(*gpu_, gate), dup = upload(*gpu_, up),
-                     ddown = upload(*gpu_, down);
-        DeviceTensor dout = poisoned(*gpu_, dtype, {tokens, d});
-        gpu_->dense_mlp(activation, dx.view, MlpWeights{gated ? dgate.view : TensorView(), dup.view, ddown.view},
-                        dout.view);
-        const HostTensor out = download(*gpu_, dout.view);
-        EXPECT_EQ(count_non_finite(out), 0);
-        EXPECT_LT(relative_error(out, ref), tolerance(dtype));
+    for (DType dtype : suite.dtypes) {
+      for (int64_t tokens : suite.tokens) {
+        check_dense_mlp(*gpu_, *cpu_, act, dtype, tokens, suite.d, suite.intermediate, seed += 5);
       }
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Paths, DenseMlp,
+                         ::testing::Values(
+                             DenseMlpSuite{
+                                 "cublaslt", false, {DType::f32, DType::bf16, DType::f16}, {1, 17, 133}, 336, 192, 600},
+                             DenseMlpSuite{"skinny", true, {DType::bf16, DType::f16}, {1, 4, 8}, 520, 336, 200}),
+                         [](const ::testing::TestParamInfo<DenseMlpSuite>& info) { return info.param.name; });
 
 // --- RMSNorm, add, add_scaled_rows ----------------------------------------------------------------
 
@@ -622,7 +662,12 @@ TEST_F(CudaOps, add_scaled_rows_matches_cpu_and_skips_zero_scales) {
   }
 }
 
-TEST_F(CudaOps, operations_reject_host_tensors_and_bad_dtypes) {
+// The runner validates every argument; the operations check them again in debug builds only
+// (LATENTMOE_DEBUG_CHECK, src/cuda/common/debug_check.h).
+TEST_F(CudaOps, operations_reject_host_tensors_and_bad_dtypes_in_debug_builds) {
+#ifdef NDEBUG
+  GTEST_SKIP() << "argument checks of the backend operations are debug-only";
+#endif
   const HostTensor host = random_tensor(DType::f32, {3, 8}, 1);
   DeviceTensor device = upload(*gpu_, host);
   DeviceTensor ints = device_empty(*gpu_, DType::i32, {3, 8});

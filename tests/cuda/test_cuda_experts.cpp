@@ -282,34 +282,57 @@ TEST_F(CudaExperts, routed_experts_match_cpu_on_a_wider_bf16_problem) {
   run_routed_experts_case(*gpu_, *cpu_, {128, 0, 16, 512, 384}, Activation::situ, DType::bf16, 64, 77);
 }
 
-TEST_F(CudaExperts, a_token_with_only_zero_experts_gets_zero) {
+// A token whose every id is a zero expert gets exactly 0 (not the poison), on both paths: the grouped
+// GEMMs (skinny kernels off; f32) and the skinny kernels (every decode-sized call; bf16).
+struct ZeroExpertCase {
+  const char* name;
+  bool skinny;
+  DType dtype;
+  int64_t latent, intermediate;
+};
+
+class ZeroExperts : public CudaExperts, public ::testing::WithParamInterface<ZeroExpertCase> {};
+
+TEST_P(ZeroExperts, a_token_with_only_zero_experts_gets_zero) {
+  const ZeroExpertCase& c = GetParam();
+  if (c.skinny) {
+    gpu_->set_skinny_always(true);
+  } else {
+    gpu_->set_skinny_max_tokens(0);
+  }
+  const int64_t l = c.latent, inter = c.intermediate;
   WorkspaceSpec spec;
-  spec.max_tokens = 4;
+  spec.max_tokens = 2;
   spec.num_experts = 4;
   spec.top_k = 2;
-  spec.latent_size = 16;
-  spec.expert_intermediate = 8;
+  spec.latent_size = l;
+  spec.expert_intermediate = inter;
   gpu_->prepare(spec);
   HostTensor ids(DType::i32, {2, 2});
   const int32_t values[] = {4, 5, 1, 6};  // token 0: zero experts only; token 1: expert 1 and a zero expert
   std::copy(values, values + 4, ids.data_as<int32_t>());
   const HostTensor weights = random_tensor(DType::f32, {2, 2}, 3, 0.5f, 1.0f);
-  const HostTensor z = random_tensor(DType::f32, {2, 16}, 4);
-  const HostTensor gate = random_tensor(DType::f32, {4, 8, 16}, 5);
-  const HostTensor up = random_tensor(DType::f32, {4, 8, 16}, 6);
-  const HostTensor down = random_tensor(DType::f32, {4, 16, 8}, 7);
-  HostTensor ref(DType::f32, {2, 16});
+  const HostTensor z = random_tensor(c.dtype, {2, l}, 4);
+  const HostTensor gate = random_tensor(c.dtype, {4, inter, l}, 5);
+  const HostTensor up = random_tensor(c.dtype, {4, inter, l}, 6);
+  const HostTensor down = random_tensor(c.dtype, {4, l, inter}, 7);
+  HostTensor ref(c.dtype, {2, l});
   cpu_->routed_experts(ActivationParams{}, z.view(), ids.view(), weights.view(),
                        MlpWeights{gate.view(), up.view(), down.view()}, ref.view());
   DeviceTensor dz = upload(*gpu_, z), dgate = upload(*gpu_, gate), dup = upload(*gpu_, up), ddown = upload(*gpu_, down),
                dids = upload(*gpu_, ids), dweights = upload(*gpu_, weights);
-  DeviceTensor dout = poisoned(*gpu_, DType::f32, {2, 16});
+  DeviceTensor dout = poisoned(*gpu_, c.dtype, {2, l});
   gpu_->routed_experts(ActivationParams{}, dz.view, dids.view, dweights.view,
                        MlpWeights{dgate.view, dup.view, ddown.view}, dout.view);
   const HostTensor out = download(*gpu_, dout.view);
-  for (int64_t c = 0; c < 16; ++c) EXPECT_EQ(out.data_as<float>()[c], 0.0f) << c;
-  EXPECT_LT(relative_error(out, ref), 1e-5);
+  for (int64_t col = 0; col < l; ++col) EXPECT_EQ(value_at(out, col), 0.0f) << col;
+  EXPECT_LT(relative_error(out, ref), tolerance(c.dtype));
 }
+
+INSTANTIATE_TEST_SUITE_P(Paths, ZeroExperts,
+                         ::testing::Values(ZeroExpertCase{"grouped_f32", false, DType::f32, 16, 8},
+                                           ZeroExpertCase{"skinny_bf16", true, DType::bf16, 64, 32}),
+                         [](const ::testing::TestParamInfo<ZeroExpertCase>& info) { return info.param.name; });
 
 TEST_F(CudaExperts, routed_experts_need_a_prepared_workspace) {
   const int64_t latent = 256;

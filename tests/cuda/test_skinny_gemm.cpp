@@ -1,8 +1,10 @@
 // The skinny kernels (cuda/gemm/skinny_gemm.h) against the CPU reference: dense projections (linear, with
-// accumulation and a strided output), the dense MLP and the routed experts at 1-8 tokens, every
-// activation, bf16 and f16, shapes whose n is not a multiple of 16 and whose k is not a multiple of 32,
-// shared, repeated and zero experts; that the backend takes them for decode-sized batches (bit-identical
-// to the direct call) and falls back when it must; graph replay with new routings; bad arguments.
+// accumulation and a strided output) and the routed experts at 1-8 tokens, every activation, bf16 and
+// f16, shapes whose n is not a multiple of 16 and whose k is not a multiple of 32, shared, repeated and
+// zero experts; every launch shape (dense MLP included); that the backend takes them for decode-sized
+// batches (bit-identical to the direct call) and falls back when it must; graph replay with new
+// routings; bad arguments. The dense MLP's activation matrix is test_cuda_backend.cpp's DenseMlp/skinny,
+// a token of zero experts test_cuda_experts.cpp's ZeroExperts/skinny_bf16.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -17,6 +19,7 @@
 #include "cuda/common/device.h"
 #include "cuda/gemm/skinny_gemm.h"
 #include "cuda_test_util.h"
+#include "latentmoe/compare.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda::testing {
@@ -25,10 +28,6 @@ namespace {
 using ::latentmoe::detail::ActivationParams;
 using ::latentmoe::detail::make_cpu_backend;
 using ::latentmoe::detail::MlpWeights;
-
-bool bytes_equal(const HostTensor& a, const HostTensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
-}
 
 // topk_ids [tokens, k] drawn from [0, E + Z): distinct per token unless `repeats`.
 HostTensor draw_ids(int64_t tokens, int64_t k, int64_t num_experts, int64_t num_zero, uint32_t seed, bool repeats) {
@@ -75,7 +74,7 @@ class Skinny : public ::testing::Test {
     skinny_down(dtype, SkinnyRouting{}, {dx.view.data(), k}, tokens, SkinnyWeights{nullptr, dw.view.data(), n, k, k, 0},
                 dy_direct.view.data(), ld_out, accumulate, stream(), shape_);
     const HostTensor got = download(*gpu_, dy.view), direct = download(*gpu_, dy_direct.view);
-    EXPECT_TRUE(bytes_equal(got, direct)) << "the backend did not take the skinny kernel";
+    EXPECT_TRUE(bitwise_equal(got.view(), direct.view())) << "the backend did not take the skinny kernel";
     HostTensor block(dtype, {tokens, n}), ref_only(dtype, {tokens, n});
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t c = 0; c < ld_out; ++c) {
@@ -92,29 +91,6 @@ class Skinny : public ::testing::Test {
     }
     EXPECT_EQ(count_non_finite(block), 0);
     EXPECT_LT(relative_error(block, ref_only), tolerance(dtype));
-  }
-
-  void check_dense_mlp(Activation act, DType dtype, int64_t tokens, int64_t d, int64_t inter, uint32_t seed) {
-    SCOPED_TRACE(std::string(to_string(act)) + ", " + name_of(dtype) + ", T = " + std::to_string(tokens) +
-                 ", d = " + std::to_string(d) + ", Is = " + std::to_string(inter));
-    ActivationParams activation;
-    activation.activation = act;
-    const bool gated = act != Activation::relu2;
-    const HostTensor x = random_tensor(dtype, {tokens, d}, seed, -2.0f, 2.0f);
-    const HostTensor gate = random_tensor(dtype, {inter, d}, seed + 1, -0.15f, 0.15f);
-    const HostTensor up = random_tensor(dtype, {inter, d}, seed + 2, -0.15f, 0.15f);
-    const HostTensor down = random_tensor(dtype, {d, inter}, seed + 3, -0.15f, 0.15f);
-    HostTensor ref(dtype, {tokens, d});
-    cpu_->dense_mlp(activation, x.view(), MlpWeights{gated ? gate.view() : TensorView(), up.view(), down.view()},
-                    ref.view());
-    DeviceTensor dx = upload(*gpu_, x), dgate = upload(*gpu_, gate), dup = upload(*gpu_, up),
-                 ddown = upload(*gpu_, down);
-    DeviceTensor dout = poisoned(*gpu_, dtype, {tokens, d});
-    gpu_->dense_mlp(activation, dx.view, MlpWeights{gated ? dgate.view : TensorView(), dup.view, ddown.view},
-                    dout.view);
-    const HostTensor out = download(*gpu_, dout.view);
-    EXPECT_EQ(count_non_finite(out), 0);
-    EXPECT_LT(relative_error(out, ref), tolerance(dtype));
   }
 
   // routed_experts with the skinny kernels, and (the same inputs) with them turned off.
@@ -162,7 +138,7 @@ class Skinny : public ::testing::Test {
     gpu_->set_skinny_max_tokens(kSkinnyMaxRows);
     const HostTensor grouped = download(*gpu_, dgrouped.view);
     EXPECT_LT(relative_error(grouped, ref), tolerance(dtype));
-    if (latent * inter >= 4096) EXPECT_FALSE(bytes_equal(out, grouped));
+    if (latent * inter >= 4096) EXPECT_FALSE(bitwise_equal(out.view(), grouped.view()));
   }
 
   // Every later skinny call, through the backend or direct, with this launch shape.
@@ -192,22 +168,6 @@ TEST_F(Skinny, linear_accumulates_into_a_strided_column_block) {
   check_linear(DType::bf16, 3, 250, 520, true, 264, 7);
   check_linear(DType::f16, 8, 64, 96, true, 72, 8);
   check_linear(DType::bf16, 2, 64, 96, false, 80, 9);
-}
-
-TEST_F(Skinny, dense_mlp_matches_cpu_for_every_activation) {
-  uint32_t seed = 200;
-  for (Activation act : {Activation::silu, Activation::situ, Activation::relu2}) {
-    for (DType dtype : {DType::bf16, DType::f16}) {
-      for (int64_t tokens : {1, 4, 8}) {
-        WorkspaceSpec spec;
-        spec.max_tokens = 8;
-        spec.element_size = 2;
-        spec.dense_intermediate = 336;
-        gpu_->prepare(spec);
-        check_dense_mlp(act, dtype, tokens, 520, 336, seed += 5);
-      }
-    }
-  }
 }
 
 TEST_F(Skinny, routed_experts_match_cpu_for_every_activation_and_dtype) {
@@ -256,8 +216,8 @@ TEST_F(Skinny, every_launch_shape_matches_cpu) {
     spec.element_size = 2;
     spec.dense_intermediate = 336;
     gpu_->prepare(spec);
-    check_dense_mlp(Activation::situ, DType::bf16, 5, 520, 336, seed += 5);
-    check_dense_mlp(Activation::relu2, DType::bf16, 2, 264, 336, seed += 5);
+    check_dense_mlp(*gpu_, *cpu_, Activation::situ, DType::bf16, 5, 520, 336, seed += 5);
+    check_dense_mlp(*gpu_, *cpu_, Activation::relu2, DType::bf16, 2, 264, 336, seed += 5);
     check_routed(Activation::silu, DType::bf16, 8, 20, 2, 6, 520, 200, seed += 10, /*repeats=*/true);
     check_routed(Activation::relu2, DType::f16, 1, 64, 0, 22, 1000, 336, seed += 10);
   }
@@ -277,7 +237,7 @@ TEST_F(Skinny, a_launch_shape_gives_the_same_bits_every_run) {
                 stream(), shape);
     skinny_down(DType::bf16, SkinnyRouting{}, {dx.view.data(), k}, tokens, weights, second.view.data(), n, false,
                 stream(), shape);
-    EXPECT_TRUE(bytes_equal(download(*gpu_, first.view), download(*gpu_, second.view)));
+    EXPECT_TRUE(bitwise_equal(download(*gpu_, first.view).view(), download(*gpu_, second.view).view()));
   }
 }
 
@@ -299,40 +259,10 @@ TEST_F(Skinny, the_default_rule_keeps_a_linear_on_cublaslt) {
   skinny_down(DType::bf16, SkinnyRouting{}, {dx.view.data(), 1024}, 1,
               SkinnyWeights{nullptr, dw.view.data(), 512, 1024, 1024, 0}, skinny.view.data(), 512, false, stream());
   const HostTensor rule_out = download(*gpu_, by_rule.view), off_out = download(*gpu_, off.view);
-  EXPECT_TRUE(bytes_equal(rule_out, off_out));
+  EXPECT_TRUE(bitwise_equal(rule_out.view(), off_out.view()));
   EXPECT_EQ(count_non_finite(rule_out), 0);
   EXPECT_LT(relative_error(download(*gpu_, skinny.view), rule_out), 1e-2);
   gpu_->set_skinny_always(true);
-}
-
-TEST_F(Skinny, a_token_with_only_zero_experts_gets_zero) {
-  WorkspaceSpec spec;
-  spec.max_tokens = 2;
-  spec.element_size = 2;
-  spec.num_experts = 4;
-  spec.top_k = 2;
-  spec.latent_size = 64;
-  spec.expert_intermediate = 32;
-  gpu_->prepare(spec);
-  HostTensor ids(DType::i32, {2, 2});
-  const int32_t values[] = {4, 5, 1, 6};  // token 0: zero experts only; token 1: expert 1 and a zero expert
-  std::copy(values, values + 4, ids.data_as<int32_t>());
-  const HostTensor weights = random_tensor(DType::f32, {2, 2}, 3, 0.5f, 1.0f);
-  const HostTensor z = random_tensor(DType::bf16, {2, 64}, 4);
-  const HostTensor gate = random_tensor(DType::bf16, {4, 32, 64}, 5);
-  const HostTensor up = random_tensor(DType::bf16, {4, 32, 64}, 6);
-  const HostTensor down = random_tensor(DType::bf16, {4, 64, 32}, 7);
-  HostTensor ref(DType::bf16, {2, 64});
-  cpu_->routed_experts(ActivationParams{}, z.view(), ids.view(), weights.view(),
-                       MlpWeights{gate.view(), up.view(), down.view()}, ref.view());
-  DeviceTensor dz = upload(*gpu_, z), dgate = upload(*gpu_, gate), dup = upload(*gpu_, up), ddown = upload(*gpu_, down),
-               dids = upload(*gpu_, ids), dweights = upload(*gpu_, weights);
-  DeviceTensor dout = poisoned(*gpu_, DType::bf16, {2, 64});
-  gpu_->routed_experts(ActivationParams{}, dz.view, dids.view, dweights.view,
-                       MlpWeights{dgate.view, dup.view, ddown.view}, dout.view);
-  const HostTensor out = download(*gpu_, dout.view);
-  for (int64_t c = 0; c < 64; ++c) EXPECT_EQ(value_at(out, c), 0.0f) << c;
-  EXPECT_LT(relative_error(out, ref), 1e-2);
 }
 
 // Decode as an engine runs it: routed experts, shared expert and a projection captured once, replayed
@@ -401,7 +331,7 @@ TEST_F(Skinny, graph_replays_with_new_routings) {
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     const HostTensor replayed = download(*gpu_, out.view);
     EXPECT_EQ(count_non_finite(replayed), 0);
-    EXPECT_TRUE(bytes_equal(eager, replayed)) << "seed " << seed;
+    EXPECT_TRUE(bitwise_equal(eager.view(), replayed.view())) << "seed " << seed;
   }
   cudaGraphExecDestroy(exec);
   EXPECT_EQ(gpu_->num_device_allocations(), allocations);

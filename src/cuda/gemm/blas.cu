@@ -1,12 +1,9 @@
-#include <algorithm>
 #include <functional>
-#include <mutex>
 #include <unordered_map>
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_dispatch.cuh"
 #include "cuda/gemm/blas.h"
-#include "cuda/kernels/elementwise.h"
 
 namespace latentmoe::cuda {
 namespace {

@@ -1,6 +1,11 @@
 // The decode GEMV: a dense linear of 1..kGemvMaxRows rows that streams its weight matrix once, at the
 // read bandwidth, and starts streaming before the kernel before it on the stream has finished.
 //
+// Why it exists while off by default (CudaBackend::set_gemv_max_tokens): standalone it is slower than
+// cuBLASLt (bench/results/gemv_bench_1fe0158.json: 20.7-22.4 µs against 18.4-18.9 for a 51 MB one-row
+// linear). It is kept for the decode tails: tier 0/2's sharded up-projection follows a collective that
+// leaves the memory idle, and there its weight stream, started before the wait, is what pays.
+//
 //   y[r, :] = x[r, :] · W^T  (+ y[r, :] when accumulate)   for r < rows
 //
 // W [n, k] row-major (row stride ldw), x [rows, k] (ldx), y [rows, n] (ldy); x, W and y of one dtype,

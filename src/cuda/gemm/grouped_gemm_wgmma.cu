@@ -1,7 +1,9 @@
 // The Hopper grouped GEMM (sm_90a): availability, the dtype dispatch and the bf16 kernels
 // (grouped_gemm_wgmma.cuh; f16 in grouped_gemm_wgmma_f16.cu).
 #include <array>
+#include <atomic>
 
+#include "cuda/common/device.h"
 #include "cuda/gemm/grouped_gemm_wgmma.cuh"
 #include "cuda/gemm/grouped_gemm_wgmma_launch.cuh"
 #include "latentmoe/error.h"
@@ -10,17 +12,13 @@ namespace latentmoe::cuda {
 namespace detail {
 
 bool wgmma_available() {
-  // Per device: 0 not yet known, 1 available, 2 not.
+  // Per device: 0 not yet known, 1 available, 2 not (the kernel's binary is checked once per device).
   static std::array<std::atomic<int>, 64> cache{};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= static_cast<int>(cache.size())) return false;
   int state = cache[device].load(std::memory_order_relaxed);
   if (state == 0) {
-    int major = 0;
-    int minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    bool ok = major == 9 && minor == 0;
+    bool ok = current_compute_capability() == 90;  // the device attribute cache of cuda/common/device.h
     if (ok) {
       // The kernel this device would run must be sm_90a machine code: code JIT-compiled from the portable
       // PTX (compute_80) has an empty body there.

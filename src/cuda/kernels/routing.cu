@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "cuda/common/cuda_check.h"
+#include "cuda/common/debug_check.h"
 #include "cuda/common/pdl.cuh"
 #include "cuda/kernels/routing.h"
 #include "latentmoe/error.h"
@@ -669,20 +670,22 @@ int layout_walkers(int64_t count, int num_experts, int64_t fixed_ints) {
 void launch_route(const ::latentmoe::detail::RoutingParams& params, const RouteArgs& args, size_t max_shared_bytes,
                   cudaStream_t stream, RoutePath path) {
   const int64_t num_outputs = params.num_experts + params.num_zero_experts;
-  LATENTMOE_CHECK(
+  // The runner validated the config (LayerConfig::validate); debug builds check it again.
+  LATENTMOE_DEBUG_CHECK(
       params.num_experts >= 0 && params.num_zero_experts >= 0 && num_outputs >= 1 && num_outputs <= INT_MAX / 4,
       "CUDA routing: invalid expert counts E=", params.num_experts, " Z=", params.num_zero_experts);
+  // The kernels' limit (kMaxRouteTopK), which the config does not know.
   LATENTMOE_CHECK(params.top_k >= 1 && params.top_k <= std::min<int64_t>(num_outputs, kMaxRouteTopK),
                   "CUDA routing: top_k ", params.top_k, " is outside 1..",
                   std::min<int64_t>(num_outputs, kMaxRouteTopK));
   const int64_t n_group = std::max<int64_t>(params.n_group, 1);
   if (n_group > 1) {
-    LATENTMOE_CHECK(num_outputs % n_group == 0, "CUDA routing: n_group ", n_group,
-                    " does not divide E+Z = ", num_outputs);
-    LATENTMOE_CHECK(params.topk_group >= 1 && params.topk_group <= n_group, "CUDA routing: topk_group ",
-                    params.topk_group, " is outside 1..", n_group);
-    LATENTMOE_CHECK(params.top_k <= params.topk_group * (num_outputs / n_group), "CUDA routing: top_k ", params.top_k,
-                    " exceeds the experts of ", params.topk_group, " groups");
+    LATENTMOE_DEBUG_CHECK(num_outputs % n_group == 0, "CUDA routing: n_group ", n_group,
+                          " does not divide E+Z = ", num_outputs);
+    LATENTMOE_DEBUG_CHECK(params.topk_group >= 1 && params.topk_group <= n_group, "CUDA routing: topk_group ",
+                          params.topk_group, " is outside 1..", n_group);
+    LATENTMOE_DEBUG_CHECK(params.top_k <= params.topk_group * (num_outputs / n_group), "CUDA routing: top_k ",
+                          params.top_k, " exceeds the experts of ", params.topk_group, " groups");
   }
   const bool group_limited = n_group > 1 && params.topk_group < n_group;
   // The block kernel's dynamic shared memory (group-limited only: biased [n], group scores and kept
