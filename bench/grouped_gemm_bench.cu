@@ -11,42 +11,38 @@
 //   grouped_gemm_bench [--presets kimi-k3,nemotron3-super] [--tp-shards 8,1] [--tokens 1,8,64,256,1024,4096]
 //                      [--variants automatic|all|mma_s,mma_l,...] [--phases gate_up,down,both]
 //                      [--json FILE] [--commit SHA]
+// Timing, the repro line and the JSON go through the benchmark harness (bench/harness/timing.h).
 #include <cublas_v2.h>
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <numeric>
 #include <random>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/kernels/fill.h"
+#include "harness/timing.h"
+#include "latentmoe/error.h"
 
 namespace {
 
 using latentmoe::Activation;
 using latentmoe::DType;
+using latentmoe::bench::DeviceMemory;
+using latentmoe::bench::Runs;
+using latentmoe::bench::Timer;
 using latentmoe::cuda::ExpertGemmWeights;
 using latentmoe::cuda::MoeLayout;
 using latentmoe::cuda::detail::GemmChoice;
 using latentmoe::cuda::detail::GemmVariant;
 
 constexpr int kNumLayouts = 16;
-
-#define CK(expr)                                                                                    \
-  do {                                                                                              \
-    cudaError_t err_ = (expr);                                                                      \
-    if (err_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
+// The ceilings: 3 warm-up and 10 timed runs, no L2 flush (a 2 GiB copy and an 8192^3 GEMM dwarf it).
+constexpr Runs kCeilingRuns{.warmup = 3, .iterations = 10, .flush_l2 = false};
 
 struct Preset {
   std::string name;
@@ -74,99 +70,41 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-__global__ void fill_uniform_bf16(__nv_bfloat16* p, size_t n, float scale, uint64_t seed) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 27;
-    x *= 0x94D049BB133111EBull;
-    x ^= x >> 33;
-    const float u = static_cast<float>(x >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-    p[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * scale);
-  }
-}
-
-void fill(void* p, size_t n, float scale, uint64_t seed) {
-  fill_uniform_bf16<<<4096, 256>>>(static_cast<__nv_bfloat16*>(p), n, scale, seed);
-  CK(cudaGetLastError());
-}
-
-void* device_alloc(size_t bytes) {
-  void* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(bytes, 256)));
-  return p;
-}
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Copy bandwidth: bytes read + bytes written per second (GB/s = 1e9 B/s).
-double measure_copy_bandwidth() {
-  const size_t bytes = size_t{2} << 30;
-  void* a = device_alloc(bytes);
-  void* b = device_alloc(bytes);
-  CK(cudaMemset(a, 1, bytes));
-  cudaEvent_t start, stop;
-  CK(cudaEventCreate(&start));
-  CK(cudaEventCreate(&stop));
-  std::vector<float> times;
-  for (int i = 0; i < 13; ++i) {
-    CK(cudaEventRecord(start));
-    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(stop));
-    CK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= 3) times.push_back(ms);
-  }
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  return 2.0 * bytes / (median(times) * 1e-3);
+// bf16 data uniform in [-scale, scale), seeded, made on the GPU.
+void fill(void* p, size_t n, float scale, uint64_t seed, cudaStream_t stream) {
+  latentmoe::cuda::fill_uniform(p, DType::bf16, static_cast<int64_t>(n), seed, scale, 0.0f, stream);
 }
 
 // Dense bf16 GEMM rate (FLOP/s) through cuBLAS, 8192^3, random data, fp32 accumulation.
-double measure_gemm_rate() {
+double measure_gemm_rate(Timer& timer, cudaStream_t stream) {
   const int n = 8192;
   const size_t count = static_cast<size_t>(n) * n;
-  void* a = device_alloc(count * 2);
-  void* b = device_alloc(count * 2);
-  void* c = device_alloc(count * 2);
-  fill(a, count, 1.0f, 1);
-  fill(b, count, 1.0f, 2);
-  cublasHandle_t handle;
-  if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
+  DeviceMemory a(count * 2), b(count * 2), c(count * 2);
+  fill(a.get(), count, 1.0f, 1, stream);
+  fill(b.get(), count, 1.0f, 2, stream);
+  cublasHandle_t handle = nullptr;
+  LATENTMOE_CUBLAS_CHECK(cublasCreate(&handle));
+  struct Destroy {
+    cublasHandle_t handle;
+    ~Destroy() { cublasDestroy(handle); }
+  } destroy{handle};
+  LATENTMOE_CUBLAS_CHECK(cublasSetStream(handle, stream));
   const float alpha = 1.0f, beta = 0.0f;
-  cudaEvent_t start, stop;
-  CK(cudaEventCreate(&start));
-  CK(cudaEventCreate(&stop));
-  std::vector<float> times;
-  for (int i = 0; i < 13; ++i) {
-    CK(cudaEventRecord(start));
-    const cublasStatus_t st =
-        cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c,
-                     CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    if (st != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasGemmEx failed");
-    CK(cudaEventRecord(stop));
-    CK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= 3) times.push_back(ms);
-  }
-  cublasDestroy(handle);
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  CK(cudaFree(c));
-  return 2.0 * n * double(n) * n / (median(times) * 1e-3);
+  const double us = timer.median_us(
+      stream,
+      [&] {
+        LATENTMOE_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a.get(), CUDA_R_16BF, n,
+                                            b.get(), CUDA_R_16BF, n, &beta, c.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                            CUBLAS_GEMM_DEFAULT));
+      },
+      kCeilingRuns);
+  return 2.0 * n * double(n) * n / (us * 1e-6);
 }
 
 struct LayoutSet {
-  int32_t* offsets = nullptr;  // [kNumLayouts][E + 1]
-  int32_t* sorted = nullptr;   // [kNumLayouts][T * k]
-  int32_t* pair_rows = nullptr;
+  DeviceMemory offsets;     // int32 [kNumLayouts][E + 1]
+  DeviceMemory sorted;      // int32 [kNumLayouts][T * k]
+  DeviceMemory pair_rows;   // int32 [kNumLayouts][T * k]
   double mean_touched = 0;  // distinct experts per layout
 };
 
@@ -203,12 +141,14 @@ LayoutSet make_layouts(int64_t tokens, int num_experts, int top_k, uint64_t seed
     }
   }
   LayoutSet set;
-  set.offsets = static_cast<int32_t*>(device_alloc(offsets.size() * 4));
-  set.sorted = static_cast<int32_t*>(device_alloc(sorted.size() * 4));
-  set.pair_rows = static_cast<int32_t*>(device_alloc(pair_rows.size() * 4));
-  CK(cudaMemcpy(set.offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(set.sorted, sorted.data(), sorted.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(set.pair_rows, pair_rows.data(), pair_rows.size() * 4, cudaMemcpyHostToDevice));
+  auto upload = [](const std::vector<int32_t>& host) {
+    DeviceMemory device(host.size() * 4);
+    LATENTMOE_CUDA_CHECK(cudaMemcpy(device.get(), host.data(), host.size() * 4, cudaMemcpyHostToDevice));
+    return device;
+  };
+  set.offsets = upload(offsets);
+  set.sorted = upload(sorted);
+  set.pair_rows = upload(pair_rows);
   set.mean_touched = touched_sum / kNumLayouts;
   return set;
 }
@@ -216,69 +156,40 @@ LayoutSet make_layouts(int64_t tokens, int num_experts, int top_k, uint64_t seed
 enum class Phase { gate_up, down, both };
 
 // Median time of one iteration (ms) of `phase`, from replays of a graph of kNumLayouts iterations.
-double time_phase(Phase phase, GemmChoice gu_variant, GemmChoice down_variant, const Preset& p,
+// `workspace`: the grouped GEMMs' split-K workspace (grouped_gemm_workspace_bytes), zeroed once (every
+// launch leaves it zeroed).
+double time_phase(Timer& timer, Phase phase, GemmChoice gu_variant, GemmChoice down_variant, const Preset& p,
                   const ExpertGemmWeights& w, const LayoutSet& layouts, int64_t tokens, const void* z_all, void* act,
-                  void* y, cudaStream_t stream) {
+                  void* y, const DeviceMemory& workspace, cudaStream_t stream) {
   latentmoe::detail::ActivationParams act_params;
   act_params.activation = p.activation;
   const int64_t pairs = tokens * p.top_k;
-  // The split-K workspace (the same size for every shape), zeroed once (every launch leaves it zeroed).
-  static void* workspace = nullptr;
-  const size_t workspace_bytes = latentmoe::cuda::grouped_gemm_workspace_bytes(tokens, p.top_k, p.num_experts);
-  if (workspace == nullptr) {
-    workspace = device_alloc(workspace_bytes);
-    CK(cudaMemset(workspace, 0, workspace_bytes));
-  }
-  cudaGraph_t graph;
-  CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int li = 0; li < kNumLayouts; ++li) {
-    MoeLayout layout;
-    layout.expert_offsets = layouts.offsets + li * (p.num_experts + 1);
-    layout.sorted_pairs = layouts.sorted + li * pairs;
-    layout.pair_rows = layouts.pair_rows + li * pairs;
-    layout.num_experts = p.num_experts;
-    layout.top_k = p.top_k;
-    layout.num_tokens = tokens;
-    const void* z = static_cast<const char*>(z_all) + li * tokens * w.latent * 2;
-    if (phase != Phase::down) {
-      latentmoe::cuda::detail::grouped_gate_up_variant(gu_variant, DType::bf16, act_params, z, layout, w, act,
-                                                       workspace, workspace_bytes, stream);
+  const latentmoe::bench::Graph graph(stream, [&] {
+    for (int li = 0; li < kNumLayouts; ++li) {
+      MoeLayout layout;
+      layout.expert_offsets = layouts.offsets.as<int32_t>() + li * (p.num_experts + 1);
+      layout.sorted_pairs = layouts.sorted.as<int32_t>() + li * pairs;
+      layout.pair_rows = layouts.pair_rows.as<int32_t>() + li * pairs;
+      layout.num_experts = p.num_experts;
+      layout.top_k = p.top_k;
+      layout.num_tokens = tokens;
+      const void* z = static_cast<const char*>(z_all) + li * tokens * w.latent * 2;
+      if (phase != Phase::down) {
+        latentmoe::cuda::detail::grouped_gate_up_variant(gu_variant, DType::bf16, act_params, z, layout, w, act,
+                                                         workspace.get(), workspace.bytes(), stream);
+      }
+      if (phase != Phase::gate_up) {
+        latentmoe::cuda::detail::grouped_down_variant(down_variant, DType::bf16, act, layout, w, y, workspace.get(),
+                                                      workspace.bytes(), stream);
+      }
     }
-    if (phase != Phase::gate_up) {
-      latentmoe::cuda::detail::grouped_down_variant(down_variant, DType::bf16, act, layout, w, y, workspace,
-                                                    workspace_bytes, stream);
-    }
-  }
-  CK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CK(cudaEventCreate(&start));
-  CK(cudaEventCreate(&stop));
-  // Warm-up, then as many replays as fit in about 150 ms (5 to 50).
-  CK(cudaGraphLaunch(exec, stream));
-  CK(cudaEventRecord(start, stream));
-  CK(cudaGraphLaunch(exec, stream));
-  CK(cudaEventRecord(stop, stream));
-  CK(cudaEventSynchronize(stop));
-  float first = 0;
-  CK(cudaEventElapsedTime(&first, start, stop));
-  const int reps = std::clamp(static_cast<int>(150.0f / std::max(first, 1e-3f)), 5, 50);
-  std::vector<float> times;
-  for (int r = 0; r < reps; ++r) {
-    CK(cudaEventRecord(start, stream));
-    CK(cudaGraphLaunch(exec, stream));
-    CK(cudaEventRecord(stop, stream));
-    CK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  CK(cudaEventDestroy(start));
-  CK(cudaEventDestroy(stop));
-  CK(cudaGraphExecDestroy(exec));
-  CK(cudaGraphDestroy(graph));
-  return median(times) / kNumLayouts;
+  });
+  // The rotated layouts keep the L2 from holding the touched weights: no flush. One warm-up replay and
+  // one timed, then as many replays as fit in about 150 ms (5 to 50).
+  const auto replay = [&] { graph.launch(stream); };
+  const double first_us = timer.median_us(stream, replay, {.warmup = 1, .iterations = 1, .flush_l2 = false});
+  const int reps = std::clamp(static_cast<int>(150e3 / std::max(first_us, 1.0)), 5, 50);
+  return timer.median_us(stream, replay, {.warmup = 0, .iterations = reps, .flush_l2 = false}) * 1e-3 / kNumLayouts;
 }
 
 struct Row {
@@ -293,35 +204,36 @@ struct Row {
   double gu_byte_floor_ms, gu_flop_floor_ms, down_byte_floor_ms, down_flop_floor_ms;
 };
 
-std::string json_row(const Row& r) {
-  char buf[2048];
-  std::snprintf(
-      buf, sizeof(buf),
-      "{\"preset\": \"%s\", \"tp_shard\": %d, \"tokens\": %lld, \"dtype\": \"bf16\", \"gate_up_variant\": \"%s\", "
-      "\"down_variant\": \"%s\", \"touched_experts\": %.2f, "
-      "\"gate_up\": {\"time_us\": %.3f, \"bytes\": %.0f, \"flops\": %.0f, \"byte_floor_us\": %.3f, "
-      "\"flop_floor_us\": %.3f, \"floor_us\": %.3f, \"fraction_of_floor\": %.4f, \"tb_per_s\": %.3f, "
-      "\"tflop_per_s\": %.2f}, "
-      "\"down\": {\"time_us\": %.3f, \"bytes\": %.0f, \"flops\": %.0f, \"byte_floor_us\": %.3f, "
-      "\"flop_floor_us\": %.3f, \"floor_us\": %.3f, \"fraction_of_floor\": %.4f, \"tb_per_s\": %.3f, "
-      "\"tflop_per_s\": %.2f}, "
-      "\"experts\": {\"time_us\": %.3f, \"floor_us\": %.3f, \"tb_per_s\": %.3f, \"tflop_per_s\": %.2f}, "
-      "\"experts_fraction_of_floor\": %.4f}",
-      r.preset.c_str(), r.tp_shard, static_cast<long long>(r.tokens), r.gu_variant.c_str(), r.down_variant.c_str(),
-      r.touched, r.gu_ms * 1e3, r.gu_bytes, r.gu_flops, r.gu_byte_floor_ms * 1e3, r.gu_flop_floor_ms * 1e3,
-      r.gu_floor_ms * 1e3, r.gu_floor_ms / r.gu_ms, r.gu_bytes / (r.gu_ms * 1e-3) / 1e12,
-      r.gu_flops / (r.gu_ms * 1e-3) / 1e12, r.down_ms * 1e3, r.down_bytes, r.down_flops, r.down_byte_floor_ms * 1e3,
-      r.down_flop_floor_ms * 1e3, r.down_floor_ms * 1e3, r.down_floor_ms / r.down_ms,
-      r.down_bytes / (r.down_ms * 1e-3) / 1e12, r.down_flops / (r.down_ms * 1e-3) / 1e12, r.both_ms * 1e3,
-      r.experts_floor_ms * 1e3, (r.gu_bytes + r.down_bytes) / (r.both_ms * 1e-3) / 1e12,
-      (r.gu_flops + r.down_flops) / (r.both_ms * 1e-3) / 1e12, r.experts_floor_ms / r.both_ms);
-  // Phases not timed are NaN: JSON null.
-  std::string s = buf;
-  for (const char* token : {"-nan", "nan"}) {
-    for (size_t at = s.find(token); at != std::string::npos; at = s.find(token, at))
-      s.replace(at, std::strlen(token), "null");
-  }
-  return s;
+// Phases not timed are NaN, written as null.
+nlohmann::json json_row(const Row& r) {
+  auto gemm = [](double ms, double bytes, double flops, double byte_floor_ms, double flop_floor_ms, double floor_ms) {
+    return nlohmann::json{{"time_us", ms * 1e3},
+                          {"bytes", bytes},
+                          {"flops", flops},
+                          {"byte_floor_us", byte_floor_ms * 1e3},
+                          {"flop_floor_us", flop_floor_ms * 1e3},
+                          {"floor_us", floor_ms * 1e3},
+                          {"fraction_of_floor", floor_ms / ms},
+                          {"tb_per_s", bytes / (ms * 1e-3) / 1e12},
+                          {"tflop_per_s", flops / (ms * 1e-3) / 1e12}};
+  };
+  nlohmann::json row;
+  row["preset"] = r.preset;
+  row["tp_shard"] = r.tp_shard;
+  row["tokens"] = r.tokens;
+  row["dtype"] = "bf16";
+  row["gate_up_variant"] = r.gu_variant;
+  row["down_variant"] = r.down_variant;
+  row["touched_experts"] = r.touched;
+  row["gate_up"] = gemm(r.gu_ms, r.gu_bytes, r.gu_flops, r.gu_byte_floor_ms, r.gu_flop_floor_ms, r.gu_floor_ms);
+  row["down"] =
+      gemm(r.down_ms, r.down_bytes, r.down_flops, r.down_byte_floor_ms, r.down_flop_floor_ms, r.down_floor_ms);
+  row["experts"] = {{"time_us", r.both_ms * 1e3},
+                    {"floor_us", r.experts_floor_ms * 1e3},
+                    {"tb_per_s", (r.gu_bytes + r.down_bytes) / (r.both_ms * 1e-3) / 1e12},
+                    {"tflop_per_s", (r.gu_flops + r.down_flops) / (r.both_ms * 1e-3) / 1e12}};
+  row["experts_fraction_of_floor"] = r.experts_floor_ms / r.both_ms;
+  return row;
 }
 
 // "mma_l", "mma_l:ng4" (4 n-tiles per CTA), "mma_s:ks2" (2 split-K CTAs per tile), "mma_s:ng1:ks1";
@@ -339,8 +251,7 @@ GemmChoice parse_choice(const std::string& spec) {
     } else if (option.rfind("ks", 0) == 0) {
       splits = std::stoi(option.substr(2));
     } else {
-      std::fprintf(stderr, "unknown option %s in %s\n", option.c_str(), spec.c_str());
-      std::exit(2);
+      latentmoe::detail::throw_error("unknown option ", option, " in ", spec);
     }
     at = next;
   }
@@ -348,13 +259,10 @@ GemmChoice parse_choice(const std::string& spec) {
   for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
     if (latentmoe::cuda::detail::to_string(v) == name) return GemmChoice(v, per_cta, splits);
   }
-  std::fprintf(stderr, "unknown variant %s\n", spec.c_str());
-  std::exit(2);
+  latentmoe::detail::throw_error("unknown variant ", spec);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::string presets_arg = "kimi-k3,nemotron3-super";
   std::string tp_arg = "8,1";
   std::string tokens_arg = "1,8,64,256,1024,4096";
@@ -365,10 +273,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
+      LATENTMOE_CHECK(i + 1 < argc, a, " needs a value");
       return argv[++i];
     };
     if (a == "--presets")
@@ -385,10 +290,8 @@ int main(int argc, char** argv) {
       commit = next();
     else if (a == "--phases")
       phases_arg = next();
-    else {
-      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
-      return 2;
-    }
+    else
+      latentmoe::detail::throw_error("unknown argument ", a);
   }
   // Variants swept: "automatic" (the library's choice), "all" (every tensor-core variant), or a list.
   std::vector<GemmChoice> variants;
@@ -401,51 +304,49 @@ int main(int argc, char** argv) {
   } else {
     for (const std::string& v : split(variants_arg)) variants.push_back(parse_choice(v));
   }
+  latentmoe::bench::Repro repro("grouped_gemm_bench");
+  repro.flag("--presets", presets_arg)
+      .flag("--tp-shards", tp_arg)
+      .flag("--tokens", tokens_arg)
+      .flag("--variants", variants_arg)
+      .flag("--phases", phases_arg);
 
   int device = 0;
-  CK(cudaGetDevice(&device));
+  LATENTMOE_CUDA_CHECK(cudaGetDevice(&device));
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, device));
+  LATENTMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   std::printf("# grouped_gemm_bench  device %s  sm_%d%d  %d SMs  L2 %d MB  commit %s\n", prop.name, prop.major,
               prop.minor, prop.multiProcessorCount, prop.l2CacheSize >> 20, commit.c_str());
-  const double copy_bw = measure_copy_bandwidth();
-  const double gemm_rate = measure_gemm_rate();
+  cudaStream_t stream = nullptr;
+  LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Timer timer(kCeilingRuns);
+  const double copy_bw = latentmoe::bench::copy_bandwidth(timer, stream, kCeilingRuns);
+  const double gemm_rate = measure_gemm_rate(timer, stream);
   std::printf("# ceilings: copy %.3f TB/s (read+write), dense bf16 GEMM 8192^3 %.1f TFLOP/s\n", copy_bw / 1e12,
               gemm_rate / 1e12);
   std::printf("# %-16s %3s %6s %-14s %-14s %7s %10s %10s %10s %10s %7s %7s %7s\n", "preset", "tp", "tokens", "gu_var",
               "down_var", "touched", "gu_us", "down_us", "both_us", "floor_us", "gu_frac", "dn_frac", "frac");
 
-  cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  std::vector<Row> rows;
+  nlohmann::json report;
+  report["bench"] = "grouped_gemm_bench";
+  report["commit"] = commit;
+  report["device"] = prop.name;
+  report["sm_count"] = prop.multiProcessorCount;
+  report["copy_bandwidth_tb_per_s"] = copy_bw / 1e12;
+  report["gemm_bf16_tflop_per_s"] = gemm_rate / 1e12;
+  report["layouts_rotated"] = kNumLayouts;
+  report["repro"] = repro.line();
+  report["rows"] = nlohmann::json::array();
   // Rewritten after every row, so that a run cut short still leaves its rows.
-  const auto write_json = [&]() {
-    if (json_path.empty()) return;
-    FILE* f = std::fopen(json_path.c_str(), "w");
-    if (f == nullptr) {
-      std::fprintf(stderr, "cannot write %s\n", json_path.c_str());
-      std::exit(1);
-    }
-    std::fprintf(f,
-                 "{\"bench\": \"grouped_gemm_bench\", \"commit\": \"%s\", \"device\": \"%s\", \"sm_count\": %d, "
-                 "\"copy_bandwidth_tb_per_s\": %.4f, \"gemm_bf16_tflop_per_s\": %.2f, \"layouts_rotated\": %d,\n"
-                 " \"rows\": [\n",
-                 commit.c_str(), prop.name, prop.multiProcessorCount, copy_bw / 1e12, gemm_rate / 1e12, kNumLayouts);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      std::fprintf(f, "  %s%s\n", json_row(rows[i]).c_str(), i + 1 < rows.size() ? "," : "");
-    }
-    std::fprintf(f, "]}\n");
-    std::fclose(f);
+  const auto write_json = [&] {
+    if (!json_path.empty()) latentmoe::bench::write_json(json_path, report);
   };
   for (const std::string& preset_name : split(presets_arg)) {
     const Preset* preset = nullptr;
     for (const Preset& p : kPresets) {
       if (p.name == preset_name) preset = &p;
     }
-    if (preset == nullptr) {
-      std::fprintf(stderr, "unknown preset %s\n", preset_name.c_str());
-      return 2;
-    }
+    LATENTMOE_CHECK(preset != nullptr, "unknown preset ", preset_name);
     for (const std::string& tp_s : split(tp_arg)) {
       const int tp = std::stoi(tp_s);
       const Preset& p = *preset;
@@ -453,28 +354,29 @@ int main(int argc, char** argv) {
       const int64_t ir = p.intermediate / tp;
       const int64_t l = p.latent;
       const size_t mat = static_cast<size_t>(p.num_experts) * ir * l;  // elements of one stacked matrix
-      void* gate = gated ? device_alloc(mat * 2) : nullptr;
-      void* up = device_alloc(mat * 2);
-      void* down = device_alloc(mat * 2);
-      if (gate) fill(gate, mat, 2.0f / std::sqrt(float(l)), 11);
-      fill(up, mat, 2.0f / std::sqrt(float(l)), 12);
-      fill(down, mat, 1.0f / std::sqrt(float(ir)), 13);
+      DeviceMemory gate, up(mat * 2), down(mat * 2);
+      if (gated) {
+        gate = DeviceMemory(mat * 2);
+        fill(gate.get(), mat, 2.0f / std::sqrt(float(l)), 11, stream);
+      }
+      fill(up.get(), mat, 2.0f / std::sqrt(float(l)), 12, stream);
+      fill(down.get(), mat, 1.0f / std::sqrt(float(ir)), 13, stream);
       ExpertGemmWeights w;
-      w.gate = gate;
-      w.up = up;
-      w.down = down;
+      w.gate = gate.get();
+      w.up = up.get();
+      w.down = down.get();
       w.intermediate = ir;
       w.latent = l;
       w.num_experts = p.num_experts;
       for (const std::string& t_s : split(tokens_arg)) {
         const int64_t tokens = std::stoll(t_s);
         const int64_t pairs = tokens * p.top_k;
-        LayoutSet layouts = make_layouts(tokens, p.num_experts, p.top_k, 1000 + tokens);
-        void* z_all = device_alloc(kNumLayouts * tokens * l * 2);
-        void* act = device_alloc(pairs * ir * 2);
-        void* y = device_alloc(pairs * l * 2);
-        fill(z_all, kNumLayouts * tokens * l, 1.0f, 21);
-        CK(cudaDeviceSynchronize());
+        const LayoutSet layouts = make_layouts(tokens, p.num_experts, p.top_k, 1000 + tokens);
+        const DeviceMemory z_all(kNumLayouts * tokens * l * 2), act(pairs * ir * 2), y(pairs * l * 2);
+        fill(z_all.get(), kNumLayouts * tokens * l, 1.0f, 21, stream);
+        const DeviceMemory workspace(latentmoe::cuda::grouped_gemm_workspace_bytes(tokens, p.top_k, p.num_experts));
+        LATENTMOE_CUDA_CHECK(cudaMemsetAsync(workspace.get(), 0, workspace.bytes(), stream));
+        LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 
         Row r;
         r.preset = p.name;
@@ -512,12 +414,13 @@ int main(int argc, char** argv) {
           const auto timed = [&](Phase phase, const char* name) {
             return phases_arg.find(name) == std::string::npos
                        ? std::nan("")
-                       : time_phase(phase, v, v, p, w, layouts, tokens, z_all, act, y, stream);
+                       : time_phase(timer, phase, v, v, p, w, layouts, tokens, z_all.get(), act.get(), y.get(),
+                                    workspace, stream);
           };
           r.gu_ms = timed(Phase::gate_up, "gate_up");
           r.down_ms = timed(Phase::down, "down");
           r.both_ms = timed(Phase::both, "both");
-          rows.push_back(r);
+          report["rows"].push_back(json_row(r));
           write_json();
           std::printf("  %-16s %3d %6lld %-14s %-14s %7.1f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %7.3f\n",
                       r.preset.c_str(), tp, static_cast<long long>(tokens), r.gu_variant.c_str(),
@@ -526,18 +429,17 @@ int main(int argc, char** argv) {
                       r.experts_floor_ms / r.both_ms);
           std::fflush(stdout);
         }
-        CK(cudaFree(layouts.offsets));
-        CK(cudaFree(layouts.sorted));
-        CK(cudaFree(layouts.pair_rows));
-        CK(cudaFree(z_all));
-        CK(cudaFree(act));
-        CK(cudaFree(y));
       }
-      if (gate) CK(cudaFree(gate));
-      CK(cudaFree(up));
-      CK(cudaFree(down));
     }
   }
-  std::printf("# done: %zu rows\n", rows.size());
+  std::printf("# done: %zu rows\n", report["rows"].size());
+  repro.print();
+  LATENTMOE_CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return latentmoe::bench::run_main("grouped_gemm_bench", [&] { return run(argc, argv); });
 }

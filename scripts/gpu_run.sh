@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU state, the GPU test suite, compute-sanitizer, the layer benchmark
-# and the PyTorch peers, each under its own time limit; logs and JSON go to $OUT.
+# One call on the GPU machine: GPU state, the GPU test suite, compute-sanitizer, the benchmarks and the
+# PyTorch peers, each under its own time limit; logs and JSON go to $OUT.
 #   scripts/gpu_run.sh BIN_DIR COMMIT STEPS
-# BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh);
-# STEPS is a comma list of: tests, sanitize, bench, bench_decode, bench_no_skinny, bench_no_gemv, peers
-# (run in that order: tests, bench, bench_decode, bench_no_skinny, bench_no_gemv, peers, sanitize).
+# BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh), and
+# grouped_gemm_bench and gemv_bench (build-gpu/bench/) for the steps that run them;
+# STEPS is a comma list of: tests, sanitize, bench, bench_decode, bench_no_skinny, bench_no_gemv,
+# grouped_gemm, grouped_gemm_sweep, gemv, peers (run in that order: tests, bench, bench_decode,
+# bench_no_skinny, bench_no_gemv, grouped_gemm, grouped_gemm_sweep, gemv, peers, sanitize).
+#   grouped_gemm        grouped_gemm_bench, the library's variant choice, every phase (grouped_gemm.json)
+#   grouped_gemm_sweep  grouped_gemm_bench, every tensor-core variant, gate_up and down (grouped_gemm_sweep.json)
+#   gemv                gemv_bench: the decode GEMV against cuBLAS and a plain read (gemv.json)
 set -u
 bin=$1
 commit=$2
@@ -40,6 +45,25 @@ if has bench_no_gemv; then  # the decode token counts with every linear on cuBLA
   timeout 60 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,8 \
     --gemv-max-tokens 0 --commit "$commit" --json "$out/layer_no_gemv.json" 2>&1 | tee "$out/layer_no_gemv.log"
   echo "bench (no gemv) rc=${PIPESTATUS[0]}"
+fi
+# The kernel benchmarks, skipped with a note when their binary is not in BIN_DIR.
+run_bench() {  # run_bench LIMIT LOG LINES NAME ARGS...: $bin/NAME ARGS... > $out/LOG, then its last LINES lines
+  local limit=$1 log=$2 lines=$3 name=$4
+  shift 4
+  if [[ ! -x $bin/$name ]]; then echo "$name: not in $bin, skipped"; return; fi
+  timeout "$limit" "$bin/$name" "$@" > "$out/$log" 2>&1
+  echo "$name rc=$?"
+  tail -n "$lines" "$out/$log"
+}
+if has grouped_gemm; then
+  run_bench 100 grouped_gemm.log 40 grouped_gemm_bench --commit "$commit" --json "$out/grouped_gemm.json"
+fi
+if has grouped_gemm_sweep; then
+  run_bench 130 grouped_gemm_sweep.log 3 grouped_gemm_bench --commit "$commit" --variants all \
+    --phases gate_up,down --json "$out/grouped_gemm_sweep.json"
+fi
+if has gemv; then
+  run_bench 60 gemv.log 30 gemv_bench --json "$out/gemv.json"
 fi
 if has peers; then
   timeout 90 python3 bench/peers/torch_eager_layer.py --json "$out/peer_eager_layer.json" 2>&1

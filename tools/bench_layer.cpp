@@ -1,37 +1,46 @@
 // latentmoe bench layer (see bench_layer.h). Method (docs/PERFORMANCE.md):
 //   - ceilings measured first, in the same process: device-to-device copy bandwidth (bytes read +
-//     written over time) and the dense bf16 GEMM rate of the backend's own linear() (8192^3);
-//   - weights and inputs are seeded random data made on the GPU (never zeros); router logits are
-//     U(-2, 2) with a correction bias of U(-1e-3, 1e-3), so each token's experts are close to
-//     uniformly random (the touched-expert counts are reported);
-//   - before every timed run the L2 is flushed by reading a buffer twice its size, so weights are
-//     read from HBM as they are in a real model whose other layers evict them (reading, not
-//     writing: a memset would leave dirty lines whose write-back the timed kernels would pay for);
-//   - each phase is timed alone with CUDA events after warm-up; the median of the runs is reported;
+//     written over time) and the dense bf16 GEMM rate of the CUDA backend's own linear() (8192^3);
+//   - one Runner per (preset, tp shard): the shard's config (I/tp, Is/tp) at tp 1, rank 0, over
+//     weights made on the GPU by the bench (seeded uniform random data, never zeros, never staged
+//     through the host) and given to the runner as device views, which it uses in place; router
+//     logits are U(-2, 2) with a correction bias of U(-1e-3, 1e-3), so each token's experts are close
+//     to uniformly random (the touched-expert counts are reported);
+//   - "total" is Runner::forward (tier native, no collective at tp 1) on the bench's stream;
+//     "graph" is that forward captured once into a CUDA graph and replayed;
+//   - each phase is timed alone by calling the runner's backend operation on the runner's own weights
+//     and workspaces (src/core/bench_access.h);
+//   - timing (bench/harness/timing.h): before every timed run the L2 is flushed by reading a buffer
+//     twice its size, so weights are read from HBM as they are in a real model whose other layers
+//     evict them; CUDA events after warm-up; the median of the runs is reported;
 //   - floors: the fewest bytes a phase must move over the copy bandwidth, and its FLOPs over the GEMM
 //     rate; the larger is the floor; fraction_of_floor = floor / time (1.0 = at the ceiling). The
 //     routed experts' bytes count only the distinct experts the routing touched.
 #include "bench_layer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
-#include <fstream>
+#include <functional>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
+#include <string>
+#include <vector>
 
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
+#include "latentmoe/in_process_group.h"
+#include "latentmoe/parallel.h"
 #include "latentmoe/presets.h"
+#include "latentmoe/runner.h"
+#include "latentmoe/tensor.h"
+#include "latentmoe/weights.h"
 
 #ifdef LATENTMOE_WITH_CUDA
-#include <cuda_runtime_api.h>
-
-#include "core/backend.h"
-#include "cuda/cuda_backend.h"
-#include "cuda/cuda_check.h"
-#include "cuda/fill.h"
+#include "core/bench_access.h"  // internal: the runner's state and the CUDA knobs, for benchmarks only
+#include "harness/timing.h"     // the benchmark harness shared by every benchmark
 #endif
 
 namespace latentmoe::tools {
@@ -47,8 +56,6 @@ void run_bench_layer(const BenchLayerOptions& options) {
 
 namespace {
 
-using detail::DeviceBuffer;
-
 struct Ceilings {
   double copy_bytes_per_s = 0;
   double gemm_flops_per_s = 0;
@@ -63,91 +70,48 @@ struct PhaseResult {
   double fraction_of_floor() const { return time_us > 0 ? floor_us / time_us : 0; }
 };
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
-
-// Times `body` enqueued on `stream`: warm-up, then per run an L2 flush outside the timed region
-// and events around the body. Returns the median in microseconds.
-class Timer {
- public:
-  Timer(cudaStream_t stream, size_t l2_bytes, detail::Backend& backend, int warmup, int iterations)
-      : stream_(stream), warmup_(warmup), iterations_(iterations) {
-    flush_bytes_ = std::max<size_t>(2 * l2_bytes, 64u << 20) / 16 * 16;
-    flush_ = backend.allocate(flush_bytes_);
-    sink_ = backend.allocate(16);
-    LATENTMOE_CUDA_CHECK(cudaMemsetAsync(flush_.get(), 0, flush_bytes_, stream));
-    LATENTMOE_CUDA_CHECK(cudaEventCreate(&start_));
-    LATENTMOE_CUDA_CHECK(cudaEventCreate(&stop_));
-  }
-  ~Timer() {
-    cudaEventDestroy(start_);
-    cudaEventDestroy(stop_);
-  }
-
-  template <class Body>
-  double median_us(Body&& body, bool flush = true) {
-    std::vector<double> times;
-    for (int run = 0; run < warmup_ + iterations_; ++run) {
-      // Evict L2 by reading (a memset would leave it full of dirty lines, whose write-back to DRAM
-      // the timed kernels would pay for: up to 2x on a 50 MB phase).
-      if (flush) cuda::read_through(flush_.get(), flush_bytes_, static_cast<uint32_t*>(sink_.get()), stream_);
-      LATENTMOE_CUDA_CHECK(cudaEventRecord(start_, stream_));
-      body();
-      LATENTMOE_CUDA_CHECK(cudaEventRecord(stop_, stream_));
-      LATENTMOE_CUDA_CHECK(cudaEventSynchronize(stop_));
-      float ms = 0;
-      LATENTMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
-      if (run >= warmup_) times.push_back(1000.0 * ms);
-    }
-    return median(times);
-  }
-
- private:
-  cudaStream_t stream_;
-  int warmup_, iterations_;
-  size_t flush_bytes_;
-  DeviceBuffer flush_;
-  DeviceBuffer sink_;
-  cudaEvent_t start_{}, stop_{};
-};
-
-struct DeviceTensorOwner {
-  DeviceBuffer buffer;
+// A device tensor the bench owns.
+struct DeviceTensor {
+  bench::DeviceMemory memory;
   TensorView view;
 };
 
-DeviceTensorOwner make_tensor(detail::Backend& backend, DType dtype, std::vector<int64_t> shape, uint64_t seed,
-                              float scale, float offset, cudaStream_t stream) {
-  DeviceTensorOwner tensor;
+// A tensor on the current device; filled with offset + scale * U[-1, 1) on `stream` unless scale is 0.
+DeviceTensor make_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, float scale, float offset,
+                         cudaStream_t stream) {
+  DeviceTensor tensor;
   int64_t count = 1;
   for (int64_t extent : shape) count *= extent;
-  tensor.buffer = backend.allocate(static_cast<size_t>(std::max<int64_t>(count, 1)) * dtype_size(dtype));
-  tensor.view = TensorView(tensor.buffer.get(), dtype, shape, Device::cuda);
+  tensor.memory = bench::DeviceMemory(static_cast<size_t>(std::max<int64_t>(count, 1)) * dtype_size(dtype));
+  tensor.view = TensorView(tensor.memory.get(), dtype, shape, Device::cuda);
   if (is_compute_dtype(dtype) && scale != 0)
-    cuda::fill_uniform(tensor.buffer.get(), dtype, count, seed, scale, offset, stream);
+    bench_access::fill_uniform(tensor.memory.get(), dtype, count, seed, scale, offset, stream);
   return tensor;
 }
 
-Ceilings measure_ceilings(cuda::CudaBackend& backend, Timer& timer, cudaStream_t stream) {
+// A non-blocking stream of the current device, destroyed with the object.
+struct Stream {
+  cudaStream_t handle = nullptr;
+  Stream() { LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&handle, cudaStreamNonBlocking)); }
+  ~Stream() {
+    if (handle != nullptr) cudaStreamDestroy(handle);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
+Ceilings measure_ceilings(bench::Timer& timer, int device) {
   Ceilings ceilings;
-  {
-    const size_t bytes = size_t{2} << 30;
-    DeviceBuffer a = backend.allocate(bytes), b = backend.allocate(bytes);
-    cuda::fill_uniform(a.get(), DType::f32, static_cast<int64_t>(bytes / 4), 1, 1.0f, 0.0f, stream);
-    const double us = timer.median_us(
-        [&] { LATENTMOE_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream)); });
-    ceilings.copy_bytes_per_s = 2.0 * static_cast<double>(bytes) / (us * 1e-6);
-  }
-  {
-    const int64_t n = 8192;
-    auto x = make_tensor(backend, DType::bf16, {n, n}, 2, 1.0f, 0.0f, stream);
-    auto w = make_tensor(backend, DType::bf16, {n, n}, 3, 1.0f, 0.0f, stream);
-    auto y = make_tensor(backend, DType::bf16, {n, n}, 0, 0.0f, 0.0f, stream);
-    const double us = timer.median_us([&] { backend.linear(x.view, w.view, y.view, false); });
-    ceilings.gemm_flops_per_s = 2.0 * n * n * n / (us * 1e-6);
-  }
+  std::unique_ptr<bench_access::Backend> backend = bench_access::make_cuda_backend(device);
+  const auto stream = static_cast<cudaStream_t>(backend->stream());
+  ceilings.copy_bytes_per_s = bench::copy_bandwidth(timer, stream, timer.runs());
+  const int64_t n = 8192;
+  auto x = make_tensor(DType::bf16, {n, n}, 2, 1.0f, 0.0f, stream);
+  auto w = make_tensor(DType::bf16, {n, n}, 3, 1.0f, 0.0f, stream);
+  auto y = make_tensor(DType::bf16, {n, n}, 0, 0.0f, 0.0f, stream);
+  const double us = timer.median_us(stream, [&] { backend->linear(x.view, w.view, y.view, false); });
+  ceilings.gemm_flops_per_s = 2.0 * n * n * n / (us * 1e-6);
+  LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return ceilings;
 }
 
@@ -156,7 +120,7 @@ void set_floor(PhaseResult& phase, const Ceilings& ceilings) {
 }
 
 nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLayerOptions& options,
-                         const Ceilings& ceilings, DType dtype) {
+                         const Ceilings& ceilings, DType dtype, bench::Timer& timer) {
   const LayerConfig full = preset_config(preset);
   LATENTMOE_CHECK(tp_shard >= 1 && full.intermediate_size % tp_shard == 0 &&
                       full.shared_intermediate_size % tp_shard == 0 && full.hidden_size % tp_shard == 0 &&
@@ -173,52 +137,71 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   const int64_t max_tokens = *std::max_element(options.tokens.begin(), options.tokens.end());
   const double element = static_cast<double>(dtype_size(dtype));
   const int num_matrices = config.is_gated() ? 3 : 2;
+  const bool gated = config.is_gated(), shared = config.has_shared_expert();
 
-  cuda::CudaBackend backend(options.device);
-  backend.set_skinny_max_tokens(options.skinny_max_tokens);
-  backend.set_gemv_max_tokens(options.gemv_max_tokens);
-  const auto stream = static_cast<cudaStream_t>(backend.stream());
-  int l2_bytes = 0;
-  LATENTMOE_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, options.device));
-  Timer timer(stream, static_cast<size_t>(l2_bytes), backend, options.warmup, options.iterations);
+  // The bench's stream: the weights and inputs are made on it, and forward runs on it.
+  const Stream bench_stream;
+  const cudaStream_t stream = bench_stream.handle;
 
+  // The shard's weights, made on the GPU (kimi-k3 at tp 1 is ~60 GB: never through host memory).
   const uint64_t seed = options.seed;
   auto matrix = [&](std::vector<int64_t> shape, int64_t fan_in, uint64_t salt) {
-    return make_tensor(backend, dtype, std::move(shape), seed * 1000 + salt, 1.0f / std::sqrt(float(fan_in)), 0.0f,
-                       stream);
+    return make_tensor(dtype, std::move(shape), seed * 1000 + salt, 1.0f / std::sqrt(float(fan_in)), 0.0f, stream);
   };
-  auto down_proj = matrix({l, d}, d, 1);
-  auto up_proj = matrix({d, l}, l, 2);
-  auto gamma = make_tensor(backend, DType::f32, {l}, seed * 1000 + 3, 0.25f, 1.0f, stream);
+  DeviceTensor down_proj = matrix({l, d}, d, 1);
+  DeviceTensor up_proj = matrix({d, l}, l, 2);
+  DeviceTensor gamma;
+  if (config.use_latent_norm) gamma = make_tensor(DType::f32, {l}, seed * 1000 + 3, 0.25f, 1.0f, stream);
   // A small correction bias: a bias as wide as the top scores' spread would send every token to the same
   // experts; this keeps each token's experts close to uniformly random, like the peers' routing.
-  auto bias = make_tensor(backend, DType::f32, {width}, seed * 1000 + 4, 0.001f, 0.0f, stream);
-  DeviceTensorOwner expert_gate;
-  if (config.is_gated()) expert_gate = matrix({num_experts, inter, l}, l, 5);
-  auto expert_up = matrix({num_experts, inter, l}, l, 6);
-  auto expert_down = matrix({num_experts, l, inter}, inter, 7);
-  DeviceTensorOwner shared_gate;
-  if (config.is_gated()) shared_gate = matrix({shared_inter, d}, d, 8);
-  auto shared_up = matrix({shared_inter, d}, d, 9);
-  auto shared_down = matrix({d, shared_inter}, shared_inter, 10);
-  backend.prepare(config, dtype, max_tokens, 1);
-
-  auto x_all = matrix({max_tokens, d}, 1, 11);
-  auto logits_all = make_tensor(backend, DType::f32, {max_tokens, width}, seed * 1000 + 12, 2.0f, 0.0f, stream);
-  auto ids_all = make_tensor(backend, DType::i32, {max_tokens, k}, 0, 0, 0, stream);
-  auto weights_all = make_tensor(backend, DType::f32, {max_tokens, k}, 0, 0, 0, stream);
-  auto zero_all = make_tensor(backend, DType::f32, {max_tokens}, 0, 0, 0, stream);
-  auto z_all = make_tensor(backend, dtype, {max_tokens, l}, 0, 0, 0, stream);
-  auto latent_all = make_tensor(backend, dtype, {max_tokens, l}, 0, 0, 0, stream);
-  auto normed_all = make_tensor(backend, dtype, {max_tokens, l}, 0, 0, 0, stream);
-  auto shared_all = make_tensor(backend, dtype, {max_tokens, d}, 0, 0, 0, stream);
-  auto out_all = make_tensor(backend, dtype, {max_tokens, d}, 0, 0, 0, stream);
+  DeviceTensor bias = make_tensor(DType::f32, {width}, seed * 1000 + 4, 0.001f, 0.0f, stream);
+  DeviceTensor expert_gate, shared_gate, shared_up, shared_down;
+  if (gated) expert_gate = matrix({num_experts, inter, l}, l, 5);
+  DeviceTensor expert_up = matrix({num_experts, inter, l}, l, 6);
+  DeviceTensor expert_down = matrix({num_experts, l, inter}, inter, 7);
+  if (shared && gated) shared_gate = matrix({shared_inter, d}, d, 8);
+  if (shared) {
+    shared_up = matrix({shared_inter, d}, d, 9);
+    shared_down = matrix({d, shared_inter}, shared_inter, 10);
+  }
+  // The inputs and the output, for up to max_tokens tokens.
+  DeviceTensor x_all = matrix({max_tokens, d}, 1, 11);
+  DeviceTensor logits_all = make_tensor(DType::f32, {max_tokens, width}, seed * 1000 + 12, 2.0f, 0.0f, stream);
+  DeviceTensor out_all = make_tensor(dtype, {max_tokens, d}, 0, 0.0f, 0.0f, stream);
   LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 
-  const detail::RoutingParams routing = detail::RoutingParams::from_config(config);
-  const detail::ActivationParams activation = detail::ActivationParams::from_config(config);
-  const detail::MlpWeights experts{expert_gate.view, expert_up.view, expert_down.view};
-  const detail::MlpWeights shared{shared_gate.view, shared_up.view, shared_down.view};
+  // One runner over them: device views, used in place (declared after the buffers, so destroyed first).
+  LayerWeightViews views;
+  views.dtype = dtype;
+  views.score_bias = bias.view;  // no gate: the router logits are given
+  views.down_proj = down_proj.view;
+  views.latent_norm = gamma.view;
+  views.up_proj = up_proj.view;
+  views.expert_gate = expert_gate.view;
+  views.expert_up = expert_up.view;
+  views.expert_down = expert_down.view;
+  views.shared_gate = shared_gate.view;
+  views.shared_up = shared_up.view;
+  views.shared_down = shared_down.view;
+  const ParallelConfig parallel{.tp_size = 1, .rank = 0};
+  std::vector<std::unique_ptr<Communicator> > group = make_in_process_group(1);  // one rank: no collective runs
+  RunnerOptions runner_options;
+  runner_options.backend = BackendKind::cuda;
+  runner_options.max_tokens = max_tokens;
+  runner_options.device_ordinal = options.device;
+  Runner runner(config, parallel, views, *group[0], runner_options);
+  bench_access::set_skinny_max_tokens(runner, options.skinny_max_tokens);
+  bench_access::set_gemv_max_tokens(runner, options.gemv_max_tokens);
+
+  // The phases run the runner's backend operations on its own weights and workspaces, on its own stream.
+  bench_access::RunnerState& state = bench_access::state_of(runner);
+  bench_access::Backend& backend = *state.backend;
+  const auto phase_stream = static_cast<cudaStream_t>(backend.stream());
+  const bench_access::RoutingParams& routing = state.routing;
+  const bench_access::ActivationParams& activation = state.activation;
+  const bench_access::MlpWeights experts{state.expert_gate.view, state.expert_up.view, state.expert_down.view};
+  const bench_access::MlpWeights shared_mlp{state.shared_gate.view, state.shared_up.view, state.shared_down.view};
+  const float eps = static_cast<float>(config.rms_norm_eps);
 
   nlohmann::json rows = nlohmann::json::array();
   std::printf("# preset %s  tp-shard %d  dtype %s  E %lld  k %lld  d %lld  l %lld  I/tp %lld  Is/tp %lld\n",
@@ -229,20 +212,21 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
               "experts%", "touched");
   for (int64_t tokens : options.tokens) {
     LATENTMOE_CHECK(tokens >= 1, "--tokens must be positive");
-    auto rows_of = [&](const DeviceTensorOwner& tensor) { return tensor.view.slice_rows(0, tokens); };
-    const TensorView x = rows_of(x_all), logits = rows_of(logits_all), ids = rows_of(ids_all),
-                     weights = rows_of(weights_all), zero = zero_all.view.slice_rows(0, tokens), z = rows_of(z_all),
-                     latent = rows_of(latent_all), normed = rows_of(normed_all), shared_out = rows_of(shared_all),
-                     out = rows_of(out_all);
+    auto rows_of = [&](const TensorView& tensor) { return tensor.slice_rows(0, tokens); };
+    const TensorView x = rows_of(x_all.view), logits = rows_of(logits_all.view), out = rows_of(out_all.view);
+    const TensorView ids = rows_of(state.topk_ids.view), weights = rows_of(state.topk_weights.view),
+                     zero = rows_of(state.zero_weight_sum.view), z = rows_of(state.latent_in.view),
+                     latent = rows_of(state.latent_partial.view), normed = rows_of(state.latent_reduced.view),
+                     shared_out = rows_of(state.shared_partial.view);
+    const TensorView bias_view = state.score_bias.view;
     // Route once to learn which experts this token set touches (the experts' byte floor).
-    backend.route(routing, logits, bias.view, ids, weights, zero);
-    std::vector<int32_t> host_ids(static_cast<size_t>(tokens * k));
-    LATENTMOE_CUDA_CHECK(
-        cudaMemcpyAsync(host_ids.data(), ids.data(), host_ids.size() * 4, cudaMemcpyDeviceToHost, stream));
-    LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    backend.route(routing, logits, bias_view, ids, weights, zero);
+    HostTensor host_ids(DType::i32, {tokens, k});
+    backend.copy(ids, host_ids.view());  // a copy to the host has completed when copy() returns
     std::set<int32_t> touched;
     int64_t num_pairs = 0;
-    for (int32_t id : host_ids) {
+    for (int64_t i = 0; i < tokens * k; ++i) {
+      const int32_t id = host_ids.data_as<int32_t>()[i];
       if (id < num_experts) {
         touched.insert(id);
         ++num_pairs;
@@ -250,61 +234,55 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     }
     const double t = static_cast<double>(tokens);
     std::vector<PhaseResult> phases;
-    auto phase = [&](const char* name, double bytes, double flops, auto&& body) {
-      PhaseResult result{name, timer.median_us(body), bytes, flops, 0};
+    auto phase = [&](const char* name, double bytes, double flops, const std::function<void()>& body) {
+      PhaseResult result{name, timer.median_us(phase_stream, body), bytes, flops, 0};
       set_floor(result, ceilings);
       phases.push_back(result);
     };
     phase("route", t * width * 4 + width * 4 + t * k * 8 + t * 4, 0,
-          [&] { backend.route(routing, logits, bias.view, ids, weights, zero); });
+          [&] { backend.route(routing, logits, bias_view, ids, weights, zero); });
     phase("down_proj", (l * d + t * d + t * l) * element, 2 * t * d * l,
-          [&] { backend.linear(x, down_proj.view, z, false); });
+          [&] { backend.linear(x, state.down_proj.view, z, false); });
     phase("experts",
           static_cast<double>(touched.size()) * num_matrices * inter * l * element + 2 * t * l * element + t * k * 8,
           2.0 * num_pairs * l * inter * num_matrices,
           [&] { backend.routed_experts(activation, z, ids, weights, experts, latent); });
-    phase("shared", (num_matrices * shared_inter * d + 2 * t * d) * element, 2 * t * d * shared_inter * num_matrices,
-          [&] { backend.dense_mlp(activation, x, shared, shared_out); });
+    if (shared) {
+      phase("shared", (num_matrices * shared_inter * d + 2 * t * d) * element, 2 * t * d * shared_inter * num_matrices,
+            [&] { backend.dense_mlp(activation, x, shared_mlp, shared_out); });
+    }
     if (config.use_latent_norm) {
-      phase("norm", 2 * t * l * element + l * 4, 0, [&] { backend.rms_norm(latent, gamma.view, 1e-5f, normed); });
+      phase("norm", 2 * t * l * element + l * 4, 0,
+            [&] { backend.rms_norm(latent, state.latent_norm.view, eps, normed); });
     }
     const TensorView up_in = config.use_latent_norm ? normed : latent;
     phase("up_proj", (d * l + t * l + t * d) * element, 2 * t * d * l,
-          [&] { backend.linear(up_in, up_proj.view, out, false); });
-    phase("add", 3 * t * d * element, 0, [&] { backend.add(out, shared_out, out); });
+          [&] { backend.linear(up_in, state.up_proj.view, out, false); });
+    if (shared) phase("add", 3 * t * d * element, 0, [&] { backend.add(out, shared_out, out); });
 
     PhaseResult total{"total", 0, 0, 0, 0};
     for (const auto& p : phases) {
       total.bytes += p.bytes;
       total.flops += p.flops;
     }
-    // As the runner orders it (src/core/tails.cpp): routing beside W_down, the shared expert beside
-    // the routed experts (two streams), then the tail.
-    auto whole_layer = [&] {
-      backend.run_overlapped([&] { backend.linear(x, down_proj.view, z, false); },
-                             [&] { backend.route(routing, logits, bias.view, ids, weights, zero); });
-      backend.run_overlapped([&] { backend.routed_experts(activation, z, ids, weights, experts, latent); },
-                             [&] { backend.dense_mlp(activation, x, shared, shared_out); });
-      if (config.use_latent_norm) backend.rms_norm(latent, gamma.view, 1e-5f, normed);
-      backend.linear(up_in, up_proj.view, out, false);
-      backend.add(out, shared_out, out);
-    };
-    total.time_us = timer.median_us(whole_layer);
+    // The whole layer through the public API: Runner::forward on the bench's stream (tier native:
+    // at tp 1 no collective runs; the runner overlaps the routing with W_down and the shared expert
+    // with the routed experts on its aux stream).
+    ForwardInputs inputs;
+    inputs.hidden_states = x;
+    inputs.router_logits = logits;
+    inputs.tier = TailTier::native;
+    ForwardOutputs outputs;
+    outputs.output = out;
+    auto whole_layer = [&] { runner.forward(inputs, outputs, stream); };
+    total.time_us = timer.median_us(stream, whole_layer);
     set_floor(total, ceilings);
-    // The same sequence captured once into a CUDA graph and replayed, as an engine runs decode: no
+    // The same forward captured once into a CUDA graph and replayed, as an engine runs decode: no
     // host launch gaps between the kernels.
     PhaseResult graph_total = total;
     {
-      cudaGraph_t graph = nullptr;
-      LATENTMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      whole_layer();
-      LATENTMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-      cudaGraphExec_t exec = nullptr;
-      const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
-      cudaGraphDestroy(graph);
-      LATENTMOE_CUDA_CHECK(err);
-      graph_total.time_us = timer.median_us([&] { LATENTMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
-      cudaGraphExecDestroy(exec);
+      const bench::Graph graph(stream, whole_layer);
+      graph_total.time_us = timer.median_us(stream, [&] { graph.launch(stream); });
     }
 
     std::map<std::string, const PhaseResult*> by_name;
@@ -316,6 +294,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
                 time_of("norm"), time_of("up_proj"), total.time_us, graph_total.time_us, total.floor_us,
                 100 * total.fraction_of_floor(), 100 * graph_total.fraction_of_floor(),
                 100 * expert_phase.fraction_of_floor(), touched.size());
+    std::fflush(stdout);
 
     nlohmann::json row;
     row["preset"] = preset;
@@ -342,6 +321,8 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     row["total_byte_floor_us"] = 1e6 * total.bytes / ceilings.copy_bytes_per_s;
     rows.push_back(row);
   }
+  LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  backend.synchronize();
   return rows;
 }
 
@@ -359,18 +340,16 @@ void run_bench_layer(const BenchLayerOptions& options) {
   } else {
     detail::throw_error("--dtype must be bf16 or f16, got '", options.dtype, "'");
   }
-  LATENTMOE_CHECK(cuda::cuda_device_count() > options.device && options.device >= 0, "bench layer: CUDA device ",
-                  options.device, " is not present (", cuda::cuda_device_count(), " found)");
+  const int num_devices = bench_access::cuda_device_count();
+  LATENTMOE_CHECK(num_devices > options.device && options.device >= 0, "bench layer: CUDA device ", options.device,
+                  " is not present (", num_devices, " found)");
+  // The bench's buffers, streams and timer live on this device, as does every runner (device_ordinal).
+  LATENTMOE_CUDA_CHECK(cudaSetDevice(options.device));
 
   cudaDeviceProp properties{};
   LATENTMOE_CUDA_CHECK(cudaGetDeviceProperties(&properties, options.device));
-  Ceilings ceilings;
-  {
-    cuda::CudaBackend backend(options.device);
-    const auto stream = static_cast<cudaStream_t>(backend.stream());
-    Timer timer(stream, static_cast<size_t>(properties.l2CacheSize), backend, options.warmup, options.iterations);
-    ceilings = measure_ceilings(backend, timer, stream);
-  }
+  bench::Timer timer({.warmup = options.warmup, .iterations = options.iterations, .flush_l2 = true});
+  const Ceilings ceilings = measure_ceilings(timer, options.device);
   std::printf("# latentmoe bench layer  device %s (sm_%d%d, %d SMs)  copy %.2f TB/s  dense bf16 GEMM %.0f TFLOP/s\n",
               properties.name, properties.major, properties.minor, properties.multiProcessorCount,
               ceilings.copy_bytes_per_s / 1e12, ceilings.gemm_flops_per_s / 1e12);
@@ -391,29 +370,16 @@ void run_bench_layer(const BenchLayerOptions& options) {
   report["rows"] = nlohmann::json::array();
   for (const auto& preset : options.presets) {
     for (int tp_shard : options.tp_shards) {
-      for (auto& row : bench_one(preset, tp_shard, options, ceilings, dtype)) report["rows"].push_back(row);
+      for (auto& row : bench_one(preset, tp_shard, options, ceilings, dtype, timer)) report["rows"].push_back(row);
     }
   }
-  std::ostringstream repro_stream;
-  auto join = [&repro_stream](const auto& values) {
-    for (size_t i = 0; i < values.size(); ++i) repro_stream << (i ? "," : "") << values[i];
-  };
-  repro_stream << "latentmoe bench layer --preset ";
-  join(options.presets);
-  repro_stream << " --tp-shard ";
-  join(options.tp_shards);
-  repro_stream << " --tokens ";
-  join(options.tokens);
-  if (options.skinny_max_tokens != 8) repro_stream << " --skinny-max-tokens " << options.skinny_max_tokens;
-  if (options.gemv_max_tokens != 0) repro_stream << " --gemv-max-tokens " << options.gemv_max_tokens;
-  const std::string repro = repro_stream.str();
-  std::printf("# repro: %s\n", repro.c_str());
-  report["repro"] = repro;
-  if (!options.json_path.empty()) {
-    std::ofstream file(options.json_path);
-    LATENTMOE_CHECK(file.good(), "cannot write ", options.json_path);
-    file << report.dump(2) << "\n";
-  }
+  bench::Repro repro("latentmoe bench layer");
+  repro.flag("--preset", options.presets).flag("--tp-shard", options.tp_shards).flag("--tokens", options.tokens);
+  if (options.skinny_max_tokens != 8) repro.flag("--skinny-max-tokens", options.skinny_max_tokens);
+  if (options.gemv_max_tokens != 0) repro.flag("--gemv-max-tokens", options.gemv_max_tokens);
+  repro.print();
+  report["repro"] = repro.line();
+  if (!options.json_path.empty()) bench::write_json(options.json_path, report);
 }
 
 #endif

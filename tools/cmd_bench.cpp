@@ -12,8 +12,8 @@ void register_bench_command(CLI::App& app) {
   auto options = std::make_shared<BenchLayerOptions>();
   CLI::App* layer = bench->add_subcommand(
       "layer",
-      "One rank's layer (--tp-shard N: its share of a tp=N deployment, no collectives), per phase, "
-      "against byte and FLOP floors from ceilings measured in the same run");
+      "One rank's layer through Runner::forward (--tp-shard N: its share of a tp=N deployment, no "
+      "collectives), whole and per phase, against byte and FLOP floors from ceilings measured in the same run");
   layer->add_option("--preset", options->presets, "kimi-k3, nemotron3-super")->delimiter(',');
   layer->add_option("--tp-shard", options->tp_shards, "tp sizes whose one-rank share to run")->delimiter(',');
   layer->add_option("--tokens", options->tokens, "token counts")->delimiter(',');

@@ -6,42 +6,22 @@
 //             512 threads per SM): the ceiling of a one-pass kernel of this size
 //   cublas    cublasGemmEx, bf16 in, fp32 compute (what CudaBackend::linear runs without the GEMV)
 //   gemv w/s  gemv() with w warps per CTA and clusters of s CTAs (0: the launcher's choice)
-// Build: the gemv_bench target (bench/CMakeLists.txt). Usage: gemv_bench [--json FILE]
+// Timing (L2 flush by reading, events, warm-ups, median), the repro line and the JSON: the benchmark
+// harness (bench/harness/timing.h). Build: the gemv_bench target (bench/CMakeLists.txt).
+// Usage: gemv_bench [--json FILE]
 #include <cublas_v2.h>
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
-#include <vector>
 
-#include "cuda/common/device.h"
 #include "cuda/gemm/gemv.h"
+#include "cuda/kernels/fill.h"
+#include "harness/timing.h"
+#include "latentmoe/error.h"
 
 namespace {
-
-#define CHECK(x)                                                                     \
-  do {                                                                               \
-    cudaError_t e = (x);                                                             \
-    if (e != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
-
-__global__ void fill_kernel(uint16_t* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    // bf16 of a value in about [-1, 1): sign, exponent 119..126, random mantissa
-    p[i] = static_cast<uint16_t>(((h & 1u) << 15) | ((119u + (h >> 1) % 8u) << 7) | ((h >> 8) & 0x7fu));
-  }
-}
 
 // Reads n 16-byte vectors, 8 loads in flight per thread, and keeps one xor so nothing is dropped.
 __global__ void read_kernel(const uint4* p, size_t n, uint32_t* sink) {
@@ -62,123 +42,91 @@ __global__ void read_kernel(const uint4* p, size_t n, uint32_t* sink) {
   if (acc == 0x12345678u) *sink = acc;
 }
 
-struct Timer {
-  cudaStream_t stream;
-  uint4* flush;
-  size_t flush_vectors;
-  uint32_t* sink;
-  int sms;
-  template <class F>
-  double median_us(F&& f) {
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    std::vector<float> times;
-    for (int i = 0; i < 33; ++i) {
-      read_kernel<<<sms * 4, 512, 0, stream>>>(flush, flush_vectors, sink);
-      CHECK(cudaEventRecord(a, stream));
-      f();
-      CHECK(cudaEventRecord(b, stream));
-      CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, a, b));
-      if (i >= 3) times.push_back(ms * 1000.0f);
-    }
-    CHECK(cudaGetLastError());
-    std::sort(times.begin(), times.end());
-    CHECK(cudaEventDestroy(a));
-    CHECK(cudaEventDestroy(b));
-    return times[times.size() / 2];
-  }
-};
-
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::string json_path;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--json" && i + 1 < argc) {
-      json_path = argv[++i];
-    } else {
-      std::fprintf(stderr, "usage: gemv_bench [--json FILE]\n");
-      return 2;
-    }
+    LATENTMOE_CHECK(a == "--json" && i + 1 < argc, "usage: gemv_bench [--json FILE]");
+    json_path = argv[++i];
   }
-  int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  Timer timer;
-  CHECK(cudaStreamCreateWithFlags(&timer.stream, cudaStreamNonBlocking));
-  timer.flush_vectors = (size_t{512} << 20) / 16;
-  CHECK(cudaMalloc(&timer.flush, timer.flush_vectors * 16));
-  CHECK(cudaMalloc(&timer.sink, 4));
-  timer.sms = sms;
-  CHECK(cudaMemset(timer.flush, 1, timer.flush_vectors * 16));
-  cublasHandle_t handle;
-  if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) return 1;
-  cublasSetStream(handle, timer.stream);
+  using latentmoe::bench::DeviceMemory;
+  int device = 0, sms = 0;
+  LATENTMOE_CUDA_CHECK(cudaGetDevice(&device));
+  LATENTMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  cudaStream_t stream = nullptr;
+  LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // 3 warm-ups, the median of 30, the L2 flushed by reading 512 MiB before each run.
+  latentmoe::bench::Timer timer({.warmup = 3, .iterations = 30, .flush_l2 = true}, size_t{512} << 20);
+  const DeviceMemory sink(16);
+  cublasHandle_t handle = nullptr;
+  LATENTMOE_CUBLAS_CHECK(cublasCreate(&handle));
+  struct Destroy {
+    cublasHandle_t handle;
+    ~Destroy() { cublasDestroy(handle); }
+  } destroy{handle};
+  LATENTMOE_CUBLAS_CHECK(cublasSetStream(handle, stream));
 
   struct Shape {
     const char* name;
     int64_t n, k;
   };
   const Shape shapes[] = {{"W_down", 3584, 7168}, {"W_up", 7168, 3584}};
-  std::string json = "{\"bench\": \"gemv_bench\", \"rows\": [\n";
-  bool first = true;
+  nlohmann::json report;
+  report["bench"] = "gemv_bench";
+  report["rows"] = nlohmann::json::array();
   std::printf("# gemv_bench  one row, bf16, L2 flushed before each run, median of 30 (us)\n");
   std::printf("# %-7s %-12s %9s %8s\n", "matrix", "kernel", "time_us", "TB/s");
   for (const Shape& s : shapes) {
     const size_t elements = static_cast<size_t>(s.n * s.k);
-    uint16_t *w, *x, *y;
-    CHECK(cudaMalloc(&w, elements * 2));
-    CHECK(cudaMalloc(&x, s.k * 2));
-    CHECK(cudaMalloc(&y, s.n * 2));
-    fill_kernel<<<sms * 8, 256>>>(w, elements, 1u);
-    fill_kernel<<<sms, 256>>>(x, s.k, 2u);
-    CHECK(cudaDeviceSynchronize());
+    const DeviceMemory w(elements * 2), x(s.k * 2), y(s.n * 2);
+    latentmoe::cuda::fill_uniform(w.get(), latentmoe::DType::bf16, static_cast<int64_t>(elements), 1, 1.0f, 0.0f,
+                                  stream);
+    latentmoe::cuda::fill_uniform(x.get(), latentmoe::DType::bf16, s.k, 2, 1.0f, 0.0f, stream);
+    LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     const double bytes = static_cast<double>(elements) * 2;
-    auto report = [&](const std::string& kernel, double us) {
+    auto report_row = [&](const std::string& kernel, double us) {
       std::printf("  %-7s %-12s %9.2f %8.2f\n", s.name, kernel.c_str(), us, bytes / us * 1e-6);
-      json += std::string(first ? "" : ",\n") + "  {\"matrix\": \"" + s.name + "\", \"n\": " + std::to_string(s.n) +
-              ", \"k\": " + std::to_string(s.k) + ", \"kernel\": \"" + kernel +
-              "\", \"time_us\": " + std::to_string(us) + ", \"tb_per_s\": " + std::to_string(bytes / us * 1e-6) + "}";
-      first = false;
+      report["rows"].push_back({{"matrix", s.name},
+                                {"n", s.n},
+                                {"k", s.k},
+                                {"kernel", kernel},
+                                {"time_us", us},
+                                {"tb_per_s", bytes / us * 1e-6}});
     };
-    report("read", timer.median_us([&] {
-      read_kernel<<<sms * 4, 512, 0, timer.stream>>>(reinterpret_cast<const uint4*>(w), elements / 8, timer.sink);
+    report_row("read", timer.median_us(stream, [&] {
+      read_kernel<<<sms * 4, 512, 0, stream>>>(w.as<const uint4>(), elements / 8, sink.as<uint32_t>());
+      LATENTMOE_CUDA_CHECK_LAUNCH("read_kernel");
     }));
     const float one = 1.0f, zero = 0.0f;
-    report("cublas", timer.median_us([&] {
+    report_row("cublas", timer.median_us(stream, [&] {
       // y[n] = W[n, k] x[k]: column-major W^T is [k, n], so op(A) = A^T with A = W^T (lda = k).
-      if (cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n), 1, static_cast<int>(s.k), &one, w,
-                       CUDA_R_16BF, static_cast<int>(s.k), x, CUDA_R_16BF, static_cast<int>(s.k), &zero, y, CUDA_R_16BF,
-                       static_cast<int>(s.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
-        std::fprintf(stderr, "cublasGemmEx failed\n");
-        std::exit(1);
-      }
+      LATENTMOE_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n), 1,
+                                          static_cast<int>(s.k), &one, w.get(), CUDA_R_16BF, static_cast<int>(s.k),
+                                          x.get(), CUDA_R_16BF, static_cast<int>(s.k), &zero, y.get(), CUDA_R_16BF,
+                                          static_cast<int>(s.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }));
     for (int warps : {8, 12, 16}) {
       for (int split : {0, 1, 2}) {
         latentmoe::cuda::GemvShape shape;
         shape.warps = warps;
         shape.split = split;
-        report("gemv " + std::to_string(warps) + "/" + std::to_string(split), timer.median_us([&] {
-          latentmoe::cuda::gemv(latentmoe::DType::bf16, x, s.k, 1, w, s.k, s.n, s.k, y, s.n, false, timer.stream,
-                                shape);
+        report_row("gemv " + std::to_string(warps) + "/" + std::to_string(split), timer.median_us(stream, [&] {
+          latentmoe::cuda::gemv(latentmoe::DType::bf16, x.get(), s.k, 1, w.get(), s.k, s.n, s.k, y.get(), s.n, false,
+                                stream, shape);
         }));
       }
     }
-    CHECK(cudaFree(w));
-    CHECK(cudaFree(x));
-    CHECK(cudaFree(y));
   }
-  json += "\n]}\n";
-  if (!json_path.empty()) {
-    FILE* f = std::fopen(json_path.c_str(), "w");
-    if (f == nullptr) return 1;
-    std::fputs(json.c_str(), f);
-    std::fclose(f);
-  }
-  cublasDestroy(handle);
+  latentmoe::bench::Repro repro("gemv_bench");
+  repro.print();
+  report["repro"] = repro.line();
+  if (!json_path.empty()) latentmoe::bench::write_json(json_path, report);
+  LATENTMOE_CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return latentmoe::bench::run_main("gemv_bench", [&] { return run(argc, argv); });
 }
