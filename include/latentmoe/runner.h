@@ -39,6 +39,9 @@ struct RunnerOptions {
   // CUDA: the device this rank runs on; -1 picks rank % number of devices (so several ranks share
   // one GPU when there are fewer GPUs than ranks).
   int device_ordinal = -1;
+  // GPU backends: make forward_host's staging buffers (inputs and outputs for max_tokens) at
+  // construction. Off by default: an engine calls forward() on its own device tensors.
+  bool host_staging = false;
 };
 
 // The backend `auto` resolves to here (cuda when built with CUDA and a GPU is present, else cpu);
@@ -88,7 +91,8 @@ class Runner {
   TailTier forward(const ForwardInputs& inputs, const ForwardOutputs& outputs, StreamHandle stream = nullptr);
 
   // forward() on host tensors whatever the backend: for a GPU backend, inputs are staged to the
-  // device and outputs back (the staging buffers are allocated on the first call, for max_tokens).
+  // device and outputs back through buffers made at construction (RunnerOptions::host_staging),
+  // then the communicator's check point runs (Communicator::check).
   // Convenient for tools and tests; engines call forward() on device tensors.
   TailTier forward_host(const ForwardInputs& inputs, const ForwardOutputs& outputs);
 

@@ -49,6 +49,7 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
     runner_options.policy = options.policy;
     runner_options.max_tokens = std::max<int64_t>(num_tokens, 1);
     runner_options.device_ordinal = device_ordinal;
+    runner_options.host_staging = true;
     std::optional<Runner> runner;
     try {
       runner.emplace(config, parallel, rank_weights(parallel), *group[rank], runner_options);

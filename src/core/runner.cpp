@@ -165,6 +165,18 @@ Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const 
   state.shared_partial = detail::workspace(backend, state.dtype, {max_tokens, d});
   state.hidden_shard = detail::workspace(backend, state.dtype, {max_tokens, shard});
   backend.prepare(config, state.dtype, max_tokens, parallel.tp_size);
+  if (options.host_staging && backend.device() != Device::cpu) {
+    // forward_host's staging, allocated here so that no rank allocates (cudaMalloc may synchronise the
+    // device) while a peer's collective is waiting for it.
+    auto staging = std::make_unique<detail::RunnerState::Staging>();
+    staging->hidden_states = detail::workspace(backend, state.dtype, {max_tokens, config.hidden_size});
+    staging->router_logits = detail::workspace(backend, DType::f32, {max_tokens, config.num_router_outputs()});
+    staging->latent_states = detail::workspace(backend, state.dtype, {max_tokens, config.latent_size});
+    staging->output = detail::workspace(backend, state.dtype, {max_tokens, config.hidden_size});
+    staging->topk_ids = detail::workspace(backend, DType::i32, {max_tokens, config.top_k});
+    staging->topk_weights = detail::workspace(backend, DType::f32, {max_tokens, config.top_k});
+    state.staging = std::move(staging);
+  }
   // forward may run on any stream of the caller's: the weights and zeroed workspaces must be in place.
   backend.synchronize();
 }
@@ -238,16 +250,9 @@ TailTier Runner::forward_host(const ForwardInputs& inputs, const ForwardOutputs&
 
   const LayerConfig& config = state.config;
   const int64_t max_tokens = state.options.max_tokens;
-  if (!state.staging) {
-    auto staging = std::make_unique<detail::RunnerState::Staging>();
-    staging->hidden_states = detail::workspace(backend, state.dtype, {max_tokens, config.hidden_size});
-    staging->router_logits = detail::workspace(backend, DType::f32, {max_tokens, config.num_router_outputs()});
-    staging->latent_states = detail::workspace(backend, state.dtype, {max_tokens, config.latent_size});
-    staging->output = detail::workspace(backend, state.dtype, {max_tokens, config.hidden_size});
-    staging->topk_ids = detail::workspace(backend, DType::i32, {max_tokens, config.top_k});
-    staging->topk_weights = detail::workspace(backend, DType::f32, {max_tokens, config.top_k});
-    state.staging = std::move(staging);
-  }
+  LATENTMOE_CHECK(
+      state.staging != nullptr,
+      "forward_host on a GPU runner needs RunnerOptions::host_staging (its buffers are made at construction)");
   detail::RunnerState::Staging& staging = *state.staging;
   // Shapes and dtypes are checked by forward(); here only what staging needs.
   auto stage = [&](const TensorView& host, const detail::DeviceTensor& buffer, bool copy_in) -> TensorView {

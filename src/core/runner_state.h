@@ -57,7 +57,7 @@ struct RunnerState {
   DeviceTensor shared_partial;   // [max_T, d]   S_r
   DeviceTensor hidden_shard;     // [max_T, d/tp] tier 0's reduce-scattered shared shard
 
-  // forward_host's staging buffers (device backends only; allocated on first use).
+  // forward_host's staging buffers (device backends with RunnerOptions::host_staging; made at construction).
   struct Staging {
     DeviceTensor hidden_states, router_logits, latent_states, output, topk_ids, topk_weights;
   };

@@ -23,6 +23,7 @@ LayerOutputs run_layer(BackendKind kind, const LayerConfig& config, const LayerW
   RunnerOptions options;
   options.backend = kind;
   options.max_tokens = 64;
+  options.host_staging = true;
   Runner runner(config, ParallelConfig{}, weights, *group[0], options);
   const int64_t tokens = x.size(0);
   LayerOutputs out{HostTensor(x.dtype(), {tokens, config.hidden_size}), HostTensor(DType::i32, {tokens, config.top_k}),

@@ -1,13 +1,18 @@
-// CudaBackend: argument checks, workspaces, streams and the order of the kernels of each Backend
-// operation. The kernels are in routing.cu, norm.cu, elementwise.cu, blas.cu, gemv.cu, skinny_gemm.cu
-// and grouped_gemm*.cu.
+// CudaBackend: workspaces, streams, the dispatch and the order of the kernels of each Backend
+// operation. The kernels are in kernels/ (routing, norm, elementwise) and gemm/ (blas, gemv, skinny,
+// grouped). Arguments are validated once, by the runner (src/core/backend.h): an operation checks
+// only what the runner cannot know (the prepared workspace fits, kernel limits, run_overlapped's
+// slot rule); its argument checks are LATENTMOE_DEBUG_CHECKs, gone under NDEBUG.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <string_view>
 
 #include "cuda/backend/cuda_backend.h"
+#include "cuda/backend/decode_dispatch.h"
+#include "cuda/comm/lamport_communicator.h"
 #include "cuda/common/cuda_check.h"
+#include "cuda/common/debug_check.h"
 #include "cuda/common/device.h"
 #include "cuda/gemm/blas.h"
 #include "cuda/gemm/gemv.h"
@@ -33,40 +38,39 @@ size_t align_up(size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * k
 // A tensor as rows x cols with a row stride: rank 1 is one row, rank 2 keeps its row stride (a
 // column block), higher ranks must be contiguous and fold their leading dimensions into rows.
 RowMatrix as_rows(const TensorView& view, std::string_view what) {
-  LATENTMOE_CHECK(view.defined(), "CUDA backend: ", what, " is undefined");
-  LATENTMOE_CHECK(view.device() == Device::cuda, "CUDA backend: ", what, " is not a device tensor");
+  LATENTMOE_DEBUG_CHECK(view.defined() && view.device() == Device::cuda, "CUDA backend: ", what,
+                        " is undefined or not a device tensor");
   const int last = view.rank() - 1;
-  LATENTMOE_CHECK(view.size(last) <= 1 || view.stride(last) == 1, "CUDA backend: ", what,
-                  " needs a contiguous last dimension");
+  LATENTMOE_DEBUG_CHECK(view.size(last) <= 1 || view.stride(last) == 1, "CUDA backend: ", what,
+                        " needs a contiguous last dimension");
   RowMatrix matrix{view.data(), view.dtype(), 1, view.size(last), view.size(last)};
   if (view.rank() == 2) {
     matrix.rows = view.size(0);
     matrix.ld = view.size(0) <= 1 ? std::max<int64_t>(view.stride(0), view.size(1)) : view.stride(0);
   } else if (view.rank() > 2) {
-    LATENTMOE_CHECK(view.is_contiguous(), "CUDA backend: ", what, " of shape ", view.shape_string(),
-                    " must be contiguous");
+    LATENTMOE_DEBUG_CHECK(view.is_contiguous(), "CUDA backend: ", what, " of shape ", view.shape_string(),
+                          " must be contiguous");
     matrix.rows = view.size(last) == 0 ? 0 : view.numel() / view.size(last);
   }
-  LATENTMOE_CHECK(matrix.rows == 0 || matrix.cols == 0 || view.data() != nullptr, "CUDA backend: ", what,
-                  " has no data");
+  LATENTMOE_DEBUG_CHECK(matrix.rows == 0 || matrix.cols == 0 || view.data() != nullptr, "CUDA backend: ", what,
+                        " has no data");
   return matrix;
 }
 
-void require_dtype(DType dtype, DType expected, std::string_view what) {
-  LATENTMOE_CHECK(dtype == expected, "CUDA backend: ", what, " has dtype ", dtype_name(dtype), ", expected ",
-                  dtype_name(expected));
+// Debug builds only (the runner validated these): a dtype, a compute dtype, a contiguous device tensor.
+void debug_require_dtype(DType dtype, DType expected, std::string_view what) {
+  LATENTMOE_DEBUG_CHECK(dtype == expected, "CUDA backend: ", what, " has dtype ", dtype_name(dtype), ", expected ",
+                        dtype_name(expected));
 }
 
-void require_compute_dtype(DType dtype, std::string_view what) {
-  LATENTMOE_CHECK(is_compute_dtype(dtype), "CUDA backend: ", what, " has dtype ", dtype_name(dtype),
-                  "; only F32, BF16 and F16 are supported");
+void debug_require_compute_dtype(DType dtype, std::string_view what) {
+  LATENTMOE_DEBUG_CHECK(is_compute_dtype(dtype), "CUDA backend: ", what, " has dtype ", dtype_name(dtype),
+                        "; only F32, BF16 and F16 are supported");
 }
 
-void require_contiguous_device(const TensorView& view, std::string_view what) {
-  LATENTMOE_CHECK(view.defined(), "CUDA backend: ", what, " is undefined");
-  LATENTMOE_CHECK(view.device() == Device::cuda, "CUDA backend: ", what, " is not a device tensor");
-  LATENTMOE_CHECK(view.is_contiguous(), "CUDA backend: ", what, " of shape ", view.shape_string(),
-                  " must be contiguous");
+void debug_require_contiguous_device(const TensorView& view, std::string_view what) {
+  LATENTMOE_DEBUG_CHECK(view.defined() && view.device() == Device::cuda && view.is_contiguous(), "CUDA backend: ", what,
+                        " of shape ", view.shape_string(), " must be a contiguous device tensor");
 }
 
 enum OpSlot : unsigned { kMainSlot = 1u, kAuxSlot = 2u };
@@ -99,11 +103,13 @@ struct CudaBackend::State {
   // Rows up to which linear, dense_mlp and routed_experts take the skinny kernels (0: never).
   int skinny_max_tokens = kSkinnyMaxRows;
   bool skinny(int64_t rows) const { return rows >= 1 && rows <= skinny_max_tokens; }
-  // false: the measured rule of skinny_pays(); true: every call within skinny_max_tokens (tests).
+  // false: the measured rule (decode_dispatch.h); true: every call within skinny_max_tokens (tests).
   bool skinny_always = false;
   SkinnyShape skinny_shape;  // {}: each call chooses
   // Rows up to which linear takes the decode GEMV (0: never).
   int gemv_max_tokens = 0;  // off: slower than cuBLASLt as measured (cuda_backend.h)
+  // The measured decode dispatch of this device's architecture (decode_dispatch.h).
+  const DecodeDispatch* dispatch = nullptr;
 
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
   bool overlapping = false;
@@ -139,6 +145,7 @@ CudaBackend::CudaBackend(int device_ordinal) : state_(std::make_unique<State>())
   State& s = *state_;
   s.ordinal = device_ordinal;
   s.info = device_info(device_ordinal);
+  s.dispatch = &decode_dispatch(10 * s.info.major + s.info.minor);
   DeviceGuard guard(device_ordinal);
   LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.main_stream, cudaStreamNonBlocking));
   LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.aux_stream, cudaStreamNonBlocking));
@@ -186,31 +193,6 @@ void CudaBackend::bind_stream(StreamHandle stream) {
   s.bound = s.current = stream != nullptr ? static_cast<cudaStream_t>(stream) : s.main_stream;
 }
 const WorkspaceSpec& CudaBackend::workspace_spec() const { return state_->spec; }
-
-namespace {
-
-// Where the skinny kernels beat cuBLASLt and the grouped GEMMs, as measured on the H200 at commit
-// 96a190e (docs/PERFORMANCE.md, "Decode"): the routed experts at one token when the
-// gate/up reduction (the latent size) is long enough for a CTA of 16 rows to outlast its start-up
-// (Kimi-K3, l = 3584: 46.6 against 57.6 µs at tp 8; Nemotron-3, l = 1024, loses: 38.4 against 31.3),
-// and the shared expert at one token when its intermediate is small (tp 8: 22.3 against 28.0 µs;
-// at Is = 6144 it loses, 97.3 against 87.2). A dense linear of one row is faster on cuBLASLt at every
-// shape measured (W_down 18.8 against 24.7 µs), so it never takes them by this rule (nor the decode
-// GEMV of gemv.h, unless set_gemv_max_tokens turns it on: it measured slower too).
-enum class SkinnyOp { linear, dense_mlp, routed_experts };
-bool skinny_pays(SkinnyOp op, int64_t rows, int64_t reduction, int64_t intermediate) {
-  switch (op) {
-    case SkinnyOp::routed_experts:
-      return rows == 1 && reduction >= 2048;
-    case SkinnyOp::dense_mlp:
-      return rows == 1 && intermediate <= 1024;
-    case SkinnyOp::linear:
-      return false;
-  }
-  return false;
-}
-
-}  // namespace
 
 void CudaBackend::set_skinny_max_tokens(int tokens) {
   LATENTMOE_CHECK(tokens >= 0 && tokens <= kSkinnyMaxRows, "CUDA backend: skinny_max_tokens ", tokens,
@@ -266,6 +248,11 @@ void CudaBackend::copy(const TensorView& src, const TensorView& dst) {
 void CudaBackend::prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) {
   LATENTMOE_CHECK(tp_size >= 1, "CUDA prepare: tp_size ", tp_size, " must be positive");
   LATENTMOE_CHECK(is_compute_dtype(dtype), "CUDA prepare: ", dtype_name(dtype), " is not a compute dtype");
+  // The kernels' own limits, reported when the runner is built rather than at the first forward.
+  LATENTMOE_CHECK(config.top_k <= kMaxRouteTopK, "the CUDA backend routes at most ", kMaxRouteTopK,
+                  " experts per token; num_experts_per_tok is ", config.top_k);
+  LATENTMOE_CHECK(config.num_experts <= kMaxLayoutExperts, "the CUDA backend takes at most ", kMaxLayoutExperts,
+                  " routed experts; n_routed_experts is ", config.num_experts);
   WorkspaceSpec spec;
   spec.max_tokens = max_tokens;
   spec.element_size = dtype_size(dtype);
@@ -319,14 +306,15 @@ void CudaBackend::prepare(const WorkspaceSpec& spec) {
 void CudaBackend::router_logits(const TensorView& x, const TensorView& gate, const TensorView& logits) {
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
-  require_dtype(logits.dtype(), DType::f32, "router logits");
-  require_compute_dtype(x.dtype(), "router input");
-  require_compute_dtype(gate.dtype(), "router gate weight");
+  debug_require_dtype(logits.dtype(), DType::f32, "router logits");
+  debug_require_compute_dtype(x.dtype(), "router input");
+  debug_require_compute_dtype(gate.dtype(), "router gate weight");
   const RowMatrix in = as_rows(x, "router input");
   const RowMatrix w = as_rows(gate, "router gate weight");
   const RowMatrix out = as_rows(logits, "router logits");
-  LATENTMOE_CHECK(in.cols == w.cols && out.rows == in.rows && out.cols == w.rows, "CUDA router logits: x ",
-                  x.shape_string(), " and gate ", gate.shape_string(), " do not give logits ", logits.shape_string());
+  LATENTMOE_DEBUG_CHECK(in.cols == w.cols && out.rows == in.rows && out.cols == w.rows, "CUDA router logits: x ",
+                        x.shape_string(), " and gate ", gate.shape_string(), " do not give logits ",
+                        logits.shape_string());
   GemmProblem problem{in.dtype, w.dtype, DType::f32, in.rows,  w.rows, in.cols, in.data,
                       in.ld,    w.data,  w.ld,       out.data, out.ld, false};
   // A 16-bit x with an f32 gate (the reference casts x to fp32): widen x into the workspace and run
@@ -347,31 +335,31 @@ void CudaBackend::route(const RoutingParams& params, const TensorView& logits, c
                         const TensorView& topk_ids, const TensorView& topk_weights, const TensorView& zero_weight_sum) {
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
-  require_dtype(logits.dtype(), DType::f32, "router logits");
-  require_dtype(topk_ids.dtype(), DType::i32, "topk_ids");
-  require_dtype(topk_weights.dtype(), DType::f32, "topk_weights");
-  require_dtype(zero_weight_sum.dtype(), DType::f32, "zero_weight_sum");
+  debug_require_dtype(logits.dtype(), DType::f32, "router logits");
+  debug_require_dtype(topk_ids.dtype(), DType::i32, "topk_ids");
+  debug_require_dtype(topk_weights.dtype(), DType::f32, "topk_weights");
+  debug_require_dtype(zero_weight_sum.dtype(), DType::f32, "zero_weight_sum");
   const RowMatrix rows = as_rows(logits, "router logits");
-  require_contiguous_device(topk_ids, "topk_ids");
-  require_contiguous_device(topk_weights, "topk_weights");
-  require_contiguous_device(zero_weight_sum, "zero_weight_sum");
+  debug_require_contiguous_device(topk_ids, "topk_ids");
+  debug_require_contiguous_device(topk_weights, "topk_weights");
+  debug_require_contiguous_device(zero_weight_sum, "zero_weight_sum");
   const int64_t num_tokens = rows.rows;
   const int64_t num_outputs = params.num_experts + params.num_zero_experts;
   const int64_t k = topk_ids.rank() == 2 ? topk_ids.size(1) : topk_ids.numel();
-  LATENTMOE_CHECK(rows.cols == num_outputs, "CUDA routing: logits have ", rows.cols,
-                  " columns, expected E+Z = ", num_outputs);
-  LATENTMOE_CHECK(k == params.top_k, "CUDA routing: topk_ids has ", k, " columns but top_k is ", params.top_k);
-  LATENTMOE_CHECK(topk_ids.numel() == num_tokens * k && topk_weights.numel() == num_tokens * k &&
-                      zero_weight_sum.numel() == num_tokens,
-                  "CUDA routing: output shapes do not match ", num_tokens, " tokens and top_k ", k);
+  LATENTMOE_DEBUG_CHECK(rows.cols == num_outputs, "CUDA routing: logits have ", rows.cols,
+                        " columns, expected E+Z = ", num_outputs);
+  LATENTMOE_DEBUG_CHECK(k == params.top_k, "CUDA routing: topk_ids has ", k, " columns but top_k is ", params.top_k);
+  LATENTMOE_DEBUG_CHECK(topk_ids.numel() == num_tokens * k && topk_weights.numel() == num_tokens * k &&
+                            zero_weight_sum.numel() == num_tokens,
+                        "CUDA routing: output shapes do not match ", num_tokens, " tokens and top_k ", k);
   RouteArgs args;
   args.logits = static_cast<const float*>(rows.data);
   args.ld_logits = rows.ld;
   if (bias.defined()) {
-    require_dtype(bias.dtype(), DType::f32, "e_score_correction_bias");
-    require_contiguous_device(bias, "e_score_correction_bias");
-    LATENTMOE_CHECK(bias.numel() == num_outputs, "CUDA routing: bias of shape ", bias.shape_string(),
-                    " does not match E+Z = ", num_outputs);
+    debug_require_dtype(bias.dtype(), DType::f32, "e_score_correction_bias");
+    debug_require_contiguous_device(bias, "e_score_correction_bias");
+    LATENTMOE_DEBUG_CHECK(bias.numel() == num_outputs, "CUDA routing: bias of shape ", bias.shape_string(),
+                          " does not match E+Z = ", num_outputs);
     args.bias = bias.data_as<const float>();
   }
   args.topk_ids = topk_ids.data_as<int32_t>();
@@ -384,15 +372,16 @@ void CudaBackend::route(const RoutingParams& params, const TensorView& logits, c
 void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorView& y, bool accumulate) {
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
-  require_compute_dtype(x.dtype(), "linear input");
-  require_compute_dtype(w.dtype(), "linear weight");
-  require_compute_dtype(y.dtype(), "linear output");
+  debug_require_compute_dtype(x.dtype(), "linear input");
+  debug_require_compute_dtype(w.dtype(), "linear weight");
+  debug_require_compute_dtype(y.dtype(), "linear output");
   const RowMatrix in = as_rows(x, "linear input");
   const RowMatrix weight = as_rows(w, "linear weight");
   const RowMatrix out = as_rows(y, "linear output");
-  LATENTMOE_CHECK(in.cols == weight.cols && out.rows == in.rows && out.cols == weight.rows, "CUDA linear: shapes ",
-                  x.shape_string(), " x ", w.shape_string(), "^T -> ", y.shape_string(), " do not match");
-  if (s.skinny(in.rows) && (s.skinny_always || skinny_pays(SkinnyOp::linear, in.rows, in.cols, 0)) &&
+  LATENTMOE_DEBUG_CHECK(in.cols == weight.cols && out.rows == in.rows && out.cols == weight.rows,
+                        "CUDA linear: shapes ", x.shape_string(), " x ", w.shape_string(), "^T -> ", y.shape_string(),
+                        " do not match");
+  if (s.skinny(in.rows) && (s.skinny_always || skinny_pays(*s.dispatch, SkinnyOp::linear, in.rows, in.cols, 0)) &&
       weight.dtype == in.dtype && out.dtype == in.dtype &&
       skinny_supported(in.dtype, in.rows, in.cols, {{in.data, in.ld}, {weight.data, weight.ld}})) {
     SkinnyWeights w{nullptr, weight.data, weight.rows, weight.cols, weight.ld, 0};
@@ -418,26 +407,25 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
   const bool gated = activation.activation != Activation::relu2;
-  require_compute_dtype(z.dtype(), "routed expert input");
-  require_compute_dtype(out.dtype(), "routed expert output");
-  require_dtype(topk_ids.dtype(), DType::i32, "topk_ids");
-  require_dtype(topk_weights.dtype(), DType::f32, "topk_weights");
-  require_contiguous_device(z, "routed expert input");
-  require_contiguous_device(topk_ids, "topk_ids");
-  require_contiguous_device(topk_weights, "topk_weights");
-  require_contiguous_device(experts.up, "expert up weights");
-  require_contiguous_device(experts.down, "expert down weights");
+  debug_require_compute_dtype(z.dtype(), "routed expert input");
+  debug_require_compute_dtype(out.dtype(), "routed expert output");
+  debug_require_dtype(topk_ids.dtype(), DType::i32, "topk_ids");
+  debug_require_dtype(topk_weights.dtype(), DType::f32, "topk_weights");
+  debug_require_contiguous_device(z, "routed expert input");
+  debug_require_contiguous_device(topk_ids, "topk_ids");
+  debug_require_contiguous_device(topk_weights, "topk_weights");
+  debug_require_contiguous_device(experts.up, "expert up weights");
+  debug_require_contiguous_device(experts.down, "expert down weights");
   if (gated) {
-    LATENTMOE_CHECK(experts.gate.defined(), "CUDA routed experts: ", to_string(activation.activation),
-                    " needs expert gate weights");
-    require_contiguous_device(experts.gate, "expert gate weights");
+    LATENTMOE_DEBUG_CHECK(experts.gate.defined(), "CUDA routed experts: ", to_string(activation.activation),
+                          " needs expert gate weights");
+    debug_require_contiguous_device(experts.gate, "expert gate weights");
   }
-  LATENTMOE_CHECK(experts.up.rank() == 3 && experts.down.rank() == 3 && (!gated || experts.gate.rank() == 3),
-                  "CUDA routed experts: expert weights must be stacked [E, rows, cols]");
-  for (const TensorView* weight : {&experts.up, &experts.down, gated ? &experts.gate : &experts.up}) {
-    LATENTMOE_CHECK(weight->dtype() == z.dtype(), "CUDA routed experts: expert weights have dtype ",
-                    dtype_name(weight->dtype()), " but the input has ", dtype_name(z.dtype()));
-  }
+  LATENTMOE_DEBUG_CHECK(experts.up.rank() == 3 && experts.down.rank() == 3 && (!gated || experts.gate.rank() == 3),
+                        "CUDA routed experts: expert weights must be stacked [E, rows, cols]");
+  LATENTMOE_DEBUG_CHECK(experts.up.dtype() == z.dtype() && experts.down.dtype() == z.dtype() &&
+                            (!gated || experts.gate.dtype() == z.dtype()),
+                        "CUDA routed experts: the expert weights' dtype is not the input's, ", dtype_name(z.dtype()));
   const RowMatrix input = as_rows(z, "routed expert input");
   const RowMatrix output = as_rows(out, "routed expert output");
   const int64_t num_experts = experts.up.size(0);
@@ -445,14 +433,15 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   const int64_t latent = experts.up.size(2);
   const int64_t num_tokens = input.rows;
   const int64_t k = topk_ids.rank() == 2 ? topk_ids.size(1) : topk_ids.numel();
-  LATENTMOE_CHECK(input.cols == latent && output.rows == num_tokens && output.cols == latent &&
-                      experts.down.size(0) == num_experts && experts.down.size(1) == latent &&
-                      experts.down.size(2) == intermediate && (!gated || experts.gate.shape() == experts.up.shape()),
-                  "CUDA routed experts: z ", z.shape_string(), ", up ", experts.up.shape_string(), ", down ",
-                  experts.down.shape_string(), " and out ", out.shape_string(), " do not match");
-  LATENTMOE_CHECK(topk_ids.numel() == num_tokens * k && topk_weights.numel() == num_tokens * k,
-                  "CUDA routed experts: topk_ids ", topk_ids.shape_string(), " and topk_weights ",
-                  topk_weights.shape_string(), " do not match ", num_tokens, " tokens");
+  LATENTMOE_DEBUG_CHECK(input.cols == latent && output.rows == num_tokens && output.cols == latent &&
+                            experts.down.size(0) == num_experts && experts.down.size(1) == latent &&
+                            experts.down.size(2) == intermediate &&
+                            (!gated || experts.gate.shape() == experts.up.shape()),
+                        "CUDA routed experts: z ", z.shape_string(), ", up ", experts.up.shape_string(), ", down ",
+                        experts.down.shape_string(), " and out ", out.shape_string(), " do not match");
+  LATENTMOE_DEBUG_CHECK(topk_ids.numel() == num_tokens * k && topk_weights.numel() == num_tokens * k,
+                        "CUDA routed experts: topk_ids ", topk_ids.shape_string(), " and topk_weights ",
+                        topk_weights.shape_string(), " do not match ", num_tokens, " tokens");
   if (num_tokens == 0) return;
   LATENTMOE_CHECK(k >= 1 && k <= kMaxRouteTopK, "CUDA routed experts: top_k ", k, " is outside 1..", kMaxRouteTopK);
   s.mark_slot(s.routed_slots, "routed_experts");
@@ -483,8 +472,8 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   // combine folded into the down projection (act rows indexed by pair).
   const bool same_dtype = out.dtype() == z.dtype();
   if (s.skinny(num_tokens) &&
-      (s.skinny_always || skinny_pays(SkinnyOp::routed_experts, num_tokens, latent, intermediate)) && same_dtype &&
-      k <= kSkinnyMaxTopK &&
+      (s.skinny_always || skinny_pays(*s.dispatch, SkinnyOp::routed_experts, num_tokens, latent, intermediate)) &&
+      same_dtype && k <= kSkinnyMaxTopK &&
       skinny_supported(
           z.dtype(), num_tokens, latent,
           {{z.data(), latent}, {experts.up.data(), latent}, {gated ? experts.gate.data() : nullptr, latent}}) &&
@@ -522,24 +511,25 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
   const bool gated = activation.activation != Activation::relu2;
-  require_compute_dtype(x.dtype(), "MLP input");
-  require_compute_dtype(out.dtype(), "MLP output");
-  require_compute_dtype(mlp.up.dtype(), "MLP up weight");
-  require_compute_dtype(mlp.down.dtype(), "MLP down weight");
+  debug_require_compute_dtype(x.dtype(), "MLP input");
+  debug_require_compute_dtype(out.dtype(), "MLP output");
+  debug_require_compute_dtype(mlp.up.dtype(), "MLP up weight");
+  debug_require_compute_dtype(mlp.down.dtype(), "MLP down weight");
   const RowMatrix input = as_rows(x, "MLP input");
   const RowMatrix output = as_rows(out, "MLP output");
   const RowMatrix up = as_rows(mlp.up, "MLP up weight");
   const RowMatrix down = as_rows(mlp.down, "MLP down weight");
   RowMatrix gate;
   if (gated) {
-    LATENTMOE_CHECK(mlp.gate.defined(), "CUDA dense MLP: ", to_string(activation.activation), " needs a gate weight");
-    require_compute_dtype(mlp.gate.dtype(), "MLP gate weight");
+    LATENTMOE_DEBUG_CHECK(mlp.gate.defined(), "CUDA dense MLP: ", to_string(activation.activation),
+                          " needs a gate weight");
+    debug_require_compute_dtype(mlp.gate.dtype(), "MLP gate weight");
     gate = as_rows(mlp.gate, "MLP gate weight");
-    LATENTMOE_CHECK(gate.rows == up.rows && gate.cols == up.cols, "CUDA dense MLP: gate ", mlp.gate.shape_string(),
-                    " does not match up ", mlp.up.shape_string());
+    LATENTMOE_DEBUG_CHECK(gate.rows == up.rows && gate.cols == up.cols, "CUDA dense MLP: gate ",
+                          mlp.gate.shape_string(), " does not match up ", mlp.up.shape_string());
   }
   const int64_t num_tokens = input.rows, intermediate = up.rows;
-  LATENTMOE_CHECK(
+  LATENTMOE_DEBUG_CHECK(
       up.cols == input.cols && down.rows == output.cols && down.cols == intermediate && output.rows == num_tokens,
       "CUDA dense MLP: x ", x.shape_string(), ", up ", mlp.up.shape_string(), ", down ", mlp.down.shape_string(),
       " and out ", out.shape_string(), " do not match");
@@ -555,8 +545,8 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
   const bool one_dtype = up.dtype == x.dtype() && down.dtype == x.dtype() && out.dtype() == x.dtype() &&
                          (!gated || gate.dtype == x.dtype());
   if (s.skinny(num_tokens) &&
-      (s.skinny_always || skinny_pays(SkinnyOp::dense_mlp, num_tokens, input.cols, intermediate)) && one_dtype &&
-      (!gated || up.ld == gate.ld) &&
+      (s.skinny_always || skinny_pays(*s.dispatch, SkinnyOp::dense_mlp, num_tokens, input.cols, intermediate)) &&
+      one_dtype && (!gated || up.ld == gate.ld) &&
       skinny_supported(x.dtype(), num_tokens, input.cols,
                        {{input.data, input.ld}, {up.data, up.ld}, {gated ? gate.data : nullptr, gate.ld}}) &&
       skinny_supported(x.dtype(), num_tokens, intermediate, {{base, intermediate}, {down.data, down.ld}})) {
@@ -587,28 +577,28 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
 void CudaBackend::rms_norm(const TensorView& in, const TensorView& gamma, float eps, const TensorView& out) {
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
-  require_compute_dtype(in.dtype(), "RMSNorm input");
-  require_compute_dtype(out.dtype(), "RMSNorm output");
-  require_compute_dtype(gamma.dtype(), "RMSNorm gamma");
-  require_contiguous_device(gamma, "RMSNorm gamma");
+  debug_require_compute_dtype(in.dtype(), "RMSNorm input");
+  debug_require_compute_dtype(out.dtype(), "RMSNorm output");
+  debug_require_compute_dtype(gamma.dtype(), "RMSNorm gamma");
+  debug_require_contiguous_device(gamma, "RMSNorm gamma");
   const RowMatrix input = as_rows(in, "RMSNorm input");
   const RowMatrix output = as_rows(out, "RMSNorm output");
-  LATENTMOE_CHECK(output.rows == input.rows && output.cols == input.cols && gamma.numel() == input.cols,
-                  "CUDA RMSNorm: input ", in.shape_string(), ", gamma ", gamma.shape_string(), " and output ",
-                  out.shape_string(), " do not match");
+  LATENTMOE_DEBUG_CHECK(output.rows == input.rows && output.cols == input.cols && gamma.numel() == input.cols,
+                        "CUDA RMSNorm: input ", in.shape_string(), ", gamma ", gamma.shape_string(), " and output ",
+                        out.shape_string(), " do not match");
   launch_rms_norm(input, gamma.data(), gamma.dtype(), eps, output, s.current);
 }
 
 void CudaBackend::add(const TensorView& a, const TensorView& b, const TensorView& out) {
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
-  require_compute_dtype(a.dtype(), "add input a");
-  require_compute_dtype(b.dtype(), "add input b");
-  require_compute_dtype(out.dtype(), "add output");
+  debug_require_compute_dtype(a.dtype(), "add input a");
+  debug_require_compute_dtype(b.dtype(), "add input b");
+  debug_require_compute_dtype(out.dtype(), "add output");
   const RowMatrix left = as_rows(a, "add input a");
   const RowMatrix right = as_rows(b, "add input b");
   const RowMatrix output = as_rows(out, "add output");
-  LATENTMOE_CHECK(
+  LATENTMOE_DEBUG_CHECK(
       left.rows == right.rows && left.cols == right.cols && output.rows == left.rows && output.cols == left.cols,
       "CUDA add: shapes ", a.shape_string(), " + ", b.shape_string(), " -> ", out.shape_string(), " do not match");
   launch_add(left, right, output, s.current);
@@ -617,16 +607,41 @@ void CudaBackend::add(const TensorView& a, const TensorView& b, const TensorView
 void CudaBackend::add_scaled_rows(const TensorView& x, const TensorView& scale, const TensorView& out) {
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
-  require_compute_dtype(x.dtype(), "add_scaled_rows input");
-  require_compute_dtype(out.dtype(), "add_scaled_rows output");
-  require_dtype(scale.dtype(), DType::f32, "add_scaled_rows scale");
-  require_contiguous_device(scale, "add_scaled_rows scale");
+  debug_require_compute_dtype(x.dtype(), "add_scaled_rows input");
+  debug_require_compute_dtype(out.dtype(), "add_scaled_rows output");
+  debug_require_dtype(scale.dtype(), DType::f32, "add_scaled_rows scale");
+  debug_require_contiguous_device(scale, "add_scaled_rows scale");
   const RowMatrix input = as_rows(x, "add_scaled_rows input");
   const RowMatrix output = as_rows(out, "add_scaled_rows output");
-  LATENTMOE_CHECK(input.rows == output.rows && input.cols == output.cols && scale.numel() == input.rows,
-                  "CUDA add_scaled_rows: x ", x.shape_string(), ", scale ", scale.shape_string(), " and out ",
-                  out.shape_string(), " do not match");
+  LATENTMOE_DEBUG_CHECK(input.rows == output.rows && input.cols == output.cols && scale.numel() == input.rows,
+                        "CUDA add_scaled_rows: x ", x.shape_string(), ", scale ", scale.shape_string(), " and out ",
+                        out.shape_string(), " do not match");
   launch_add_scaled_rows(input, scale.data_as<const float>(), output, s.current);
+}
+
+void CudaBackend::all_reduce_rms_norm(Communicator& comm, const TensorView& partial, const TensorView& gamma, float eps,
+                                      const TensorView& out) {
+  auto* group = dynamic_cast<LamportCommunicator*>(&comm);
+  if (group == nullptr || !gamma.defined() || partial.dtype() != group->lamport_dtype() ||
+      out.dtype() != partial.dtype()) {
+    Backend::all_reduce_rms_norm(comm, partial, gamma, eps, out);
+    return;
+  }
+  State& s = *state_;
+  DeviceGuard guard(s.ordinal);
+  LamportCall call;
+  call.op = LamportOp::all_reduce;
+  call.dtype = partial.dtype();
+  call.in = partial.data();
+  call.ld_in = partial.stride(0);
+  call.out = out.data();
+  call.ld_out = out.stride(0);
+  call.rows = partial.size(0);
+  call.cols = partial.size(1);
+  call.gamma = gamma.data();
+  call.gamma_dtype = gamma.dtype();
+  call.eps = eps;
+  launch_lamport(group->lamport_peers(), call, s.current);
 }
 
 void CudaBackend::run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) {
@@ -662,10 +677,6 @@ void CudaBackend::run_overlapped(const std::function<void()>& main, const std::f
     throw;
   }
   finish();
-}
-
-std::unique_ptr<::latentmoe::detail::Backend> make_cuda_backend(int device_ordinal) {
-  return std::make_unique<CudaBackend>(device_ordinal);
 }
 
 }  // namespace latentmoe::cuda

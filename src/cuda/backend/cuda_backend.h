@@ -1,7 +1,8 @@
 // The CUDA backend: every Backend operation of src/core/backend.h on one NVIDIA GPU.
 //
 // Life cycle (docs/CUDA_BACKEND.md):
-//   1. make_cuda_backend(ordinal): creates the backend's two non-blocking streams (main and aux),
+//   1. detail::make_cuda_backend(ordinal) (src/cuda/backend/factory.cpp): creates the backend's two non-blocking
+//   streams (main and aux),
 //      its events, the cuBLASLt handle and 2 x 32 MiB of cuBLASLt workspace (one per stream).
 //   2. allocate()/copy(): the runner places the weights.
 //   3. prepare(config, dtype, max_tokens, tp_size): called once by the runner, after the weights are placed;
@@ -12,6 +13,8 @@
 //   4. forward: every operation only enqueues work on stream(): no allocation, no host
 //      synchronisation (except copy() into or out of host memory), so a whole forward can be captured
 //      into a CUDA graph and replayed. An operation whose workspace prepare() did not size throws.
+//      Operations do not re-validate what the runner validated (shapes, dtypes, devices, contiguity:
+//      src/core/backend.h); those checks are debug-only (LATENTMOE_DEBUG_CHECK, cuda/common/debug_check.h).
 //
 // Threads: one backend serves one rank; its operations are called from one thread at a time.
 // Each operation makes the backend's device current for its duration and restores the caller's.
@@ -22,13 +25,11 @@
 #include <memory>
 
 #include "core/backend.h"
+#include "cuda/common/device.h"  // cuda_device_count, for the users of this header
 #include "cuda/gemm/gemv.h"
 #include "cuda/gemm/skinny_gemm.h"
 
 namespace latentmoe::cuda {
-
-// Number of CUDA devices; 0 when there is no driver or GPU. Never throws. (Also in cuda/common/device.h.)
-int cuda_device_count() noexcept;
 
 // The shapes the internal workspaces are sized for.
 struct WorkspaceSpec {
@@ -89,11 +90,18 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // each may run on one of the two streams per call, not on both (checked).
   void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) override;
 
+  // With a GPU group (cuda/comm/lamport_communicator.h) and a gamma: one Lamport kernel sums the
+  // partials of every rank in rank order and normalises each row (fp32 throughout, one rounding);
+  // otherwise the composed default.
+  void all_reduce_rms_norm(Communicator& comm, const TensorView& partial, const TensorView& gamma, float eps,
+                           const TensorView& out) override;
+
   // Up to how many rows (tokens) linear, dense_mlp and routed_experts may run on the skinny kernels
   // (cuda/gemm/skinny_gemm.h) instead of cuBLASLt and the grouped GEMMs: 0..kSkinnyMaxRows (8, the default);
   // 0 turns them off (the benchmark compares both). Throws Error outside that range. Within it a call
-  // takes them where they were measured faster (cuda_backend.cu, skinny_pays: today the routed
-  // experts with a long latent and the small shared expert, at one token), or always after
+  // takes them where they were measured faster (the per-architecture table of
+  // cuda/backend/decode_dispatch.h: on sm_90 the routed experts with a long latent and the small
+  // shared expert, at one token), or always after
   // set_skinny_always(true) (tests).
   void set_skinny_max_tokens(int tokens);
   int skinny_max_tokens() const;
@@ -120,8 +128,5 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   struct State;
   std::unique_ptr<State> state_;
 };
-
-// The CUDA backend on device `device_ordinal` (the runner's factory).
-std::unique_ptr<::latentmoe::detail::Backend> make_cuda_backend(int device_ordinal);
 
 }  // namespace latentmoe::cuda

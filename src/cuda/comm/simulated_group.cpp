@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cuda/comm/lamport.h"
+#include "cuda/comm/lamport_communicator.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
 #include "latentmoe/error.h"
@@ -60,7 +61,7 @@ std::string_view op_name(int op) {
   return "collective";
 }
 
-class SimulatedGpuCommunicator final : public Communicator {
+class SimulatedGpuCommunicator final : public cuda::LamportCommunicator {
  public:
   SimulatedGpuCommunicator(std::shared_ptr<GroupMemory> memory, int rank) : memory_(std::move(memory)), rank_(rank) {
     const GroupMemory& m = *memory_;
@@ -133,8 +134,8 @@ class SimulatedGpuCommunicator final : public Communicator {
                         " ms waiting for its peers (a rank never arrived)");
   }
 
-  // The group's plain parameters (fused kernels of the CUDA backend reach the peers through them).
-  const LamportPeers& peers() const { return peers_; }
+  const LamportPeers& lamport_peers() const override { return peers_; }
+  DType lamport_dtype() const override { return memory_->dtype; }
 
  private:
   static int64_t row_stride(const TensorView& view) { return view.rank() == 2 ? view.stride(0) : view.numel(); }
