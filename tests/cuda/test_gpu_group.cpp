@@ -37,12 +37,32 @@ float rounded(float value, DType dtype) {
 }
 
 // Runs `body(rank)` on one thread per rank (the ranks' launches interleave as they would in a
-// process with one thread per GPU).
+// process with one thread per GPU); an exception on a rank's thread becomes a test failure. The
+// bodies must not allocate or free device memory: cudaMalloc and cudaFree may wait for the device,
+// where a peer's collective is waiting for this rank.
 void on_rank_threads(int tp, const std::function<void(int)>& body) {
   std::vector<std::thread> threads;
-  for (int r = 0; r < tp; ++r) threads.emplace_back(body, r);
+  for (int r = 0; r < tp; ++r) {
+    threads.emplace_back([&body, r] {
+      try {
+        body(r);
+      } catch (const std::exception& error) {
+        ADD_FAILURE() << "rank " << r << ": " << error.what();
+      }
+    });
+  }
   for (auto& thread : threads) thread.join();
 }
+
+// One rank's device buffers for up to `rows` x `cols` (made before any rank's thread runs).
+struct RankBuffers {
+  DeviceTensor in, sum, shard, all;
+  RankBuffers(Backend& device, DType dtype, int64_t rows, int64_t cols, int tp)
+      : in(device_empty(device, dtype, {rows, cols})),
+        sum(device_empty(device, dtype, {rows, cols})),
+        shard(device_empty(device, dtype, {rows, cols / tp})),
+        all(device_empty(device, dtype, {rows, cols})) {}
+};
 
 class GpuGroupCollectives : public ::testing::TestWithParam<std::tuple<int, DType>> {};
 
@@ -57,7 +77,11 @@ TEST_P(GpuGroupCollectives, match_rank_order_sums_bit_identically_over_many_call
   options.timeout = std::chrono::milliseconds(5000);
   auto group = make_simulated_gpu_group(tp, options);
   std::vector<std::unique_ptr<Rank>> ranks;
-  for (int r = 0; r < tp; ++r) ranks.push_back(std::make_unique<Rank>());
+  std::vector<std::unique_ptr<RankBuffers>> buffers;
+  for (int r = 0; r < tp; ++r) {
+    ranks.push_back(std::make_unique<Rank>());
+    buffers.push_back(std::make_unique<RankBuffers>(*ranks.back()->device, dtype, 17, kCols, tp));
+  }
 
   for (size_t call = 0; call < rows_per_call.size(); ++call) {
     const int64_t rows = rows_per_call[call];
@@ -68,28 +92,24 @@ TEST_P(GpuGroupCollectives, match_rank_order_sums_bit_identically_over_many_call
       // A -0.0 payload must arrive (as a zero), not be taken for the sentinel.
       store_from_float(inputs.back().data(), dtype, 0, -0.0f);
     }
-    HostTensor gamma = random_tensor(DType::f32, {kCols}, 77, 0.5f, 1.5f);
-    std::vector<HostTensor> reduced(tp), normed(tp), scattered(tp), gathered(tp);
+    std::vector<HostTensor> reduced(tp), scattered(tp), gathered(tp);
     on_rank_threads(tp, [&](int r) {
       Rank& rank = *ranks[r];
       Communicator& comm = *group[r];
-      DeviceTensor in = upload(*rank.device, inputs[r]);
-      DeviceTensor sum = device_empty(*rank.device, dtype, {rows, kCols});
-      DeviceTensor norm = device_empty(*rank.device, dtype, {rows, kCols});
-      DeviceTensor shard = device_empty(*rank.device, dtype, {rows, kCols / tp});
-      DeviceTensor all = device_empty(*rank.device, dtype, {rows, kCols});
-      DeviceTensor g = upload(*rank.device, gamma);
-      ASSERT_EQ(
-          cudaMemcpyAsync(sum.view.data(), in.view.data(), sum.buffer.bytes(), cudaMemcpyDeviceToDevice, rank.stream),
-          cudaSuccess);
-      comm.all_reduce_sum(sum.view, rank.stream);  // in place
-      comm.reduce_scatter_sum(in.view, shard.view, rank.stream);
-      comm.all_gather(shard.view, all.view, rank.stream);
+      const TensorView in = buffers[r]->in.view.slice_rows(0, rows), sum = buffers[r]->sum.view.slice_rows(0, rows),
+                       shard = buffers[r]->shard.view.slice_rows(0, rows),
+                       all = buffers[r]->all.view.slice_rows(0, rows);
+      const size_t bytes = inputs[r].nbytes();
+      ASSERT_EQ(cudaMemcpyAsync(in.data(), inputs[r].data(), bytes, cudaMemcpyHostToDevice, rank.stream), cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(sum.data(), in.data(), bytes, cudaMemcpyDeviceToDevice, rank.stream), cudaSuccess);
+      comm.all_reduce_sum(sum, rank.stream);  // in place
+      comm.reduce_scatter_sum(in, shard, rank.stream);
+      comm.all_gather(shard, all, rank.stream);
       ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
       comm.check();
-      reduced[r] = download(*rank.device, sum.view);
-      scattered[r] = download(*rank.device, shard.view);
-      gathered[r] = download(*rank.device, all.view);
+      reduced[r] = download(*rank.device, sum);
+      scattered[r] = download(*rank.device, shard);
+      gathered[r] = download(*rank.device, all);
     });
     // Rank-order fp32 sums rounded once.
     HostTensor expected(dtype, {rows, kCols});
