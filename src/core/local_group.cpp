@@ -10,6 +10,27 @@
 #include "latentmoe/in_process_group.h"
 
 namespace latentmoe {
+namespace {
+
+// One rank's arrival at a rendezvous of the group: wait() arrives and waits; a rank that never gets
+// there (an exception) drops out of it instead, so that the others are not held.
+class Arrival {
+ public:
+  explicit Arrival(std::barrier<>& barrier) : barrier_(barrier) {}
+  ~Arrival() {
+    if (!arrived_) barrier_.arrive_and_drop();
+  }
+  void wait() {
+    arrived_ = true;
+    barrier_.arrive_and_wait();
+  }
+
+ private:
+  std::barrier<>& barrier_;
+  bool arrived_ = false;
+};
+
+}  // namespace
 
 std::vector<RankResult> run_local_group(const LayerConfig& config,
                                         const std::function<LayerWeights(const ParallelConfig&)>& rank_weights,
@@ -41,6 +62,7 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
   // Every rank is built before any runs: a rank still constructing (allocating, loading kernels)
   // while a peer's collective waits for it would only cost that peer its timeout.
   std::barrier constructed(options.tp_size);
+  std::barrier finished(options.tp_size);
   std::vector<RankResult> results(options.tp_size);
   run_ranks(group, [&](int rank) {
     const ParallelConfig parallel{options.tp_size, rank, false};
@@ -50,14 +72,12 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
     runner_options.max_tokens = std::max<int64_t>(num_tokens, 1);
     runner_options.device_ordinal = device_ordinal;
     runner_options.host_staging = true;
+    // A rank that fails leaves both rendezvous, so its peers never wait for it here (run_ranks aborts
+    // the group and reports the failure).
+    Arrival at_constructed(constructed), at_finished(finished);
     std::optional<Runner> runner;
-    try {
-      runner.emplace(config, parallel, rank_weights(parallel), *group[rank], runner_options);
-    } catch (...) {
-      constructed.arrive_and_drop();  // the peers go on; run_ranks aborts the group and reports this
-      throw;
-    }
-    constructed.arrive_and_wait();
+    runner.emplace(config, parallel, rank_weights(parallel), *group[rank], runner_options);
+    at_constructed.wait();
 
     RankResult& result = results[rank];
     result.output = HostTensor(dtype, {num_tokens, config.hidden_size});
@@ -79,6 +99,9 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
     }
     std::nth_element(times_ms.begin(), times_ms.begin() + times_ms.size() / 2, times_ms.end());
     result.forward_ms = times_ms[times_ms.size() / 2];
+    // No rank frees its device memory (cudaFree may wait for the whole device) while a peer may still
+    // be launching work that another peer's collective waits for.
+    at_finished.wait();
   });
   return results;
 }

@@ -230,6 +230,10 @@ void CudaBackend::copy(const TensorView& src, const TensorView& dst) {
   if (count == 0) return;
   LATENTMOE_CHECK(src.data() != nullptr && dst.data() != nullptr, "CUDA copy: tensor without data");
   const bool touches_host = src.device() == Device::cpu || dst.device() == Device::cpu;
+  // Into pageable host memory: wait for the stream first, so that the driver's staging of the copy is
+  // never held while the stream waits (for a simulated peer's collective, whose rank may need that
+  // staging for its own input copy: a deadlock until the collective's timeout).
+  if (dst.device() == Device::cpu) LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(s.current));
   if (src.is_contiguous() && dst.is_contiguous()) {
     LATENTMOE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), count * element, cudaMemcpyDefault, s.current));
   } else {
