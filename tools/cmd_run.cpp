@@ -74,6 +74,11 @@ void run_command(const RunArguments& args) {
                   ": no router_logits, and ", args.weights_path, " has no ", args.prefix,
                   "gate.weight to compute them from");
 
+  if (backend == BackendKind::cuda && args.tp_size > 1) {
+    // Several real GPUs (NCCL, peer access) are the next step; today every rank shares GPU 0.
+    std::fprintf(stderr, "latentmoe run: tp %d on the CUDA backend: %d ranks simulated on GPU 0\n", args.tp_size,
+                 args.tp_size);
+  }
   LocalGroupOptions options;
   options.tp_size = args.tp_size;
   options.backend = backend;
