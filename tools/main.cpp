@@ -13,6 +13,8 @@ int main(int argc, char** argv) {
   // lazy module loading, loading a kernel can wait for the spinning one (a deadlock until the
   // timeout). Load every kernel at start-up unless the user chose otherwise.
   setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
+  // And each simulated rank's streams need hardware queues of their own (latentmoe/gpu_group.h).
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   CLI::App app{"latentmoe: the Mixture-of-Experts block of latent-MoE models under tensor parallelism"};
   app.set_version_flag("--version", latentmoe::tools::version_string());
   app.require_subcommand(1);

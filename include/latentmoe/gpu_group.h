@@ -6,8 +6,13 @@
 // on one GPU; only the cost of NVLink is missing. The collectives are the one-shot Lamport kernels
 // of src/cuda/comm (bounded waits, bit-identical sums on every rank).
 //
-// Run such a process with CUDA_MODULE_LOADING=EAGER (the latentmoe tool sets it): with lazy loading,
-// a rank's first launch of a kernel can wait for a peer's collective that spins waiting for it.
+// Ranks that share a GPU spin on each other, so such a process needs, set before its first CUDA call
+// (the latentmoe tool and the GPU tests set both):
+//   CUDA_MODULE_LOADING=EAGER: with lazy loading, a rank's first launch of a kernel can wait for a
+//     peer's collective that spins waiting for it;
+//   CUDA_DEVICE_MAX_CONNECTIONS >= 4 x tp (32 from tp 8 on): streams beyond the hardware queues share
+//     one in order, and a waiting collective would hold back a peer's kernel (checked: the group
+//     refuses to be built with fewer).
 #pragma once
 
 #include <chrono>

@@ -4,7 +4,9 @@
 // the ranks' communicators.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -195,6 +197,19 @@ std::vector<std::unique_ptr<Communicator>> make_simulated_gpu_group(int tp_size,
   LATENTMOE_CHECK(options.device >= 0 && options.device < num_devices, "GPU group: CUDA device ", options.device,
                   " does not exist (", num_devices, " found)");
 
+  // Streams share CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default, 32 at most); two streams
+  // on one queue run in order. A rank's spinning collective would then hold back a peer's kernel
+  // queued behind it (seen on the H200: tp 8 with the default 8 hung until the timeout). Each rank
+  // has two streams; ask for twice that many queues, all 32 from tp 8 on.
+  if (tp_size > 1) {
+    const char* value = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    const int connections = value != nullptr && *value != '\0' ? std::atoi(value) : 8;
+    const int needed = std::min(32, 4 * tp_size);
+    LATENTMOE_CHECK(connections >= needed, "GPU group: ", tp_size, " ranks simulated on one GPU need ",
+                    "CUDA_DEVICE_MAX_CONNECTIONS >= ", needed, " (it is ", connections,
+                    "): each rank's streams need hardware queues of their own, or a rank's waiting collective "
+                    "blocks a peer's kernels; set it before the process first calls CUDA (the latentmoe tool does)");
+  }
   auto memory = std::make_shared<GroupMemory>();
   GroupMemory& m = *memory;
   m.device = options.device;

@@ -1,0 +1,16 @@
+// The process environment the GPU tests need, set before CUDA starts (a static initializer runs
+// before main, and CUDA reads these at its first call): ranks simulated on one GPU spin on each
+// other, so every rank's streams need their own hardware queue (CUDA_DEVICE_MAX_CONNECTIONS, 8 by
+// default, 32 at most) and every kernel is loaded up front (CUDA_MODULE_LOADING=EAGER); see
+// latentmoe/gpu_group.h. Values already set by the caller are kept.
+#include <cstdlib>
+
+namespace {
+
+const bool kEnvironmentSet = [] {
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+  setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
+  return true;
+}();
+
+}  // namespace
