@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include "cuda/comm/lamport_communicator.h"
@@ -16,6 +18,7 @@
 #include "latentmoe/gpu_group.h"
 #include "latentmoe/in_process_group.h"
 #include "latentmoe/local_group.h"
+#include "latentmoe/runner.h"
 #include "latentmoe/weights.h"
 #include "layer_test_util.h"
 
@@ -294,6 +297,135 @@ INSTANTIATE_TEST_SUITE_P(TpAndDtype, GpuGroupLayer,
                            return "tp" + std::to_string(std::get<0>(info.param)) + "_" +
                                   name_of(std::get<1>(info.param));
                          });
+
+// Pinned host memory (copies into it never go through the driver's pageable staging).
+struct PinnedBuffer {
+  void* data = nullptr;
+  explicit PinnedBuffer(size_t bytes) { EXPECT_EQ(cudaMallocHost(&data, bytes), cudaSuccess); }
+  ~PinnedBuffer() { cudaFreeHost(data); }
+};
+
+// The public forward of every rank captured into a CUDA graph per tier (each rank on its own
+// stream, thread-local capture), then replayed many times on the ranks' threads with new inputs
+// written into the captured input buffers: every replay's output must equal the eager forward of
+// the same input and tier bit for bit on every rank. The collectives' epochs live on the device, so
+// a replayed graph keeps the slot rotation going.
+TEST(GpuGroupGraph, tp8_forward_captured_per_tier_replays_with_new_inputs_without_a_wrong_element) {
+  LATENTMOE_REQUIRE_GPU();
+  constexpr int kTp = 8;
+  constexpr int64_t kTokens = 5;
+  constexpr int kInputs = 3;
+  const int replays = [] {
+    const char* value = std::getenv("LATENTMOE_TEST_GRAPH_REPLAYS");
+    return value != nullptr ? std::atoi(value) : 10000;
+  }();
+  const DType dtype = DType::bf16;
+  const LayerConfig config = latentmoe::testing::kimi_like_config();
+  const LayerWeights weights = make_random_layer_weights(config, dtype, 99);
+  const std::vector<TailTier> tiers = {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
+                                       TailTier::column_parallel};
+  const int num_tiers = static_cast<int>(tiers.size());
+  const int64_t d = config.hidden_size;
+  const size_t x_bytes = kTokens * d * dtype_size(dtype), out_bytes = x_bytes;
+
+  GpuGroupOptions group_options;
+  group_options.dtype = dtype;
+  group_options.capacity_elements = kTokens * std::max(config.hidden_size, config.latent_size);
+  group_options.timeout = std::chrono::milliseconds(5000);
+  auto group = make_simulated_gpu_group(kTp, group_options);
+  // Everything device-side is made here, before any rank runs (no allocation while peers wait).
+  std::vector<std::unique_ptr<Rank>> ranks;
+  std::vector<std::unique_ptr<Runner>> runners;
+  std::vector<DeviceTensor> xs, outs;
+  for (int r = 0; r < kTp; ++r) {
+    ranks.push_back(std::make_unique<Rank>());
+    RunnerOptions options;
+    options.backend = BackendKind::cuda;
+    options.max_tokens = kTokens;
+    options.device_ordinal = 0;
+    runners.push_back(std::make_unique<Runner>(config, ParallelConfig{kTp, r, false},
+                                               shard_layer_weights(weights, config, ParallelConfig{kTp, r, false}),
+                                               *group[r], options));
+    xs.push_back(device_empty(*ranks[r]->device, dtype, {kTokens, d}));
+    outs.push_back(device_empty(*ranks[r]->device, dtype, {kTokens, d}));
+  }
+  std::vector<HostTensor> inputs;
+  std::vector<std::unique_ptr<PinnedBuffer>> pinned_inputs;
+  for (int i = 0; i < kInputs; ++i) {
+    inputs.push_back(latentmoe::testing::random_host_tensor(dtype, {kTokens, d}, 500 + i));
+    pinned_inputs.push_back(std::make_unique<PinnedBuffer>(x_bytes));
+    std::memcpy(pinned_inputs.back()->data, inputs.back().data(), x_bytes);
+  }
+  const HostTensor logits =
+      latentmoe::testing::random_host_tensor(DType::f32, {kTokens, config.num_router_outputs()}, 7, 3.0f);
+  std::vector<DeviceTensor> device_logits;
+  for (int r = 0; r < kTp; ++r) device_logits.push_back(upload(*ranks[r]->device, logits));
+  auto forward = [&](int r, TailTier tier) {
+    ForwardInputs in;
+    in.hidden_states = xs[r].view;
+    in.router_logits = device_logits[r].view;
+    in.tier = tier;
+    runners[r]->forward(in, ForwardOutputs{outs[r].view, {}, {}}, ranks[r]->stream);
+  };
+
+  // Eager references: [input][tier] on rank 0 (ranks are checked equal to it).
+  std::vector<std::unique_ptr<PinnedBuffer>> eager;
+  for (int i = 0; i < kInputs * num_tiers; ++i) eager.push_back(std::make_unique<PinnedBuffer>(out_bytes));
+  std::vector<std::unique_ptr<PinnedBuffer>> results;
+  for (int r = 0; r < kTp; ++r) results.push_back(std::make_unique<PinnedBuffer>(out_bytes));
+  on_rank_threads(kTp, [&](int r) {
+    for (int i = 0; i < kInputs; ++i) {
+      for (int t = 0; t < num_tiers; ++t) {
+        cudaStream_t stream = ranks[r]->stream;
+        ASSERT_EQ(cudaMemcpyAsync(xs[r].view.data(), pinned_inputs[i]->data, x_bytes, cudaMemcpyHostToDevice, stream),
+                  cudaSuccess);
+        forward(r, tiers[t]);
+        void* target = r == 0 ? eager[i * num_tiers + t]->data : results[r]->data;
+        ASSERT_EQ(cudaMemcpyAsync(target, outs[r].view.data(), out_bytes, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        group[r]->check();
+      }
+    }
+  });
+  for (int i = 0; i < kInputs * num_tiers; ++i) {
+    HostTensor view(dtype, {kTokens, d});
+    std::memcpy(view.data(), eager[i]->data, out_bytes);
+    EXPECT_EQ(count_non_finite(view), 0);
+  }
+
+  // Capture: one graph per rank and tier (capture runs nothing, so the ranks are captured one by one).
+  std::vector<std::vector<cudaGraphExec_t>> graphs(kTp, std::vector<cudaGraphExec_t>(num_tiers, nullptr));
+  for (int r = 0; r < kTp; ++r) {
+    for (int t = 0; t < num_tiers; ++t) {
+      cudaGraph_t graph = nullptr;
+      ASSERT_EQ(cudaStreamBeginCapture(ranks[r]->stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      forward(r, tiers[t]);
+      ASSERT_EQ(cudaStreamEndCapture(ranks[r]->stream, &graph), cudaSuccess);
+      ASSERT_EQ(cudaGraphInstantiate(&graphs[r][t], graph, 0), cudaSuccess);
+      ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    }
+  }
+
+  std::vector<int> wrong(kTp, 0);
+  on_rank_threads(kTp, [&](int r) {
+    cudaStream_t stream = ranks[r]->stream;
+    for (int replay = 0; replay < replays; ++replay) {
+      const int i = replay % kInputs, t = (replay / kInputs) % num_tiers;
+      ASSERT_EQ(cudaMemcpyAsync(xs[r].view.data(), pinned_inputs[i]->data, x_bytes, cudaMemcpyHostToDevice, stream),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemsetAsync(outs[r].view.data(), 0xff, out_bytes, stream), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(graphs[r][t], stream), cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(results[r]->data, outs[r].view.data(), out_bytes, cudaMemcpyDeviceToHost, stream),
+                cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      if (std::memcmp(results[r]->data, eager[i * num_tiers + t]->data, out_bytes) != 0) ++wrong[r];
+    }
+    group[r]->check();
+  });
+  for (int r = 0; r < kTp; ++r) EXPECT_EQ(wrong[r], 0) << "rank " << r << ": replays with a wrong element";
+  for (auto& per_rank : graphs)
+    for (cudaGraphExec_t exec : per_rank) EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+}
 
 }  // namespace
 }  // namespace latentmoe::cuda::testing
