@@ -27,8 +27,9 @@ namespace latentmoe {
 struct GpuGroupOptions {
   int device = 0;             // the GPU every simulated rank runs on
   DType dtype = DType::bf16;  // the dtype of every collective (the layer's compute dtype)
-  // The largest tensor one collective moves, in elements of `dtype` per rank ([T, max(d, l)] for
-  // a layer of T tokens); each rank's receive area is 3 x tp_size x this.
+  // The largest message one collective moves, in elements of `dtype` per rank: T (d + l) holds
+  // every collective of a layer of T tokens (tier 0's carries [T, l + d/tp]); each rank's receive
+  // area is 3 x tp_size x this.
   int64_t capacity_elements = 0;
   // How long a collective waits for its peers before it fails (LATENTMOE_COLLECTIVE_TIMEOUT_MS
   // overrides the default).

@@ -51,8 +51,8 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
   if (backend == BackendKind::cuda && options.tp_size > 1) {
     GpuGroupOptions group_options;
     group_options.dtype = dtype;
-    group_options.capacity_elements =
-        std::max<int64_t>(num_tokens, 1) * std::max(config.hidden_size, config.latent_size);
+    // The largest message: [T, d] (the final all-reduce) or tier 0's [T, l + d/tp]; T (d + l) holds both.
+    group_options.capacity_elements = std::max<int64_t>(num_tokens, 1) * (config.hidden_size + config.latent_size);
     group_options.timeout = default_collective_timeout();
     group = make_simulated_gpu_group(options.tp_size, group_options);
     device_ordinal = group_options.device;

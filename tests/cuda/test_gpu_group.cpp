@@ -330,7 +330,7 @@ TEST(GpuGroupGraph, tp8_forward_captured_per_tier_replays_with_new_inputs_withou
 
   GpuGroupOptions group_options;
   group_options.dtype = dtype;
-  group_options.capacity_elements = kTokens * std::max(config.hidden_size, config.latent_size);
+  group_options.capacity_elements = kTokens * (config.hidden_size + config.latent_size);
   group_options.timeout = std::chrono::milliseconds(5000);
   auto group = make_simulated_gpu_group(kTp, group_options);
   // Everything device-side is made here, before any rank runs (no allocation while peers wait).

@@ -623,16 +623,15 @@ void CudaBackend::add_scaled_rows(const TensorView& x, const TensorView& scale, 
   launch_add_scaled_rows(input, scale.data_as<const float>(), output, s.current);
 }
 
-void CudaBackend::all_reduce_rms_norm(Communicator& comm, const TensorView& partial, const TensorView& gamma, float eps,
-                                      const TensorView& out) {
+namespace {
+
+// The GPU group behind `comm` when its Lamport kernels can carry `dtype`, else nullptr.
+LamportCommunicator* lamport_group(Communicator& comm, DType dtype) {
   auto* group = dynamic_cast<LamportCommunicator*>(&comm);
-  if (group == nullptr || !gamma.defined() || partial.dtype() != group->lamport_dtype() ||
-      out.dtype() != partial.dtype()) {
-    Backend::all_reduce_rms_norm(comm, partial, gamma, eps, out);
-    return;
-  }
-  State& s = *state_;
-  DeviceGuard guard(s.ordinal);
+  return group != nullptr && group->lamport_dtype() == dtype ? group : nullptr;
+}
+
+LamportCall all_reduce_call(const TensorView& partial, const TensorView& gamma, float eps, const TensorView& out) {
   LamportCall call;
   call.op = LamportOp::all_reduce;
   call.dtype = partial.dtype();
@@ -642,9 +641,45 @@ void CudaBackend::all_reduce_rms_norm(Communicator& comm, const TensorView& part
   call.ld_out = out.stride(0);
   call.rows = partial.size(0);
   call.cols = partial.size(1);
-  call.gamma = gamma.data();
-  call.gamma_dtype = gamma.dtype();
+  if (gamma.defined()) {
+    call.gamma = gamma.data();
+    call.gamma_dtype = gamma.dtype();
+  }
   call.eps = eps;
+  return call;
+}
+
+}  // namespace
+
+void CudaBackend::all_reduce_rms_norm(Communicator& comm, const TensorView& partial, const TensorView& gamma, float eps,
+                                      const TensorView& out) {
+  LamportCommunicator* group = lamport_group(comm, partial.dtype());
+  if (group == nullptr || !gamma.defined() || out.dtype() != partial.dtype()) {
+    Backend::all_reduce_rms_norm(comm, partial, gamma, eps, out);
+    return;
+  }
+  State& s = *state_;
+  DeviceGuard guard(s.ordinal);
+  launch_lamport(group->lamport_peers(), all_reduce_call(partial, gamma, eps, out), s.current);
+}
+
+void CudaBackend::tail_fusion_collective(Communicator& comm, const TensorView& latent_partial,
+                                         const TensorView& shared_partial, const TensorView& gamma, float eps,
+                                         const TensorView& latent_out, const TensorView& shared_shard_out) {
+  LamportCommunicator* group = lamport_group(comm, latent_partial.dtype());
+  if (group == nullptr || latent_out.dtype() != latent_partial.dtype() ||
+      shared_partial.dtype() != latent_partial.dtype() || shared_shard_out.dtype() != latent_partial.dtype()) {
+    Backend::tail_fusion_collective(comm, latent_partial, shared_partial, gamma, eps, latent_out, shared_shard_out);
+    return;
+  }
+  State& s = *state_;
+  DeviceGuard guard(s.ordinal);
+  LamportCall call = all_reduce_call(latent_partial, gamma, eps, latent_out);
+  call.scatter_in = shared_partial.data();
+  call.ld_scatter_in = shared_partial.stride(0);
+  call.scatter_out = shared_shard_out.data();
+  call.ld_scatter_out = shared_shard_out.stride(0);
+  call.scatter_cols = shared_partial.size(1);
   launch_lamport(group->lamport_peers(), call, s.current);
 }
 

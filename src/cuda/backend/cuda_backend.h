@@ -95,6 +95,12 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // otherwise the composed default.
   void all_reduce_rms_norm(Communicator& comm, const TensorView& partial, const TensorView& gamma, float eps,
                            const TensorView& out) override;
+  // Tier 0's collective in one Lamport kernel with a GPU group: the latent partial's all-reduce (+
+  // RMSNorm when gamma is defined) and the shared partial's reduce-scatter travel in the same
+  // messages; otherwise the composed default.
+  void tail_fusion_collective(Communicator& comm, const TensorView& latent_partial, const TensorView& shared_partial,
+                              const TensorView& gamma, float eps, const TensorView& latent_out,
+                              const TensorView& shared_shard_out) override;
 
   // Up to how many rows (tokens) linear, dense_mlp and routed_experts may run on the skinny kernels
   // (cuda/gemm/skinny_gemm.h) instead of cuBLASLt and the grouped GEMMs: 0..kSkinnyMaxRows (8, the default);

@@ -1,5 +1,6 @@
-// One-shot Lamport collectives (all-reduce, optionally fused with RMSNorm; reduce-scatter;
-// all-gather; barrier) between ranks that can all load and store each other's receive areas.
+// One-shot Lamport collectives (all-reduce, optionally fused with RMSNorm and with a second tensor's
+// reduce-scatter, which is tier 0's collective; reduce-scatter; all-gather; barrier) between ranks that can all load
+// and store each other's receive areas.
 //
 // Protocol (after DESIGN section 2; public references TensorRT-LLM's allReduceFusionKernels and
 // vLLM's custom all-reduce, read for the idea, written here anew):
@@ -168,12 +169,26 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t chunk =
       call.op == LamportOp::all_reduce || call.op == LamportOp::barrier ? call.cols : call.cols / size;
 
-  // 1. Send every row of this CTA to every peer (each peer's region for this rank is [rows, chunk]).
+  // The fused reduce-scatter's part of each region follows the main part: [rows, chunk], then
+  // [rows, scatter_chunk].
+  const int64_t scatter_chunk = call.scatter_in != nullptr ? call.scatter_cols / size : 0;
+  const int64_t scatter_offset = call.rows * chunk;
+  const auto* scatter_in = static_cast<const T*>(call.scatter_in);
+  auto* scatter_out = static_cast<T*>(call.scatter_out);
+
+  // 1. Send every row of this CTA to every peer (each peer's region for this rank is [rows, chunk],
+  // then [rows, scatter_chunk]).
   for (int64_t row = blockIdx.x; row < call.rows; row += gridDim.x) {
     for (int peer = 0; peer < size; ++peer) {
       T* region = region_of<T>(peers, peer, slot, rank) + row * chunk;
       const T* source = in + row * call.ld_in + (call.op == LamportOp::reduce_scatter ? peer * chunk : 0);
       for (int64_t c = threadIdx.x; c < chunk; c += kThreads) region[c] = as_payload(source[c]);
+      if (scatter_chunk > 0) {
+        T* scatter_region = region_of<T>(peers, peer, slot, rank) + scatter_offset + row * scatter_chunk;
+        const T* scatter_source = scatter_in + row * call.ld_scatter_in + peer * scatter_chunk;
+        for (int64_t c = threadIdx.x; c < scatter_chunk; c += kThreads)
+          scatter_region[c] = as_payload(scatter_source[c]);
+      }
     }
   }
 
@@ -218,6 +233,13 @@ __global__ void __launch_bounds__(kThreads)
         }
         out[row * call.ld_out + c] = from_f32<T>(row_sums[c] * inverse * g);
       }
+    }
+    for (int64_t c = threadIdx.x; c < scatter_chunk; c += kThreads) {
+      float sum = 0.0f;
+      for (int source = 0; source < size; ++source)
+        sum +=
+            to_f32(wait_for(region_of<T>(peers, rank, slot, source) + scatter_offset + row * scatter_chunk, c, waiter));
+      scatter_out[row * call.ld_scatter_out + c] = from_f32<T>(sum);
     }
   }
 
@@ -277,7 +299,8 @@ void dispatch(DType dtype, F&& f) {
 int64_t lamport_message_bytes(const LamportCall& call, int size) {
   const bool whole = call.op == LamportOp::all_reduce || call.op == LamportOp::barrier;
   const int64_t chunk = whole ? call.cols : call.cols / size;
-  const int64_t bytes = call.rows * chunk * static_cast<int64_t>(dtype_size(call.dtype));
+  const int64_t scatter_chunk = call.scatter_in != nullptr ? call.scatter_cols / size : 0;
+  const int64_t bytes = call.rows * (chunk + scatter_chunk) * static_cast<int64_t>(dtype_size(call.dtype));
   return (bytes + 15) / 16 * 16;
 }
 
@@ -289,6 +312,11 @@ void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStre
                   " columns do not split over ", peers.size, " ranks");
   LATENTMOE_CHECK(call.gamma == nullptr || call.op == LamportOp::all_reduce,
                   "Lamport collective: only the all-reduce fuses RMSNorm");
+  LATENTMOE_CHECK(
+      call.scatter_in == nullptr ||
+          (call.op == LamportOp::all_reduce && call.scatter_out != nullptr && call.scatter_cols % peers.size == 0),
+      "Lamport collective: a fused reduce-scatter rides on an all-reduce and needs columns that split over ",
+      peers.size, " ranks");
   const int64_t message = lamport_message_bytes(call, peers.size);
   LATENTMOE_CHECK(message <= peers.capacity_bytes, "Lamport collective: a message of ", message,
                   " bytes per rank exceeds the group's capacity of ", peers.capacity_bytes,

@@ -57,6 +57,14 @@ struct LamportCall {
   const void* gamma = nullptr;
   DType gamma_dtype = DType::f32;
   float eps = 1e-5f;
+  // all_reduce only, optional: a reduce-scatter carried by the same messages (tier 0's collective:
+  // the latent all-reduce + norm and the shared partial's reduce-scatter in one kernel).
+  // scatter_in [rows, scatter_cols], scatter_out [rows, scatter_cols/size] = this rank's column block.
+  const void* scatter_in = nullptr;
+  int64_t ld_scatter_in = 0;
+  void* scatter_out = nullptr;
+  int64_t ld_scatter_out = 0;
+  int64_t scatter_cols = 0;
 };
 
 // Bytes one source region must hold for `call` (the message a rank sends to one peer).
