@@ -4,7 +4,7 @@
 #   scripts/gpu_run.sh BIN_DIR COMMIT STEPS
 # BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh), and
 # grouped_gemm_bench and gemv_bench (build-gpu/bench/) for the steps that run them;
-# STEPS is a comma list of: tests, sanitize, bench, bench_decode, bench_no_skinny, bench_no_gemv,
+# STEPS is a comma list of: tests, demo, sanitize_comm, sanitize, bench, bench_decode, bench_no_skinny, bench_no_gemv,
 # grouped_gemm, grouped_gemm_sweep, gemv, peers (run in that order: tests, bench, bench_decode,
 # bench_no_skinny, bench_no_gemv, grouped_gemm, grouped_gemm_sweep, gemv, peers, sanitize).
 #   grouped_gemm        grouped_gemm_bench, the library's variant choice, every phase (grouped_gemm.json)
@@ -27,6 +27,18 @@ if has tests; then
   echo "cuda tests rc=$?"
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests ran" "$out/cuda_tests.log" | head -20
   timeout 60 "$bin/latentmoe" run --help > /dev/null && echo "cli starts"
+fi
+if has demo; then  # the main job on the GPU (tp > 1 on simulated ranks) against the CPU reference
+  timeout 240 "$bin/latentmoe" demo --backend cuda --tokens 37 --runs 1 > "$out/demo.log" 2>&1
+  echo "demo rc=$?"; grep -cE " ok$" "$out/demo.log"; grep -E "FAILED|all checks" "$out/demo.log" | head -5
+fi
+if has sanitize_comm; then  # the collectives under compute-sanitizer (one rank: it serialises kernels)
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
+    --gtest_filter='GpuGroup.a_one_rank*:GpuGroup.rejects*' > "$out/memcheck_comm.log" 2>&1
+  echo "memcheck (comm) rc=$?"; grep -E "ERROR SUMMARY" "$out/memcheck_comm.log" | tail -1
+  timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/latentmoe_cuda_tests" \
+    --gtest_filter='GpuGroup.a_one_rank*' > "$out/racecheck_comm.log" 2>&1
+  echo "racecheck (comm) rc=$?"; grep -E "RACECHECK SUMMARY" "$out/racecheck_comm.log" | tail -1
 fi
 if has bench; then
   timeout 180 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 \
