@@ -7,7 +7,7 @@
 #include <fstream>
 #include <utility>
 
-#include "core/bench_access.h"
+#include "cuda/kernels/fill.h"  // read_through
 #include "latentmoe/error.h"
 
 namespace latentmoe::bench {
@@ -61,7 +61,7 @@ Timer::~Timer() {
 }
 
 void Timer::flush_l2(cudaStream_t stream) {
-  bench_access::read_through(flush_.get(), flush_.bytes(), sink_.as<uint32_t>(), stream);
+  cuda::read_through(flush_.get(), flush_.bytes(), sink_.as<uint32_t>(), stream);
 }
 
 std::vector<double> Timer::times_us(cudaStream_t stream, const std::function<void()>& body, const Runs& runs) {

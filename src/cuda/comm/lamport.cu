@@ -32,8 +32,10 @@
 #include <algorithm>
 
 #include "cuda/comm/lamport.h"
+#include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
+#include "cuda/common/dtype_dispatch.cuh"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {
@@ -73,24 +75,6 @@ __device__ __forceinline__ T from_bits(typename Bits<T>::type bits) {
   return value;
 }
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-template <class T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) {
-  return __float2half_rn(v);
-}
-
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t now;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(now));
@@ -118,7 +102,7 @@ __device__ __forceinline__ T wait_for(const T* region, int64_t index, Waiter& wa
   for (uint32_t spin = 0;; ++spin) {
     const U bits = *word;
     if (bits != Bits<T>::sentinel) return from_bits<T>(bits);
-    if (waiter.failed) return from_f32<T>(0.0f);
+    if (waiter.failed) return from_float<T>(0.0f);
     if ((spin & 31u) == 31u) {
       if (global_timer_ns() > waiter.deadline) waiter.fail(LamportFailure::timeout);
       if ((spin & 1023u) == 1023u && *waiter.peers->abort != 0) waiter.fail(LamportFailure::aborted);
@@ -207,39 +191,28 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t c = threadIdx.x; c < chunk; c += kThreads) {
       float sum = 0.0f;
       for (int source = 0; source < size; ++source)
-        sum += to_f32(wait_for(region_of<T>(peers, rank, slot, source) + row * chunk, c, waiter));
+        sum += to_float(wait_for(region_of<T>(peers, rank, slot, source) + row * chunk, c, waiter));
       if (call.gamma != nullptr) {
         row_sums[c] = sum;
         squares += sum * sum;
       } else if (call.op != LamportOp::barrier) {
-        out[row * call.ld_out + c] = from_f32<T>(sum);
+        out[row * call.ld_out + c] = from_float<T>(sum);
       }
     }
     if (call.gamma != nullptr) {
       const float total = block_sum<T>(squares, scratch);
       const float inverse = rsqrtf(total / static_cast<float>(chunk) + call.eps);
       for (int64_t c = threadIdx.x; c < chunk; c += kThreads) {
-        float g;
-        switch (call.gamma_dtype) {
-          case DType::bf16:
-            g = __bfloat162float(static_cast<const __nv_bfloat16*>(call.gamma)[c]);
-            break;
-          case DType::f16:
-            g = __half2float(static_cast<const __half*>(call.gamma)[c]);
-            break;
-          default:
-            g = static_cast<const float*>(call.gamma)[c];
-            break;
-        }
-        out[row * call.ld_out + c] = from_f32<T>(row_sums[c] * inverse * g);
+        const float g = load_as_float_dev(call.gamma, call.gamma_dtype, c);
+        out[row * call.ld_out + c] = from_float<T>(row_sums[c] * inverse * g);
       }
     }
     for (int64_t c = threadIdx.x; c < scatter_chunk; c += kThreads) {
       float sum = 0.0f;
       for (int source = 0; source < size; ++source)
-        sum +=
-            to_f32(wait_for(region_of<T>(peers, rank, slot, source) + scatter_offset + row * scatter_chunk, c, waiter));
-      scatter_out[row * call.ld_scatter_out + c] = from_f32<T>(sum);
+        sum += to_float(
+            wait_for(region_of<T>(peers, rank, slot, source) + scatter_offset + row * scatter_chunk, c, waiter));
+      scatter_out[row * call.ld_scatter_out + c] = from_float<T>(sum);
     }
   }
 
@@ -277,23 +250,6 @@ __global__ void fill_sentinel_kernel(typename Bits<T>::type* words, int64_t coun
     words[i] = Bits<T>::sentinel;
 }
 
-template <class F>
-void dispatch(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::f32:
-      f(float{});
-      return;
-    case DType::bf16:
-      f(__nv_bfloat16{});
-      return;
-    case DType::f16:
-      f(__half{});
-      return;
-    default:
-      detail::throw_error("Lamport collective: dtype ", dtype_name(dtype), " is not supported (F32, BF16, F16)");
-  }
-}
-
 }  // namespace
 
 int64_t lamport_message_bytes(const LamportCall& call, int size) {
@@ -328,7 +284,7 @@ void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStre
   const int max_ctas = std::max(1, sms / (2 * peers.size));
   const int grid = static_cast<int>(std::min<int64_t>(call.rows, max_ctas));
   const size_t shared = call.gamma != nullptr ? static_cast<size_t>(call.cols) * sizeof(float) : 0;
-  dispatch(call.dtype, [&](auto tag) {
+  dispatch_compute_dtype(call.dtype, "Lamport collective", [&](auto tag) {
     using T = decltype(tag);
     if (shared > 48 * 1024) {
       LATENTMOE_CUDA_CHECK(cudaFuncSetAttribute(lamport_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -340,7 +296,7 @@ void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStre
 }
 
 void lamport_fill_sentinel(void* recv, size_t bytes, DType dtype, cudaStream_t stream) {
-  dispatch(dtype, [&](auto tag) {
+  dispatch_compute_dtype(dtype, "Lamport collective", [&](auto tag) {
     using T = decltype(tag);
     using U = typename Bits<T>::type;
     const int64_t count = static_cast<int64_t>(bytes / sizeof(U));
