@@ -148,6 +148,10 @@ TEST_F(CliTest, bad_inputs_fail_with_one_line_and_no_output) {
   expect_failure(latentmoe("run " + files("p.") + " --backend tpu"), "tpu");
   expect_failure(latentmoe("run " + files("wrong.")), "wrong.");  // no tensors under that prefix
   expect_failure(latentmoe("run " + files("p.") + " --tp 0"), "--tp");
+  expect_failure(latentmoe("run " + files("p.") + " --tune-file " + (dir / "absent.json").string()), "absent.json");
+  std::ofstream(dir / "tune.json") << R"({"format": "latentmoe-tune-1", "entries": [{"tp": 2}]})";
+  expect_failure(latentmoe("run " + files("p.") + " --tp 2 --tune-file " + (dir / "tune.json").string()),
+                 "tail_fusion_max_tokens");
 
   // Missing files.
   std::string no_config = files("p.");

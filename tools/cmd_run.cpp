@@ -12,6 +12,7 @@
 #include "latentmoe/error.h"
 #include "latentmoe/local_group.h"
 #include "latentmoe/safetensors.h"
+#include "latentmoe/tune.h"
 #include "latentmoe/weights.h"
 #include "version.h"
 
@@ -23,6 +24,7 @@ struct RunArguments {
   int tp_size = 1;
   std::string tier = "auto";
   std::string backend = "auto";
+  std::string tune_file;  // empty: LATENTMOE_TUNE_FILE, if set
 };
 
 HostTensor read_optional(const SafetensorsFile& file, const char* name) {
@@ -83,7 +85,7 @@ void run_command(const RunArguments& args) {
   options.tp_size = args.tp_size;
   options.backend = backend;
   options.tier = tier;
-  options.policy = TierPolicy::from_environment();
+  options.policy = tuned_policy(args.tune_file, args.tp_size, dtype, config.hidden_size, config.latent_size);
   auto results = run_local_group(
       config,
       [&](const ParallelConfig& parallel) {
@@ -130,6 +132,8 @@ void register_run_command(CLI::App& app) {
   command->add_option("--tp", args->tp_size, "Tensor-parallel ranks (threads on the CPU backend)");
   command->add_option("--tier", args->tier, "auto|native|tail_fusion|allreduce_overlap|column_parallel");
   command->add_option("--backend", args->backend, "auto|cpu|cuda");
+  command->add_option("--tune-file", args->tune_file,
+                      "Tier crossovers measured on this machine (JSON, docs/CONFIG.md; default: LATENTMOE_TUNE_FILE)");
   command->callback([args] { run_command(*args); });
 }
 

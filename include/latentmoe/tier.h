@@ -35,6 +35,9 @@ struct TierPolicy {
   static TierPolicy from_environment();
   // Same parsing from any lookup (tests pass a map); `lookup` returns nullopt for an unset name.
   static TierPolicy from_lookup(const std::function<std::optional<std::string>(std::string_view)>& lookup);
+  // The same over `base` (a tuned table's entry): unset variables keep base's values.
+  static TierPolicy from_lookup(const std::function<std::optional<std::string>(std::string_view)>& lookup,
+                                const TierPolicy& base);
 };
 
 // What decides whether the fused tails (tiers 0-2) apply at all.

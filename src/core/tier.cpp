@@ -68,7 +68,12 @@ TailTier parse_tail_tier(std::string_view name) {
 }
 
 TierPolicy TierPolicy::from_lookup(const std::function<std::optional<std::string>(std::string_view)>& lookup) {
-  TierPolicy policy;
+  return from_lookup(lookup, TierPolicy{});
+}
+
+TierPolicy TierPolicy::from_lookup(const std::function<std::optional<std::string>(std::string_view)>& lookup,
+                                   const TierPolicy& base) {
+  TierPolicy policy = base;
   // An empty value counts as unset, so `LATENTMOE_X= cmd` restores the default.
   auto get = [&lookup](std::string_view name) -> std::optional<std::string> {
     std::optional<std::string> value = lookup(name);

@@ -1,0 +1,126 @@
+// The tuned crossover table (latentmoe/tune.h): reading and rejecting files, the most specific
+// entry for a layer, and the order defaults < table < environment in the policy a runner takes.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+
+#include "latentmoe/error.h"
+#include "latentmoe/tune.h"
+#include "scratch_dir.h"
+
+namespace latentmoe {
+namespace {
+
+constexpr const char* kTable = R"({
+  "format": "latentmoe-tune-1",
+  "machine": "test box",
+  "entries": [
+    {"tp": 8, "tail_fusion_max_tokens": 32, "shared_stream_token_threshold": 512},
+    {"tp": 8, "dtype": "bf16", "hidden_size": 7168, "latent_size": 3584,
+     "tail_fusion_max_tokens": 96, "shared_stream_token_threshold": 1024},
+    {"tp": 4, "dtype": "f16", "tail_fusion_max_tokens": 0, "shared_stream_token_threshold": 128}
+  ]})";
+
+std::string message_of(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "(no error)";
+}
+
+TEST(TuneTable, picks_the_most_specific_entry_of_the_layers_tp) {
+  const TuneTable table = TuneTable::from_json(kTable, "t.json");
+  EXPECT_EQ(table.machine, "test box");
+  ASSERT_EQ(table.entries.size(), 3u);
+  const auto kimi = table.find(8, DType::bf16, 7168, 3584);
+  ASSERT_TRUE(kimi.has_value());
+  EXPECT_EQ(kimi->tail_fusion_max_tokens, 96);
+  EXPECT_EQ(kimi->shared_stream_token_threshold, 1024);
+  const auto other = table.find(8, DType::bf16, 4096, 1024);  // only the tp-wide entry matches
+  ASSERT_TRUE(other.has_value());
+  EXPECT_EQ(other->tail_fusion_max_tokens, 32);
+  EXPECT_FALSE(table.find(4, DType::bf16, 7168, 3584).has_value());  // tp 4 is pinned to f16
+  EXPECT_EQ(table.find(4, DType::f16, 7168, 3584)->tail_fusion_max_tokens, 0);
+  EXPECT_FALSE(table.find(2, DType::bf16, 7168, 3584).has_value());
+}
+
+TEST(TuneTable, two_equally_specific_matches_are_an_error) {
+  const TuneTable table = TuneTable::from_json(R"({"format": "latentmoe-tune-1", "entries": [
+      {"tp": 2, "dtype": "bf16", "tail_fusion_max_tokens": 1, "shared_stream_token_threshold": 2},
+      {"tp": 2, "hidden_size": 64, "tail_fusion_max_tokens": 3, "shared_stream_token_threshold": 4}]})",
+                                               "t.json");
+  EXPECT_NE(message_of([&] { table.find(2, DType::bf16, 64, 32); }).find("equally"), std::string::npos);
+  EXPECT_EQ(table.find(2, DType::f16, 64, 32)->tail_fusion_max_tokens, 3);
+}
+
+TEST(TuneTable, rejects_malformed_tables_naming_the_problem) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"{", "invalid JSON"},
+      {"[]", "JSON object"},
+      {R"({"entries": []})", "\"format\""},
+      {R"({"format": "latentmoe-tune-2", "entries": []})", "\"format\""},
+      {R"({"format": "latentmoe-tune-1"})", "\"entries\""},
+      {R"({"format": "latentmoe-tune-1", "entries": [1]})", "entries[0] must be an object"},
+      {R"({"format": "latentmoe-tune-1", "entries": [{"tp": 2, "shared_stream_token_threshold": 1}]})",
+       "\"tail_fusion_max_tokens\" is missing"},
+      {R"({"format": "latentmoe-tune-1", "entries": [{"tp": 0, "tail_fusion_max_tokens": 1,
+          "shared_stream_token_threshold": 1}]})",
+       "\"tp\" is 0"},
+      {R"({"format": "latentmoe-tune-1", "entries": [{"tp": 2, "tail_fusion_max_tokens": -1,
+          "shared_stream_token_threshold": 1}]})",
+       "\"tail_fusion_max_tokens\" is -1"},
+      {R"({"format": "latentmoe-tune-1", "entries": [{"tp": 2, "tail_fusion_max_tokens": "8",
+          "shared_stream_token_threshold": 1}]})",
+       "must be an integer"},
+      {R"({"format": "latentmoe-tune-1", "entries": [{"tp": 2, "dtype": "fp8", "tail_fusion_max_tokens": 1,
+          "shared_stream_token_threshold": 1}]})",
+       "bf16, f16 or f32"},
+      {R"({"format": "latentmoe-tune-1", "entries": [
+          {"tp": 2, "tail_fusion_max_tokens": 1, "shared_stream_token_threshold": 1},
+          {"tp": 2, "tail_fusion_max_tokens": 5, "shared_stream_token_threshold": 5}]})",
+       "entries[1] repeats"},
+  };
+  for (const auto& [text, expected] : cases) {
+    const std::string message = message_of([&] { TuneTable::from_json(text, "bad.json"); });
+    EXPECT_NE(message.find(expected), std::string::npos) << text << " -> " << message;
+    EXPECT_NE(message.find("bad.json"), std::string::npos) << message;
+  }
+}
+
+TEST(TuneTable, a_missing_file_or_a_folder_is_a_clear_error) {
+  testing::ScratchDir dir("tune_files");
+  EXPECT_NE(message_of([&] { TuneTable::from_file(dir.file("absent.json")); }).find("no such file"), std::string::npos);
+  EXPECT_NE(message_of([&] { TuneTable::from_file(dir.path().string()); }).find("not a regular file"),
+            std::string::npos);
+}
+
+TEST(TuneTable, the_policy_takes_defaults_then_the_table_then_the_environment) {
+  testing::ScratchDir dir("tune_policy");
+  const std::string path = dir.file("tune.json");
+  std::ofstream(path) << kTable;
+  unsetenv("LATENTMOE_TAIL_FUSION_MAX_TOKENS");
+  unsetenv("LATENTMOE_TUNE_FILE");
+  // No table: the constants.
+  EXPECT_EQ(tuned_policy("", 8, DType::bf16, 7168, 3584).tail_fusion_max_tokens,
+            TierPolicy::kDefaultTailFusionMaxTokens);
+  // The table, named directly or by LATENTMOE_TUNE_FILE.
+  EXPECT_EQ(tuned_policy(path, 8, DType::bf16, 7168, 3584).tail_fusion_max_tokens, 96);
+  setenv("LATENTMOE_TUNE_FILE", path.c_str(), 1);
+  EXPECT_EQ(tuned_policy("", 8, DType::bf16, 7168, 3584).shared_stream_token_threshold, 1024);
+  // No entry for this tp: the constants.
+  EXPECT_EQ(tuned_policy("", 2, DType::bf16, 7168, 3584).tail_fusion_max_tokens,
+            TierPolicy::kDefaultTailFusionMaxTokens);
+  // A variable overrides the table.
+  setenv("LATENTMOE_TAIL_FUSION_MAX_TOKENS", "7", 1);
+  const TierPolicy policy = tuned_policy("", 8, DType::bf16, 7168, 3584);
+  EXPECT_EQ(policy.tail_fusion_max_tokens, 7);
+  EXPECT_EQ(policy.shared_stream_token_threshold, 1024);
+  unsetenv("LATENTMOE_TAIL_FUSION_MAX_TOKENS");
+  unsetenv("LATENTMOE_TUNE_FILE");
+}
+
+}  // namespace
+}  // namespace latentmoe
