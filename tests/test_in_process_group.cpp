@@ -5,9 +5,15 @@
 #include <atomic>
 #include <chrono>
 #include <string>
+#include <system_error>
+#include <thread>
 
+#include "core/thread_start.h"
 #include "latentmoe/error.h"
 #include "latentmoe/in_process_group.h"
+#include "latentmoe/local_group.h"
+#include "latentmoe/weights.h"
+#include "layer_test_util.h"
 
 namespace latentmoe {
 namespace {
@@ -124,6 +130,36 @@ TEST(InProcessGroup, a_missing_rank_times_out_with_a_clear_error) {
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("timed out"), std::string::npos) << error.what();
   }
+}
+
+TEST(InProcessGroup, a_rank_thread_that_cannot_start_is_an_error_and_no_rank_runs) {
+  // The system refuses the third thread (as at its thread limit): one clear Error, no rank runs, no
+  // abort by std::terminate.
+  detail::ThreadStarter previous =
+      detail::set_thread_starter_for_tests([](int rank, std::function<void()> body) -> std::thread {
+        if (rank == 2) throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again));
+        return std::thread(std::move(body));
+      });
+  auto group = make_in_process_group(4);
+  std::atomic<int> ran{0};
+  try {
+    run_ranks(group, [&](int) { ++ran; });
+    ADD_FAILURE() << "no error";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("cannot start the thread of rank 2 of 4"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_EQ(ran.load(), 0);
+  // A whole layer run reports it the same way instead of hanging at its rendezvous.
+  const LayerConfig config = testing::kimi_like_config();
+  const LayerWeights weights = make_random_layer_weights(config, DType::f32, 3);
+  LocalGroupOptions options;
+  options.tp_size = 4;
+  EXPECT_THROW(run_local_group(
+                   config, [&](const ParallelConfig& p) { return shard_layer_weights(weights, config, p); },
+                   testing::random_inputs(config, 3, DType::f32, 4), options),
+               Error);
+  detail::set_thread_starter_for_tests(std::move(previous));
 }
 
 TEST(InProcessGroup, invalid_arguments) {

@@ -15,8 +15,10 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 
+#include "core/thread_start.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
@@ -171,6 +173,21 @@ std::vector<std::unique_ptr<Communicator>> make_in_process_group(int tp_size, In
   return group;
 }
 
+namespace detail {
+namespace {
+ThreadStarter& thread_starter() {
+  static ThreadStarter starter;
+  return starter;
+}
+}  // namespace
+
+ThreadStarter set_thread_starter_for_tests(ThreadStarter starter) {
+  ThreadStarter previous = std::move(thread_starter());
+  thread_starter() = std::move(starter);
+  return previous;
+}
+}  // namespace detail
+
 void run_ranks(std::vector<std::unique_ptr<Communicator>>& group, const std::function<void(int rank)>& body) {
   const int size = static_cast<int>(group.size());
   std::vector<std::exception_ptr> failures(size);
@@ -191,10 +208,40 @@ void run_ranks(std::vector<std::unique_ptr<Communicator>>& group, const std::fun
   if (size == 1) {
     run_one(0);
   } else {
+    // Every rank's thread exists before any rank runs: a rank whose thread cannot be created (the
+    // system's thread limit) must not leave its peers waiting for it in a collective or at a
+    // rendezvous. The started threads wait for `go`; on a failure they return without running.
+    std::mutex start_mutex;
+    std::condition_variable start_signal;
+    bool go = false, cancelled = false;
+    auto wait_then_run = [&](int rank) {
+      {
+        std::unique_lock lock(start_mutex);
+        start_signal.wait(lock, [&] { return go || cancelled; });
+        if (cancelled) return;
+      }
+      run_one(rank);
+    };
     std::vector<std::thread> threads;
     threads.reserve(size);
-    for (int rank = 0; rank < size; ++rank) threads.emplace_back(run_one, rank);
+    std::string start_failure;
+    for (int rank = 0; rank < size && start_failure.empty(); ++rank) {
+      try {
+        const detail::ThreadStarter& starter = detail::thread_starter();
+        threads.push_back(starter ? starter(rank, [&wait_then_run, rank] { wait_then_run(rank); })
+                                  : std::thread(wait_then_run, rank));
+      } catch (const std::exception& error) {
+        start_failure = "cannot start the thread of rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                        ": " + error.what();
+      }
+    }
+    {
+      std::lock_guard lock(start_mutex);
+      (start_failure.empty() ? go : cancelled) = true;
+    }
+    start_signal.notify_all();
     for (auto& thread : threads) thread.join();
+    if (!start_failure.empty()) throw Error(start_failure);
   }
   if (first_failure >= 0) std::rethrow_exception(failures[first_failure]);
 }
