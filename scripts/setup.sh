@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(cmake make g++ nlohmann-json3-dev libcli11-dev libgtest-dev python3 clang-format)
+# CI adds the fuzzing and sanitizer toolchain (clang with libFuzzer): LATENTMOE_EXTRA_PACKAGES.
+read -r -a extra <<< "${LATENTMOE_EXTRA_PACKAGES:-}"
+packages+=("${extra[@]}")
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
