@@ -1,10 +1,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "latentmoe/config.h"
@@ -552,6 +555,161 @@ TEST_F(ConfigFile, errors_name_the_path) {
   } catch (const Error& error) {
     EXPECT_THAT(error.what(), HasSubstr("is a directory"));
   }
+}
+
+// No byte below 0x20 and no DEL: an error message is one line.
+bool is_one_line(std::string_view text) {
+  for (char c : text) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) return false;
+  }
+  return true;
+}
+
+TEST(ConfigHostile, deep_nesting_is_refused_before_parsing) {
+  // 100000 levels under a known key: the nlohmann parser, destructor and dump all recurse.
+  for (std::string_view open_close : {"[]", "{}"}) {
+    std::string deep;
+    for (int i = 0; i < 100000; ++i) deep += open_close[0] == '[' ? "[" : "{\"a\":";
+    deep += open_close[0] == '[' ? "1" : "1";
+    for (int i = 0; i < 100000; ++i) deep += open_close[1];
+    std::string text = minimal().dump();
+    text.insert(1, "\"hidden_size\": " + deep + ", ");
+    std::string message = parse_error_text(text);
+    EXPECT_THAT(message,
+                AllOf(HasSubstr("text.json: invalid JSON: nested deeper than 64 levels"), HasSubstr("column")));
+    EXPECT_LT(message.size(), 200u);
+  }
+  // Unclosed too.
+  EXPECT_THAT(parse_error_text(std::string(1000000, '[')),
+              HasSubstr("nested deeper than 64 levels at line 1, column 65"));
+}
+
+TEST(ConfigHostile, nesting_limit_counts_arrays_and_objects_outside_strings) {
+  auto nested = [](int depth) {
+    std::string value = "1";
+    for (int i = 1; i < depth; ++i) value = (i % 2 ? "[" : "{\"k\":") + value + (i % 2 ? "]" : "}");
+    return value;
+  };
+  // The top-level object is level 1: a value nested 63 deep under it is fine, 64 is not.
+  std::string fine = minimal().dump();
+  fine.insert(1, "\"extra\": " + nested(64) + ", ");
+  EXPECT_EQ(parse_error_text(fine), "");
+  std::string too_deep = minimal().dump();
+  too_deep.insert(1, "\"extra\": " + nested(65) + ", ");
+  EXPECT_THAT(parse_error_text(too_deep), HasSubstr("nested deeper than 64 levels"));
+  // Brackets inside strings (escaped quotes included) do not count.
+  std::string in_string = minimal().dump();
+  in_string.insert(1, "\"extra\": \"\\\"" + std::string(1000, '[') + "\\\\\", ");
+  EXPECT_EQ(parse_error_text(in_string), "");
+}
+
+TEST(ConfigHostile, echoed_values_are_short) {
+  // A huge value under a known key of the wrong type: the message shows a short prefix only.
+  json big_array = json::array();
+  for (int i = 0; i < 100000; ++i) big_array.push_back(i);
+  std::string message = parse_error(with(minimal(), "hidden_size", big_array));
+  EXPECT_THAT(message, HasSubstr("'hidden_size' must be an integer, got an array ([0,1,2,"));
+  EXPECT_LT(message.size(), 200u);
+  message = parse_error(with(minimal(), "hidden_size", std::string(10 << 20, 'x') + "\n"));
+  EXPECT_THAT(message, HasSubstr("got a string (\"xxxx"));
+  EXPECT_LT(message.size(), 200u);
+  // A long hidden_act is echoed capped and on one line.
+  message = parse_error(with(minimal(), "hidden_act", "si\nlu\x1b[31m" + std::string(1 << 20, 'u')));
+  EXPECT_THAT(message, AllOf(HasSubstr("unknown hidden_act 'si\\nlu\\x1b[31m"), HasSubstr("bytes omitted)"),
+                             HasSubstr("accepted: silu, situ, relu2")));
+  EXPECT_TRUE(is_one_line(message));
+  EXPECT_LT(message.size(), 1200u);
+  // Disagreeing aliases holding big objects.
+  json big_object = json::object();
+  for (int i = 0; i < 1000; ++i) big_object[std::to_string(i)] = std::string(100, 'v');
+  message = parse_error(with(with(minimal(), "moe_latent_size", big_object), "routed_expert_hidden_size", 3));
+  EXPECT_THAT(message, HasSubstr("disagree"));
+  EXPECT_LT(message.size(), 300u);
+}
+
+TEST(ConfigHostile, duplicate_keys_are_named) {
+  std::string text = minimal().dump();
+  text.insert(1, "\"hidden_size\": 32, ");
+  EXPECT_THAT(parse_error_text(text), HasSubstr("text.json: duplicate key 'hidden_size'"));
+  // Even when both copies agree, and for keys the config ignores.
+  text = minimal().dump();
+  text.insert(1, "\"hidden_size\": 64, ");
+  EXPECT_THAT(parse_error_text(text), HasSubstr("duplicate key 'hidden_size'"));
+  text = minimal().dump();
+  text.insert(1, "\"foo\": 1, \"foo\": 1, ");
+  EXPECT_THAT(parse_error_text(text), HasSubstr("duplicate key 'foo'"));
+  // Nested: the enclosing keys are named.
+  text = minimal().dump();
+  text.insert(1, "\"quantization_config\": {\"list\": [{\"bits\": 4, \"bits\": 8}]}, ");
+  EXPECT_THAT(parse_error_text(text), HasSubstr("duplicate key 'bits' in 'quantization_config.list[]'"));
+  // The same key in sibling objects is fine.
+  text = minimal().dump();
+  text.insert(1, "\"a\": {\"x\": 1}, \"b\": {\"x\": 2}, \"c\": [{\"x\": 1}, {\"x\": 2}], ");
+  EXPECT_EQ(parse_error_text(text), "");
+}
+
+TEST(ConfigHostile, many_small_objects_parse_in_linear_time) {
+  // nlohmann's callback parser rescans the parent after every nested value: 10^6 small objects took
+  // hours. Duplicate keys are found in a separate SAX pass instead.
+  std::string text = minimal().dump();
+  std::string wide = "\"wide\": [{}";
+  for (int i = 1; i < 1000000; ++i) wide += ",{}";
+  wide += "], \"deep\": {";
+  for (int i = 0; i < 200000; ++i) wide += (i ? ",\"k" : "\"k") + std::to_string(i) + "\": {}";
+  wide += "}, ";
+  text.insert(1, wide);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(parse_error_text(text), "");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
+TEST(ConfigHostile, text_larger_than_the_cap_is_refused) {
+  std::string text = minimal().dump();
+  text.append(kMaxConfigBytes + 1 - text.size(), ' ');
+  EXPECT_THAT(parse_error_text(text), HasSubstr("text.json: config is larger than 16 MiB"));
+  text.pop_back();
+  EXPECT_EQ(parse_error_text(text), "");
+}
+
+std::string file_error(const std::string& path) {
+  try {
+    LayerConfig::from_file(path);
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "";
+}
+
+TEST_F(ConfigFile, a_file_larger_than_the_cap_is_refused) {
+  std::string text = minimal().dump();
+  text.append(kMaxConfigBytes - text.size(), '\n');
+  std::string at_cap = write("at_cap.json", text);
+  EXPECT_EQ(file_error(at_cap), "");
+  std::string over = write("over.json", text + " ");
+  EXPECT_EQ(file_error(over), over + ": config file is larger than 16 MiB");
+  // A sparse file claiming terabytes is refused from its size, without reading it.
+  std::string sparse = write("sparse.json", "");
+  std::filesystem::resize_file(sparse, uintmax_t{1} << 40);
+  EXPECT_EQ(file_error(sparse), sparse + ": config file is larger than 16 MiB");
+}
+
+TEST_F(ConfigFile, only_regular_files_are_read) {
+  // A FIFO with no writer would block open(); it must be refused at once.
+  std::string fifo = (dir_ / "config.fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THAT(file_error(fifo), AllOf(HasSubstr(fifo), HasSubstr("not a regular file")));
+  // An endless device.
+  EXPECT_EQ(file_error("/dev/zero"), "/dev/zero: cannot read config file: not a regular file");
+  EXPECT_THAT(file_error(dir_.string()), HasSubstr("is a directory, not a regular file"));
+  // A symlink to a regular file is followed.
+  std::string target = write("target.json", minimal().dump());
+  std::filesystem::create_symlink(target, dir_ / "link.json");
+  EXPECT_EQ(file_error((dir_ / "link.json").string()), "");
+  // A path with control characters is echoed on one line.
+  std::string odd = (dir_ / "bad\nname\x1b[2J.json").string();
+  std::string message = file_error(odd);
+  EXPECT_THAT(message, AllOf(HasSubstr("bad\\nname\\x1b[2J.json"), HasSubstr("cannot read config file")));
+  EXPECT_TRUE(is_one_line(message));
 }
 
 LayerConfig kimi_k3() {

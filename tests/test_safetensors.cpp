@@ -1,6 +1,12 @@
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -326,11 +332,144 @@ TEST_F(SafetensorsTest, rejects_duplicates_and_bad_metadata) {
 }
 
 TEST_F(SafetensorsTest, survives_deeply_nested_json) {
-  // 100k nested arrays in a shape: rejected with an Error, no stack overflow on parse or in the message.
+  // 100k nested arrays in a shape: refused at depth 9, before anything deeper is built.
   const std::string nested = std::string(100000, '[') + std::string(100000, ']');
   expect_rejected(path("nested.st"),
                   raw_file(R"({"t": {"dtype": "F32", "shape": )" + nested + R"(, "data_offsets": [0, 0]}})"),
-                  "shape element 0 is not a non-negative integer");
+                  "nested more than 8 levels deep");
+}
+
+TEST_F(SafetensorsTest, nesting_depth_is_bounded_before_memory_grows) {
+  // 8 levels (header, entry, shape, 5 more) still reach the specific message; 9 do not get parsed.
+  const std::string depth8 = R"({"t": {"dtype": "F32", "shape": [[[[[[0]]]]]], "data_offsets": [0, 0]}})";
+  expect_rejected(path("depth8.st"), raw_file(depth8), "shape element 0 is not a non-negative integer");
+  const std::string depth9 = R"({"t": {"dtype": "F32", "shape": [[[[[[[0]]]]]]], "data_offsets": [0, 0]}})";
+  expect_rejected(path("depth9.st"), raw_file(depth9), "nested more than 8 levels deep");
+  // Brackets inside strings are not nesting.
+  const std::string brackets = std::string(1000, '[') + std::string(1000, '{');
+  write_all(path("strings.st"), raw_file(R"({"__metadata__": {"k": ")" + brackets + R"("}})"));
+  EXPECT_EQ(SafetensorsFile::open(path("strings.st")).metadata().at("k"), brackets);
+
+  // A 20 MB header of nested arrays (once several GB of parsed values) is refused at once.
+  const size_t depth = 10'000'000;
+  const auto start = std::chrono::steady_clock::now();
+  expect_rejected(path("deep20mb.st"),
+                  raw_file(R"({"t": {"dtype": "F32", "shape": )" + std::string(depth, '[') + std::string(depth, ']') +
+                           R"(, "data_offsets": [0, 0]}})"),
+                  "nested more than 8 levels deep");
+  // Also inside __metadata__ and a wrongly typed dtype (contents skipped, depth still counted).
+  expect_rejected(path("deep_meta.st"), raw_file(R"({"__metadata__": {"k": )" + std::string(100, '[') + "}}"),
+                  "__metadata__ value of \"k\" is not a string");
+  std::string nested_objects;
+  for (int i = 0; i < 100; ++i) nested_objects += R"({"x": )";
+  nested_objects += "1" + std::string(100, '}');
+  expect_rejected(path("deep_dtype.st"), raw_file(R"({"t": {"dtype": )" + nested_objects + "}}"),
+                  "nested more than 8 levels deep");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+}
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define LATENTMOE_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+#define LATENTMOE_TEST_SANITIZED 1
+#endif
+#endif
+
+TEST_F(SafetensorsTest, out_of_memory_in_the_header_is_one_error_naming_the_file) {
+#ifdef LATENTMOE_TEST_SANITIZED
+  GTEST_SKIP() << "an address-space limit breaks the sanitizer runtime";
+#else
+  // A legal, flat 24 MB header (one shape of 12M zeros) parsed under an address-space limit too
+  // small for its values: a child process, so the limit binds nothing else.
+  std::string zeros;
+  zeros.reserve(24'000'000);
+  for (int i = 0; i < 12'000'000; ++i) zeros += i == 0 ? "0" : ",0";
+  const std::string file = path("flat.st");
+  write_all(file, raw_file(R"({"t": {"dtype": "F32", "shape": [)" + zeros + R"(], "data_offsets": [0, 0]}})"));
+  zeros = std::string();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    long pages = 0;
+    if (std::FILE* statm = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(statm, "%ld", &pages) != 1) pages = 0;
+      std::fclose(statm);
+    }
+    if (pages <= 0) ::_exit(10);
+    const rlim_t limit = static_cast<rlim_t>(pages) * static_cast<rlim_t>(::sysconf(_SC_PAGESIZE)) + (rlim_t{96} << 20);
+    struct rlimit address_space {
+      limit, limit
+    };
+    if (::setrlimit(RLIMIT_AS, &address_space) != 0) ::_exit(11);
+    try {
+      SafetensorsFile opened = SafetensorsFile::open(file);
+      ::_exit(3);  // opened: the limit did not bind
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      ::_exit(message.find(file) != std::string::npos && message.find("out of memory") != std::string::npos &&
+                      message.find('\n') == std::string::npos
+                  ? 0
+                  : 1);
+    } catch (const std::bad_alloc&) {
+      ::_exit(2);
+    } catch (...) {
+      ::_exit(4);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "child died with signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: other error, 2: bare std::bad_alloc, 3: opened, 4: other exception";
+#endif
+}
+
+TEST_F(SafetensorsTest, a_header_of_100k_tensors_opens_in_linear_time) {
+  // Tiny U8 tensors, listed in reverse data order so the reader has to sort them.
+  constexpr int kCount = 100'000;
+  std::string header = R"({"__metadata__": {"format": "pt"})";
+  header.reserve(size_t{kCount} * 64);
+  for (int i = kCount - 1; i >= 0; --i) {
+    header += ",\"t" + std::to_string(i) + R"(": {"dtype": "U8", "shape": [1], "data_offsets": [)" + std::to_string(i) +
+              ", " + std::to_string(i + 1) + "]}";
+  }
+  header += "}";
+  std::string data(kCount, '\0');
+  for (int i = 0; i < kCount; ++i) data[i] = static_cast<char>(i % 251);
+  write_all(path("many.st"), raw_file(header, data));
+
+  const auto start = std::chrono::steady_clock::now();
+  const SafetensorsFile file = SafetensorsFile::open(path("many.st"));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 5.0) << "opening a header of " << kCount << " tensors took " << seconds << " s";
+  ASSERT_EQ(file.entries().size(), size_t{kCount});
+  EXPECT_EQ(file.entries().front().name, "t0");
+  EXPECT_EQ(file.entries().back().name, "t" + std::to_string(kCount - 1));
+  EXPECT_EQ(file.read("t77777").data_as<uint8_t>()[0], 77777 % 251);
+
+  // A duplicate among them is still found.
+  expect_rejected(path("many_dup.st"), raw_file(header.substr(0, header.size() - 1) + R"(, "t5": {}})", data),
+                  "duplicate tensor name \"t5\"");
+}
+
+TEST_F(SafetensorsTest, open_refuses_fifos_and_directories_without_blocking) {
+  // open() of a FIFO with no writer would block forever; it must be refused at once.
+  const std::string fifo = path("input.fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  try {
+    SafetensorsFile::open(fifo);
+    ADD_FAILURE() << "opened a FIFO";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find(fifo + ": not a regular file"), std::string::npos) << error.what();
+  }
+  fs::create_directories(dir_ / "subdir");
+  try {
+    SafetensorsFile::open(path("subdir"));
+    ADD_FAILURE() << "opened a directory";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find(path("subdir") + ": not a regular file"), std::string::npos)
+        << error.what();
+  }
 }
 
 TEST_F(SafetensorsTest, rejects_every_truncation_of_a_valid_file) {
@@ -438,8 +577,7 @@ TEST_F(SafetensorsTest, atomic_write_leaves_nothing_on_failure) {
   write_all(path("plain"), "x");
   EXPECT_THROW(write_safetensors(path("plain") + "/out.safetensors", tensors), Error);
 
-  // The rename fails (the target is a non-empty directory) after the data was written: the
-  // temporary file must be gone.
+  // The target is a non-empty directory: refused, and no temporary file is left.
   fs::create_directories(dir_ / "target.safetensors" / "child");
   EXPECT_THROW(write_safetensors(path("target.safetensors"), tensors), Error);
   EXPECT_EQ(directory_listing(dir_), (std::vector<std::string>{"plain", "target.safetensors"}));
@@ -474,6 +612,84 @@ TEST_F(SafetensorsTest, open_reports_missing_file_and_directory) {
         << error.what();
   }
   EXPECT_THROW(SafetensorsFile::open(dir_.string()), Error);
+}
+
+TEST_F(SafetensorsTest, writer_refuses_an_output_that_is_not_a_regular_file) {
+  float values[2] = {1.0f, 2.0f};
+  const std::vector<std::pair<std::string, TensorView>> tensors = {{"v", TensorView(values, DType::f32, {2})}};
+  auto expect_refused = [&](const std::string& target) {
+    try {
+      write_safetensors(target, tensors);
+      ADD_FAILURE() << "wrote over " << target;
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      EXPECT_NE(message.find(target + ": exists and is not a regular file"), std::string::npos) << message;
+    }
+  };
+  // A FIFO stays a FIFO (the rename would have replaced it with a regular file).
+  const std::string fifo = path("out.fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  expect_refused(fifo);
+  struct stat info {};
+  ASSERT_EQ(::lstat(fifo.c_str(), &info), 0);
+  EXPECT_TRUE(S_ISFIFO(info.st_mode));
+  // A device, through a symlink (so a regression would replace the link, never /dev/null itself).
+  fs::create_symlink("/dev/null", dir_ / "null_link");
+  expect_refused(path("null_link"));
+  EXPECT_TRUE(fs::is_symlink(dir_ / "null_link"));
+  // A directory, empty or not.
+  fs::create_directories(dir_ / "empty_dir");
+  expect_refused(path("empty_dir"));
+  EXPECT_EQ(directory_listing(dir_), (std::vector<std::string>{"empty_dir", "null_link", "out.fifo"}));
+  // A symlink to a regular file is still replaced by the new file, as before.
+  write_all(path("old.safetensors"), "old");
+  fs::create_symlink(path("old.safetensors"), dir_ / "file_link");
+  write_safetensors(path("file_link"), tensors);
+  EXPECT_EQ(SafetensorsFile::open(path("file_link")).read("v").data_as<float>()[1], 2.0f);
+}
+
+TEST_F(SafetensorsTest, writer_respects_the_file_size_limit) {
+  std::vector<float> values(16384, 1.0f);  // 64 KiB of data
+  const std::vector<std::pair<std::string, TensorView>> tensors = {
+      {"v", TensorView(values.data(), DType::f32, {static_cast<int64_t>(values.size())})}};
+  // A regression would be killed by SIGXFSZ; ignored here, it would surface as a write error.
+  struct sigaction ignore {
+  }, previous{};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(::sigaction(SIGXFSZ, &ignore, &previous), 0);
+  struct rlimit saved {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  struct rlimit small = saved;
+  small.rlim_cur = 4096;
+  if (saved.rlim_max != RLIM_INFINITY && saved.rlim_max < small.rlim_cur) small.rlim_cur = saved.rlim_max;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string message;
+  try {
+    write_safetensors(path("big.safetensors"), tensors);
+  } catch (const Error& error) {
+    message = error.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  ::sigaction(SIGXFSZ, &previous, nullptr);
+  EXPECT_NE(message.find(path("big.safetensors") + ": "), std::string::npos) << message;
+  EXPECT_NE(message.find("file size limit"), std::string::npos) << message;
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  EXPECT_TRUE(directory_listing(dir_).empty()) << "a temporary file was left behind";
+  // Without the limit the same write succeeds.
+  write_safetensors(path("big.safetensors"), tensors);
+  EXPECT_EQ(SafetensorsFile::open(path("big.safetensors")).entries().size(), 1u);
+}
+
+TEST_F(SafetensorsTest, writer_accepts_names_up_to_name_max) {
+  float values[2] = {1.0f, 2.0f};
+  const std::vector<std::pair<std::string, TensorView>> tensors = {{"v", TensorView(values, DType::f32, {2})}};
+  for (size_t length : {250u, 255u}) {
+    const std::string name = std::string(length - 12, 'n') + ".safetensors";
+    ASSERT_EQ(name.size(), length);
+    write_safetensors(path(name), tensors);
+    EXPECT_EQ(SafetensorsFile::open(path(name)).read("v").data_as<float>()[0], 1.0f);
+  }
+  EXPECT_EQ(directory_listing(dir_).size(), 2u);  // no temporary file left
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -422,6 +423,50 @@ TEST(Weights, validate_names_the_field) {
   // Sharding checks its input.
   expect_error([&] { shard_layer_weights(extra, relu2, {2, 0}); }, {"latent_norm is present"});
   expect_error([&] { save_layer_weights("/nonexistent/x.safetensors", extra, relu2); }, {"latent_norm is present"});
+}
+
+TEST_F(WeightsTest, sizes_are_checked_against_the_file_before_anything_is_allocated) {
+  const LayerConfig config = small_config();
+  const LayerWeights full = make_random_layer_weights(config, DType::bf16, 3);
+  const std::string prefix = "p.";
+  const std::string good = path("good.safetensors");
+  save_layer_weights(good, full, config, prefix);
+  // Without the router gate (optional), the first tensor the config's sizes touch is an expert's.
+  rewrite(good, path("no_router.safetensors"), [&](std::string& name, HostTensor&) {
+    return name != prefix + "gate.weight" && name != prefix + "gate.e_score_correction_bias";
+  });
+  const SafetensorsFile file = SafetensorsFile::open(path("no_router.safetensors"));
+
+  // E = I = 100000: the stacked expert buffers would be 3 x 160 GB. The loader must name the first
+  // mismatching tensor at once, without allocating them.
+  LayerConfig huge = config;
+  huge.num_experts = 100000;
+  huge.intermediate_size = 100000;
+  const auto start = std::chrono::steady_clock::now();
+  expect_error(
+      [&] {
+        load_layer_weights(file, huge, prefix, {1, 0}, DType::f32);
+      },
+      {path("no_router.safetensors"), "tensor p.experts.0.gate_proj.weight has shape [12, 8], expected [100000, 8]"});
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
+
+  // More experts than the file holds: the missing one is named, also before allocating.
+  LayerConfig more = config;
+  more.num_experts = 50000000;
+  expect_error(
+      [&] {
+        load_layer_weights(file, more, prefix, {1, 0}, DType::f32);
+      },
+      {"missing tensor p.experts.4.gate_proj.weight"});
+
+  // A wrong shared expert (checked last) is still reported before the experts are copied.
+  LayerConfig shared = config;
+  shared.shared_intermediate_size = 400000000;
+  expect_error(
+      [&] {
+        load_layer_weights(file, shared, prefix, {1, 0}, DType::f32);
+      },
+      {"tensor p.shared_experts.gate_proj.weight has shape [8, 16], expected [400000000, 16]"});
 }
 
 }  // namespace

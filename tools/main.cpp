@@ -2,6 +2,7 @@
 // (2 for a malformed command line).
 #include <cstdlib>
 #include <iostream>
+#include <new>
 
 #include "commands.h"
 #include "latentmoe/error.h"
@@ -28,13 +29,16 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& error) {
     // --help and --version are "errors" with exit code 0; real parse errors get one line.
     if (error.get_exit_code() == 0) return app.exit(error);
-    std::cerr << "latentmoe: error: " << error.what() << " (see --help)\n";
+    std::cerr << "latentmoe: error: " << latentmoe::sanitize_error_text(error.what()) << " (see --help)\n";
     return 2;
   } catch (const latentmoe::Error& error) {
     std::cerr << "latentmoe: error: " << error.what() << "\n";
     return 1;
-  } catch (const std::exception& error) {
-    std::cerr << "latentmoe: error: " << error.what() << "\n";
+  } catch (const std::bad_alloc&) {
+    std::cerr << "latentmoe: error: out of memory\n";
+    return 1;
+  } catch (const std::exception& error) {  // from the standard library: may echo input, so one safe line too
+    std::cerr << "latentmoe: error: " << latentmoe::sanitize_error_text(error.what()) << "\n";
     return 1;
   }
   return 0;

@@ -2,6 +2,7 @@
 // aliases accepted, unknown keys ignored, every missing or inconsistent key reported by name.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -9,6 +10,12 @@
 #include "latentmoe/parallel.h"
 
 namespace latentmoe {
+
+// Limits on a config's text (docs/RELIABILITY.md): from_json / from_file refuse a larger text, and
+// JSON nested deeper (arrays and objects together) before parsing it; a key given twice in one
+// object is an error too.
+inline constexpr size_t kMaxConfigBytes = size_t{16} << 20;  // 16 MiB
+inline constexpr int kMaxConfigDepth = 64;
 
 enum class Activation { silu, situ, relu2 };
 enum class ScoringFunc { sigmoid, softmax };

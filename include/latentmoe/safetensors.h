@@ -32,6 +32,9 @@ class SafetensorsFile {
   // shape (non-negative, product times element size equals the byte span without overflow) and
   // offsets (inside the data section, not overlapping another entry). Throws Error naming the file
   // and the problem; never reads outside the mapping.
+  // Hostile input: only a regular file is opened (a FIFO or device is refused without blocking);
+  // the header is at most 100,000,000 bytes and 8 levels deep; it is read in one streaming pass,
+  // O(n log n) in its n tensors, memory linear in its size (running out is an Error too).
   static SafetensorsFile open(const std::string& path);
 
   SafetensorsFile(SafetensorsFile&&) noexcept;
@@ -58,7 +61,10 @@ class SafetensorsFile {
   std::unique_ptr<State> state_;
 };
 
-// Writes `tensors` (host views, any dtype, any order; names unique) to `path` atomically.
+// Writes `tensors` (host views, any dtype, any order; names unique) to `path` atomically: a
+// temporary ".lmoe.<pid>.<n>.tmp" in the same directory, renamed over `path`. Refuses an existing
+// `path` that is not a regular file (FIFO, device, directory) and a file larger than the process's
+// RLIMIT_FSIZE, before creating anything; on any failure nothing is left behind.
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, TensorView>>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 

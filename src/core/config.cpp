@@ -2,16 +2,20 @@
 // docs/CONFIG.md; keep the two in step.
 #include "latentmoe/config.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 #include <string>
+#include <unordered_set>
+#include <vector>
 
 #include "latentmoe/error.h"
 
@@ -23,11 +27,59 @@ using nlohmann::json;
 // Every size must fit in an int32 so that kernels may index a single dimension with int.
 constexpr int64_t kMaxDimension = std::numeric_limits<int32_t>::max();
 
+// Appends a rendering of `value` to `out`, stopping soon after `out` reaches `budget` bytes: never
+// dumps a whole (possibly huge) value. Recursion is bounded by kMaxConfigDepth (checked before parsing).
+void render(const json& value, std::string& out, size_t budget) {
+  if (out.size() >= budget) return;
+  switch (value.type()) {
+    case json::value_t::object: {
+      out += '{';
+      bool first = true;
+      for (const auto& [key, member] : value.items()) {
+        if (out.size() >= budget) return;
+        if (!first) out += ',';
+        first = false;
+        render(json(key), out, budget);
+        out += ':';
+        render(member, out, budget);
+      }
+      out += '}';
+      return;
+    }
+    case json::value_t::array: {
+      out += '[';
+      bool first = true;
+      for (const json& element : value) {
+        if (out.size() >= budget) return;
+        if (!first) out += ',';
+        first = false;
+        render(element, out, budget);
+      }
+      out += ']';
+      return;
+    }
+    case json::value_t::string: {
+      const auto& text = value.get_ref<const std::string&>();
+      // A prefix only; a cut UTF-8 sequence is replaced rather than thrown on.
+      json prefix = text.substr(0, std::min<size_t>(text.size(), budget - out.size() + 1));
+      out += prefix.dump(-1, ' ', false, json::error_handler_t::replace);
+      return;
+    }
+    default:
+      out += value.dump();  // a number, boolean or null: short
+  }
+}
+
 // A short rendering of a JSON value for error messages.
 std::string describe(const json& value) {
-  std::string text = value.dump();
   constexpr size_t kMaxChars = 48;
-  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars - 3) + "...";
+  std::string text;
+  render(value, text, kMaxChars + 1);
+  if (text.size() > kMaxChars) {
+    size_t cut = kMaxChars - 3;
+    while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xc0) == 0x80) --cut;  // a character boundary
+    text = text.substr(0, cut) + "...";
+  }
   return text;
 }
 
@@ -193,6 +245,122 @@ std::string parse_error_text(const json::exception& error) {
   return text;
 }
 
+// Refuses JSON nested deeper than kMaxConfigDepth before nlohmann sees it (its parser, destructor
+// and dump recurse, so 100000 levels of [[[... would overflow the stack): a linear scan counting
+// [ and { outside strings.
+void check_nesting(std::string_view text, std::string_view source) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;  // the escaped character, a quote included
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxConfigDepth) {
+        size_t line = 1, line_start = 0;
+        for (size_t k = 0; k < i; ++k) {
+          if (text[k] == '\n') {
+            ++line;
+            line_start = k + 1;
+          }
+        }
+        detail::throw_error(source, ": invalid JSON: nested deeper than ", kMaxConfigDepth, " levels at line ", line,
+                            ", column ", i - line_start + 1);
+      }
+    } else if (c == ']' || c == '}') {
+      if (depth > 0) --depth;
+    }
+  }
+}
+
+// A SAX pass that rejects a key given twice in one object (nlohmann would keep the last silently),
+// naming the key and the keys of the objects around it. It runs before the ordinary DOM parse:
+// nlohmann's callback parser rescans the parent after every nested value ends, which makes a
+// config of n small objects cost O(n^2) (seconds for a 1 MB file).
+class DuplicateKeyCheck : public nlohmann::json_sax<json> {
+ public:
+  explicit DuplicateKeyCheck(std::string_view source) : source_(source) {}
+
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    frames_.push_back({true, {}, {}});
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    frames_.push_back({false, {}, {}});
+    return true;
+  }
+  bool end_object() override { return pop(); }
+  bool end_array() override { return pop(); }
+  bool key(string_t& key) override {
+    if (frames_.empty()) return true;
+    Frame& frame = frames_.back();
+    if (!frame.keys.insert(key).second) report(key);
+    frame.last_key = key;
+    return true;
+  }
+  // Syntax errors are left to the DOM parse that follows, which reports them with their position.
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+
+ private:
+  struct Frame {
+    bool is_object;
+    std::unordered_set<std::string> keys;
+    std::string last_key;
+  };
+
+  bool pop() {
+    if (!frames_.empty()) frames_.pop_back();
+    return true;
+  }
+
+  [[noreturn]] void report(const std::string& key) const {
+    std::string where;
+    for (size_t i = 0; i + 1 < frames_.size(); ++i) {
+      if (frames_[i].is_object) {
+        if (!where.empty()) where += '.';
+        where += frames_[i].last_key;
+      } else {
+        where += "[]";
+      }
+    }
+    if (where.empty()) detail::throw_error(source_, ": duplicate key '", key, "'");
+    detail::throw_error(source_, ": duplicate key '", key, "' in '", where, "'");
+  }
+
+  std::string_view source_;
+  std::vector<Frame> frames_;
+};
+
+// Closes a file descriptor on every path out of from_file.
+class FileDescriptor {
+ public:
+  explicit FileDescriptor(int fd) : fd_(fd) {}
+  ~FileDescriptor() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
 }  // namespace
 
 std::string_view to_string(Activation activation) {
@@ -281,8 +449,15 @@ std::string LayerConfig::to_json() const {
 }
 
 LayerConfig LayerConfig::from_json(std::string_view json_text, std::string_view source) {
+  if (json_text.size() > kMaxConfigBytes) {
+    detail::throw_error(source, ": config is larger than ", kMaxConfigBytes >> 20, " MiB (", json_text.size(),
+                        " bytes)");
+  }
+  check_nesting(json_text, source);
   json root;
   try {
+    DuplicateKeyCheck duplicates(source);
+    json::sax_parse(json_text.begin(), json_text.end(), &duplicates);
     root = json::parse(json_text.begin(), json_text.end());
   } catch (const json::exception& error) {  // parse_error, or out_of_range for a number like 1e400
     detail::throw_error(source, ": invalid JSON: ", parse_error_text(error));
@@ -357,14 +532,47 @@ LayerConfig LayerConfig::from_json(std::string_view json_text, std::string_view 
 }
 
 LayerConfig LayerConfig::from_file(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) detail::throw_error(path, ": cannot read config file: is a directory");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) detail::throw_error(path, ": cannot read config file: ", std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) detail::throw_error(path, ": cannot read config file: read error");
-  return from_json(text.str(), path);
+  const auto fail_errno = [&path](int error) {
+    detail::throw_error(path, ": cannot read config file: ", std::strerror(error));
+  };
+  const auto check_regular = [&path](const struct stat& info) {
+    if (S_ISDIR(info.st_mode))
+      detail::throw_error(path, ": cannot read config file: is a directory, not a regular file");
+    if (!S_ISREG(info.st_mode)) detail::throw_error(path, ": cannot read config file: not a regular file");
+    if (info.st_size > static_cast<off_t>(kMaxConfigBytes)) {
+      detail::throw_error(path, ": config file is larger than ", kMaxConfigBytes >> 20, " MiB");
+    }
+  };
+  // stat first so that a FIFO or a device is never opened (opening a FIFO blocks); O_NONBLOCK and
+  // the fstat after open close the race with a file swapped in between.
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) fail_errno(errno);
+  check_regular(info);
+  FileDescriptor file(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  if (file.get() < 0) fail_errno(errno);
+  if (::fstat(file.get(), &info) != 0) fail_errno(errno);
+  check_regular(info);
+
+  // At most kMaxConfigBytes + 1 bytes are read, whatever the file claims or grows to.
+  std::string text;
+  constexpr size_t kChunk = 64 << 10;
+  while (text.size() <= kMaxConfigBytes) {
+    const size_t offset = text.size();
+    const size_t want = std::min(kChunk, kMaxConfigBytes + 1 - offset);
+    text.resize(offset + want);
+    const ssize_t got = ::read(file.get(), text.data() + offset, want);
+    if (got < 0) {
+      text.resize(offset);
+      if (errno == EINTR) continue;
+      fail_errno(errno);
+    }
+    text.resize(offset + static_cast<size_t>(got));
+    if (got == 0) break;
+  }
+  if (text.size() > kMaxConfigBytes) {
+    detail::throw_error(path, ": config file is larger than ", kMaxConfigBytes >> 20, " MiB");
+  }
+  return from_json(text, path);
 }
 
 void validate_parallel(const LayerConfig& config, const ParallelConfig& parallel) {

@@ -248,7 +248,6 @@ TailTier Runner::forward_host(const ForwardInputs& inputs, const ForwardOutputs&
   detail::Backend& backend = *state.backend;
   if (backend.device() == Device::cpu) return forward(inputs, outputs);
 
-  const LayerConfig& config = state.config;
   const int64_t max_tokens = state.options.max_tokens;
   LATENTMOE_CHECK(
       state.staging != nullptr,

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -26,105 +28,300 @@ using nlohmann::json;
 // The reference implementation refuses headers above 100 MB; so do we, before allocating anything.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 constexpr const char* kMetadataKey = "__metadata__";
+// Deepest nesting the header may have (objects and arrays, the top-level object counting 1). A
+// valid header needs 3; the slack lets a wrongly typed field still get its specific message.
+constexpr size_t kMaxHeaderDepth = 8;
 
 std::string errno_text(int error) { return std::strerror(error); }
 
-// A non-negative JSON integer that fits in uint64 (nlohmann parses "-0" as a signed zero).
-std::optional<uint64_t> as_non_negative_integer(const json& value) {
-  if (value.is_number_unsigned()) return value.get<uint64_t>();
-  if (value.is_number_integer()) {
-    int64_t signed_value = value.get<int64_t>();
-    if (signed_value >= 0) return static_cast<uint64_t>(signed_value);
-  }
-  return std::nullopt;
-}
-
-// Remembers the first key that occurs twice in one JSON object, at any depth: nlohmann keeps the
-// last value silently, which would let two different tensors hide behind one name.
-class DuplicateKeyFinder {
+// Reads the header straight from the JSON parser's SAX events into entries and metadata, without
+// building a JSON document:
+//  - memory is linear in the header (the entries themselves; nlohmann's document would cost far
+//    more, and its destructor allocates, so running out of memory while building one terminates);
+//  - nesting deeper than kMaxHeaderDepth is refused before the deeper level is read (a valid
+//    header needs 3: the header, an entry, its shape);
+//  - a name or field that occurs twice in one object is an error (a document would keep the last
+//    value silently, letting two tensors hide behind one name), found with one map lookup;
+//  - the first problem throws Error "<path>: <problem>" from inside the parser.
+// (Building a document through nlohmann's callback parser rescanned the whole header object after
+// each entry, so n tensors cost O(n^2); everything here is O(n log n).)
+class HeaderReader {
  public:
-  bool operator()(int /*depth*/, json::parse_event_t event, json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start:
-        open_keys_.emplace_back();
-        break;
-      case json::parse_event_t::object_end:
-        if (!open_keys_.empty()) open_keys_.pop_back();
-        break;
-      case json::parse_event_t::key: {
-        const std::string& key = parsed.get_ref<const std::string&>();
-        if (open_keys_.size() == 1) current_top_key_ = key;
-        if (!open_keys_.empty() && !open_keys_.back().insert(key).second && !duplicate_) {
-          duplicate_ = open_keys_.size() == 1 ? "duplicate tensor name \"" + key + "\""
-                                              : "duplicate field \"" + key + "\" in \"" + current_top_key_ + "\"";
-        }
-        break;
+  HeaderReader(const std::string& path, uint64_t data_size, std::vector<SafetensorsEntry>& entries,
+               std::map<std::string, size_t, std::less<>>& index, std::map<std::string, std::string>& metadata)
+      : path_(path), data_size_(data_size), entries_(entries), index_(index), metadata_(metadata) {}
+
+  bool null() { return scalar(Scalar{}); }
+  bool boolean(bool /*value*/) { return scalar(Scalar{}); }
+  bool number_integer(json::number_integer_t value) {
+    Scalar scalar_value;
+    if (value >= 0) scalar_value.integer = static_cast<uint64_t>(value);  // "-0" is a signed zero
+    return scalar(scalar_value);
+  }
+  bool number_unsigned(json::number_unsigned_t value) {
+    Scalar scalar_value;
+    scalar_value.integer = value;
+    return scalar(scalar_value);
+  }
+  bool number_float(json::number_float_t /*value*/, const json::string_t& /*text*/) { return scalar(Scalar{}); }
+  bool string(json::string_t& value) {
+    Scalar scalar_value;
+    scalar_value.text = &value;
+    return scalar(scalar_value);
+  }
+  bool binary(json::binary_t& /*value*/) { return scalar(Scalar{}); }
+
+  bool start_object(std::size_t /*size*/) { return open(/*is_object=*/true); }
+  bool start_array(std::size_t /*size*/) { return open(/*is_object=*/false); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+
+  bool key(json::string_t& key) {
+    if (skipping()) return true;
+    if (depth_ == 1) {  // a tensor name or __metadata__
+      if (key == kMetadataKey) {
+        LATENTMOE_CHECK(!seen_metadata_, path_, ": duplicate tensor name \"", key, "\"");
+        seen_metadata_ = true;
+      } else {
+        LATENTMOE_CHECK(index_.emplace(key, entries_.size()).second, path_, ": duplicate tensor name \"", key, "\"");
       }
-      default:
-        break;
+      name_ = std::move(key);
+    } else if (in_metadata_) {
+      LATENTMOE_CHECK(metadata_.find(key) == metadata_.end(), path_, ": duplicate field \"", key, "\" in \"",
+                      kMetadataKey, "\"");
+      metadata_key_ = std::move(key);
+    } else {  // a field of the entry name_
+      field_ = key == "dtype"          ? Field::dtype
+               : key == "shape"        ? Field::shape
+               : key == "data_offsets" ? Field::data_offsets
+                                       : Field::none;
+      LATENTMOE_CHECK(field_ != Field::none, path_, ": tensor \"", name_, "\": unexpected field \"", key, "\"");
+      bool& seen = field_ == Field::dtype   ? pending_.has_dtype
+                   : field_ == Field::shape ? pending_.has_shape
+                                            : pending_.has_offsets;
+      LATENTMOE_CHECK(!seen, path_, ": duplicate field \"", key, "\" in \"", name_, "\"");
+      seen = true;
     }
     return true;
   }
-  const std::optional<std::string>& duplicate() const { return duplicate_; }
+
+  bool parse_error(std::size_t /*position*/, const std::string& /*last_token*/, const json::exception& error) {
+    detail::throw_error(path_, ": header is not valid JSON: ", error.what());
+  }
 
  private:
-  std::vector<std::set<std::string>> open_keys_;
-  std::string current_top_key_;
-  std::optional<std::string> duplicate_;
+  enum class Field { none, dtype, shape, data_offsets };
+
+  // What a scalar event carries, as far as the header cares.
+  struct Scalar {
+    std::optional<uint64_t> integer;    // a non-negative integer
+    const std::string* text = nullptr;  // a string
+  };
+
+  // An entry's fields as read, checked when its object ends (in the order the messages document).
+  struct Pending {
+    bool has_dtype = false, has_shape = false, has_offsets = false;
+    const char* dtype_problem = nullptr;  // "is not a string"
+    std::string dtype_text;
+    bool shape_is_array = false;
+    std::optional<size_t> bad_shape_element;
+    std::vector<int64_t> shape;
+    bool offsets_is_array = false;
+    size_t offsets_count = 0;
+    bool offsets_all_integers = true;
+    uint64_t offsets[2] = {0, 0};
+  };
+
+  bool skipping() const { return skip_until_ > 0; }
+
+  bool scalar(const Scalar& value) {
+    if (skipping()) return true;
+    switch (depth_) {
+      case 0:
+        detail::throw_error(path_, ": header is not a JSON object");
+      case 1:
+        if (name_ == kMetadataKey) detail::throw_error(path_, ": __metadata__ is not a JSON object");
+        detail::throw_error(path_, ": tensor \"", name_, "\": entry is not a JSON object");
+      case 2:
+        if (in_metadata_) {
+          LATENTMOE_CHECK(value.text != nullptr, path_, ": __metadata__ value of \"", metadata_key_,
+                          "\" is not a string");
+          metadata_.emplace(std::move(metadata_key_), *value.text);
+        } else if (field_ == Field::dtype) {
+          if (value.text != nullptr) {
+            pending_.dtype_text = *value.text;
+          } else {
+            pending_.dtype_problem = "dtype is not a string";
+          }
+        }
+        // A scalar shape or data_offsets leaves shape_is_array / offsets_is_array false.
+        return true;
+      default:  // depth 3: an element of shape or data_offsets
+        element(value.integer);
+        return true;
+    }
+  }
+
+  void element(std::optional<uint64_t> integer) {
+    if (field_ == Field::shape) {
+      if (pending_.bad_shape_element) return;
+      if (!integer || *integer > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        pending_.bad_shape_element = pending_.shape.size();
+        return;
+      }
+      pending_.shape.push_back(static_cast<int64_t>(*integer));
+    } else {  // data_offsets
+      if (!integer) pending_.offsets_all_integers = false;
+      if (integer && pending_.offsets_count < 2) pending_.offsets[pending_.offsets_count] = *integer;
+      ++pending_.offsets_count;
+    }
+  }
+
+  bool open(bool is_object) {
+    if (depth_ >= kMaxHeaderDepth) {
+      detail::throw_error(path_, ": header is nested more than ", kMaxHeaderDepth,
+                          " levels deep (a safetensors header needs 3)");
+    }
+    ++depth_;
+    if (skipping()) return true;
+    switch (depth_) {
+      case 1:
+        LATENTMOE_CHECK(is_object, path_, ": header is not a JSON object");
+        return true;
+      case 2:
+        if (name_ == kMetadataKey) {
+          LATENTMOE_CHECK(is_object, path_, ": __metadata__ is not a JSON object");
+          in_metadata_ = true;
+        } else {
+          LATENTMOE_CHECK(is_object, path_, ": tensor \"", name_, "\": entry is not a JSON object");
+          pending_ = Pending{};
+        }
+        return true;
+      case 3:
+        LATENTMOE_CHECK(!in_metadata_, path_, ": __metadata__ value of \"", metadata_key_, "\" is not a string");
+        if (field_ == Field::dtype) {
+          pending_.dtype_problem = "dtype is not a string";
+        } else if (field_ == Field::shape && !is_object) {
+          pending_.shape_is_array = true;
+          return true;
+        } else if (field_ == Field::data_offsets && !is_object) {
+          pending_.offsets_is_array = true;
+          return true;
+        }
+        break;  // an object for shape / data_offsets: wrong type; its contents do not matter
+      default:  // a container inside shape or data_offsets: an element of the wrong kind
+        element(std::nullopt);
+        break;
+    }
+    skip_until_ = depth_;  // ignore everything until this container closes
+    return true;
+  }
+
+  bool close() {
+    if (skip_until_ == depth_) {
+      skip_until_ = 0;
+    } else if (!skipping()) {
+      if (depth_ == 2 && in_metadata_) {
+        in_metadata_ = false;
+      } else if (depth_ == 2) {
+        finish_entry();
+      }
+    }
+    --depth_;
+    return true;
+  }
+
+  // Checks the entry that just ended, in the documented order, and keeps it.
+  void finish_entry() {
+    const std::string& name = name_;
+    Pending& p = pending_;
+    LATENTMOE_CHECK(p.has_dtype, path_, ": tensor \"", name, "\": missing field \"dtype\"");
+    LATENTMOE_CHECK(p.has_shape, path_, ": tensor \"", name, "\": missing field \"shape\"");
+    LATENTMOE_CHECK(p.has_offsets, path_, ": tensor \"", name, "\": missing field \"data_offsets\"");
+
+    SafetensorsEntry entry;
+    entry.name = name;
+    LATENTMOE_CHECK(p.dtype_problem == nullptr, path_, ": tensor \"", name, "\": ", p.dtype_problem);
+    auto parsed_dtype = parse_dtype(p.dtype_text);
+    LATENTMOE_CHECK(parsed_dtype.has_value(), path_, ": tensor \"", name, "\": unknown dtype \"", p.dtype_text, "\"");
+    entry.dtype = *parsed_dtype;
+
+    LATENTMOE_CHECK(p.shape_is_array, path_, ": tensor \"", name, "\": shape is not an array");
+    LATENTMOE_CHECK(!p.bad_shape_element, path_, ": tensor \"", name, "\": shape element ",
+                    p.bad_shape_element.value_or(0), " is not a non-negative integer (shape must be a list of them)");
+    // Checked at every step, like the reference reader: a huge extent overflows even next to a zero.
+    uint64_t numel = 1;
+    bool numel_overflow = false;
+    for (int64_t dim : p.shape) {
+      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dim), &numel)) numel_overflow = true;
+    }
+    entry.shape = std::move(p.shape);
+    uint64_t nbytes = 0;
+    LATENTMOE_CHECK(!numel_overflow && !__builtin_mul_overflow(numel, dtype_size(entry.dtype), &nbytes), path_,
+                    ": tensor \"", name, "\": shape ", shape_string(entry.shape), " is too large (size overflows)");
+
+    LATENTMOE_CHECK(p.offsets_is_array && p.offsets_count == 2, path_, ": tensor \"", name,
+                    "\": data_offsets is not an array of two integers");
+    LATENTMOE_CHECK(p.offsets_all_integers, path_, ": tensor \"", name,
+                    "\": data_offsets are not non-negative integers");
+    entry.begin = p.offsets[0];
+    entry.end = p.offsets[1];
+    LATENTMOE_CHECK(entry.begin <= entry.end, path_, ": tensor \"", name, "\": data_offsets [", entry.begin, ", ",
+                    entry.end, "] begin after end");
+    LATENTMOE_CHECK(entry.end - entry.begin == nbytes, path_, ": tensor \"", name, "\": ", dtype_name(entry.dtype),
+                    " shape ", shape_string(entry.shape), " needs ", nbytes, " bytes but data_offsets [", entry.begin,
+                    ", ", entry.end, "] span ", entry.end - entry.begin);
+    LATENTMOE_CHECK(entry.end <= data_size_, path_, ": tensor \"", name, "\": data_offsets [", entry.begin, ", ",
+                    entry.end, "] run past the data section (", data_size_, " bytes)");
+    entries_.push_back(std::move(entry));
+  }
+
+  const std::string& path_;
+  const uint64_t data_size_;
+  std::vector<SafetensorsEntry>& entries_;
+  std::map<std::string, size_t, std::less<>>& index_;
+  std::map<std::string, std::string>& metadata_;
+
+  size_t depth_ = 0;       // containers open (the header object is depth 1)
+  size_t skip_until_ = 0;  // when non-zero: inside an ignored container opened at this depth
+  bool seen_metadata_ = false;
+  bool in_metadata_ = false;
+  std::string name_;          // the current top-level key
+  std::string metadata_key_;  // the current __metadata__ key
+  Field field_ = Field::none;
+  Pending pending_;
 };
 
-SafetensorsEntry parse_entry(const std::string& path, const std::string& name, const json& value) {
-  LATENTMOE_CHECK(value.is_object(), path, ": tensor \"", name, "\": entry is not a JSON object");
-  for (const auto& [key, field] : value.items()) {
-    LATENTMOE_CHECK(key == "dtype" || key == "shape" || key == "data_offsets", path, ": tensor \"", name,
-                    "\": unexpected field \"", key, "\"");
-  }
-  for (const char* key : {"dtype", "shape", "data_offsets"}) {
-    LATENTMOE_CHECK(value.contains(key), path, ": tensor \"", name, "\": missing field \"", key, "\"");
-  }
+// Parses and checks the header: every entry, the metadata, and that the entries tile the data
+// section exactly. Entries come back sorted by data offset, `index` mapping names to positions.
+void read_header(const std::string& path, const char* header_begin, uint64_t header_size, uint64_t data_size,
+                 std::vector<SafetensorsEntry>& entries, std::map<std::string, size_t, std::less<>>& index,
+                 std::map<std::string, std::string>& metadata) {
+  HeaderReader reader(path, data_size, entries, index, metadata);
+  // Every problem throws from inside; false would only mean a handler declined, which none does.
+  LATENTMOE_CHECK(json::sax_parse(header_begin, header_begin + header_size, &reader), path,
+                  ": header is not valid JSON");
 
-  SafetensorsEntry entry;
-  entry.name = name;
-  const json& dtype = value.at("dtype");
-  LATENTMOE_CHECK(dtype.is_string(), path, ": tensor \"", name, "\": dtype is not a string");
-  auto parsed_dtype = parse_dtype(dtype.get_ref<const std::string&>());
-  LATENTMOE_CHECK(parsed_dtype.has_value(), path, ": tensor \"", name, "\": unknown dtype \"",
-                  dtype.get_ref<const std::string&>(), "\"");
-  entry.dtype = *parsed_dtype;
-
-  const json& shape = value.at("shape");
-  LATENTMOE_CHECK(shape.is_array(), path, ": tensor \"", name, "\": shape is not an array");
-  uint64_t numel = 1;
-  bool numel_overflow = false;
-  for (const json& extent : shape) {
-    auto dim = as_non_negative_integer(extent);
-    // (Never dump() the offending value: a deeply nested array would recurse.)
-    LATENTMOE_CHECK(dim.has_value() && *dim <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), path,
-                    ": tensor \"", name, "\": shape element ", entry.shape.size(),
-                    " is not a non-negative integer (shape must be a list of them)");
-    entry.shape.push_back(static_cast<int64_t>(*dim));
-    // Checked as we go, like the reference reader: a huge extent overflows even next to a zero.
-    if (__builtin_mul_overflow(numel, *dim, &numel)) numel_overflow = true;
+  // The entries must tile the data section exactly: no overlap, no hole, nothing after the last.
+  std::sort(entries.begin(), entries.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
+  });
+  uint64_t covered = 0;
+  const SafetensorsEntry* previous = nullptr;
+  for (const SafetensorsEntry& entry : entries) {
+    if (entry.begin < covered) {
+      detail::throw_error(path, ": tensor \"", entry.name, "\" (bytes [", entry.begin, ", ", entry.end,
+                          ")) overlaps tensor \"", previous->name, "\" (bytes [", previous->begin, ", ", previous->end,
+                          "))");
+    }
+    LATENTMOE_CHECK(entry.begin == covered, path, ": data section has a hole: bytes [", covered, ", ", entry.begin,
+                    ") before tensor \"", entry.name, "\" belong to no tensor");
+    covered = entry.end;
+    previous = &entry;
   }
-  uint64_t nbytes = 0;
-  LATENTMOE_CHECK(!numel_overflow && !__builtin_mul_overflow(numel, dtype_size(entry.dtype), &nbytes), path,
-                  ": tensor \"", name, "\": shape ", shape_string(entry.shape), " is too large (size overflows)");
-
-  const json& offsets = value.at("data_offsets");
-  LATENTMOE_CHECK(offsets.is_array() && offsets.size() == 2, path, ": tensor \"", name,
-                  "\": data_offsets is not an array of two integers");
-  auto begin = as_non_negative_integer(offsets[0]);
-  auto end = as_non_negative_integer(offsets[1]);
-  LATENTMOE_CHECK(begin.has_value() && end.has_value(), path, ": tensor \"", name,
-                  "\": data_offsets are not non-negative integers");
-  LATENTMOE_CHECK(*begin <= *end, path, ": tensor \"", name, "\": data_offsets [", *begin, ", ", *end,
-                  "] begin after end");
-  entry.begin = *begin;
-  entry.end = *end;
-  LATENTMOE_CHECK(entry.end - entry.begin == nbytes, path, ": tensor \"", name, "\": ", dtype_name(entry.dtype),
-                  " shape ", shape_string(entry.shape), " needs ", nbytes, " bytes but data_offsets [", entry.begin,
-                  ", ", entry.end, "] span ", entry.end - entry.begin);
-  return entry;
+  LATENTMOE_CHECK(covered == data_size, path, ": data section has ", data_size - covered,
+                  " bytes after the last tensor that belong to no tensor");
+  for (size_t i = 0; i < entries.size(); ++i) index.find(entries[i].name)->second = i;
 }
 
 // Closes a file descriptor on every path out of a scope.
@@ -164,9 +361,14 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   auto state = std::make_unique<State>();
   state->path = path;
 
-  FdGuard file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (file.fd < 0) detail::throw_error(path, ": cannot open: ", errno_text(errno));
+  // Only a regular file: open() on a FIFO would block until a writer appears, and opening a device
+  // can have side effects. stat() first, then open non-blocking and fstat() what was opened (the
+  // path may have changed in between).
   struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) detail::throw_error(path, ": cannot open: ", errno_text(errno));
+  LATENTMOE_CHECK(S_ISREG(info.st_mode), path, ": not a regular file");
+  FdGuard file{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
+  if (file.fd < 0) detail::throw_error(path, ": cannot open: ", errno_text(errno));
   if (::fstat(file.fd, &info) != 0) detail::throw_error(path, ": cannot stat: ", errno_text(errno));
   LATENTMOE_CHECK(S_ISREG(info.st_mode), path, ": not a regular file");
   const uint64_t file_size = static_cast<uint64_t>(info.st_size);
@@ -193,55 +395,15 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     detail::throw_error(path, ": header is not valid JSON: NUL byte at header offset ",
                         static_cast<const char*>(nul) - header_begin);
   }
-  DuplicateKeyFinder duplicates;
-  json header;
   try {
-    header = json::parse(header_begin, header_begin + header_size, std::ref(duplicates));
-  } catch (const json::exception& error) {
-    detail::throw_error(path, ": header is not valid JSON: ", error.what());
+    read_header(path, header_begin, header_size, state->data_size, state->entries, state->index, state->metadata);
+  } catch (const std::bad_alloc&) {
+    // Memory is linear in the header (at most kMaxHeaderBytes); a machine that cannot hold it
+    // still gets one line naming the file.
+    detail::throw_error(path, ": out of memory while reading the ", header_size, "-byte header");
   }
-  if (duplicates.duplicate()) detail::throw_error(path, ": ", *duplicates.duplicate());
-  LATENTMOE_CHECK(header.is_object(), path, ": header is not a JSON object");
-
-  for (const auto& [name, value] : header.items()) {
-    if (name == kMetadataKey) {
-      LATENTMOE_CHECK(value.is_object(), path, ": __metadata__ is not a JSON object");
-      for (const auto& [key, text] : value.items()) {
-        LATENTMOE_CHECK(text.is_string(), path, ": __metadata__ value of \"", key, "\" is not a string");
-        state->metadata.emplace(key, text.get<std::string>());
-      }
-      continue;
-    }
-    SafetensorsEntry entry = parse_entry(path, name, value);
-    LATENTMOE_CHECK(entry.end <= state->data_size, path, ": tensor \"", name, "\": data_offsets [", entry.begin, ", ",
-                    entry.end, "] run past the data section (", state->data_size, " bytes)");
-    state->entries.push_back(std::move(entry));
-  }
-
-  // The entries must tile the data section exactly: no overlap, no hole, nothing after the last.
-  std::sort(state->entries.begin(), state->entries.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
-    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
-  });
-  uint64_t covered = 0;
-  const SafetensorsEntry* previous = nullptr;
-  for (const SafetensorsEntry& entry : state->entries) {
-    if (entry.begin < covered) {
-      detail::throw_error(path, ": tensor \"", entry.name, "\" (bytes [", entry.begin, ", ", entry.end,
-                          ")) overlaps tensor \"", previous->name, "\" (bytes [", previous->begin, ", ", previous->end,
-                          "))");
-    }
-    LATENTMOE_CHECK(entry.begin == covered, path, ": data section has a hole: bytes [", covered, ", ", entry.begin,
-                    ") before tensor \"", entry.name, "\" belong to no tensor");
-    covered = entry.end;
-    previous = &entry;
-  }
-  LATENTMOE_CHECK(covered == state->data_size, path, ": data section has ", state->data_size - covered,
-                  " bytes after the last tensor that belong to no tensor");
-
-  for (size_t i = 0; i < state->entries.size(); ++i) state->index.emplace(state->entries[i].name, i);
   return SafetensorsFile(std::move(state));
 }
-
 const std::string& SafetensorsFile::path() const { return state_->path; }
 
 const std::vector<SafetensorsEntry>& SafetensorsFile::entries() const { return state_->entries; }
@@ -307,6 +469,9 @@ class FileWriter {
     while (size > 0) {
       ssize_t written = ::write(fd_, bytes, size);
       if (written < 0 && errno == EINTR) continue;
+      if (written < 0 && errno == EFBIG) {
+        detail::throw_error(path_, ": write failed: the file size limit (RLIMIT_FSIZE, ulimit -f) was reached");
+      }
       if (written <= 0) detail::throw_error(path_, ": write failed: ", errno_text(written < 0 ? errno : EIO));
       bytes += written;
       size -= static_cast<size_t>(written);
@@ -401,12 +566,33 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   std::filesystem::path directory = target.parent_path();
   if (directory.empty()) directory = ".";
 
-  // A unique temporary name in the target's directory, so the final rename cannot cross file systems.
+  // The rename would replace whatever is at `path`: a FIFO, a device (/dev/null, a disk) or a
+  // directory is refused rather than turned into a regular file. (A symlink is followed for the
+  // check and replaced by the file, as before.)
+  struct stat existing {};
+  if (::stat(path.c_str(), &existing) == 0) {
+    LATENTMOE_CHECK(S_ISREG(existing.st_mode), path, ": exists and is not a regular file; refusing to replace it");
+  }
+
+  // The whole size is known: under a file-size limit (RLIMIT_FSIZE) the write would be killed by
+  // SIGXFSZ part way, leaving a partial temporary file, so refuse before creating anything.
+  uint64_t total_bytes = 8 + header_text.size();
+  for (const auto& [name, view] : tensors) {
+    total_bytes += static_cast<uint64_t>(view.numel()) * dtype_size(view.dtype());
+  }
+  if (struct rlimit limit{}; ::getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
+                             total_bytes > static_cast<uint64_t>(limit.rlim_cur)) {
+    detail::throw_error(path, ": the file would be ", total_bytes, " bytes, over the file size limit of ",
+                        static_cast<uint64_t>(limit.rlim_cur), " bytes (RLIMIT_FSIZE, ulimit -f)");
+  }
+
+  // A unique temporary name in the target's directory, so the final rename cannot cross file
+  // systems. It does not contain the target's name, so any name up to NAME_MAX can be written.
   static std::atomic<uint64_t> counter{0};
   TempFileGuard temp;
   for (int attempt = 0; attempt < 100 && temp.fd < 0; ++attempt) {
     std::ostringstream name;
-    name << '.' << target.filename().string() << ".tmp." << ::getpid() << '.' << counter.fetch_add(1);
+    name << ".lmoe." << ::getpid() << '.' << counter.fetch_add(1) << ".tmp";
     const std::string candidate = (directory / name.str()).string();
     int fd = ::open(candidate.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0) {
@@ -418,7 +604,7 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   }
   LATENTMOE_CHECK(temp.fd >= 0, path, ": cannot find a free temporary file name in ", directory.string());
 
-  FileWriter writer(temp.fd, temp.path);
+  FileWriter writer(temp.fd, path);  // errors name the target; the temporary file is removed
   unsigned char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(uint64_t{header_text.size()} >> (8 * i));
   writer.write(length, sizeof(length));
@@ -426,10 +612,10 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   for (const auto& [name, view] : tensors) write_view(writer, view);
   writer.flush();
 
-  if (::fsync(temp.fd) != 0) detail::throw_error(temp.path, ": fsync failed: ", errno_text(errno));
+  if (::fsync(temp.fd) != 0) detail::throw_error(path, ": fsync failed: ", errno_text(errno));
   int fd = temp.fd;
   temp.fd = -1;
-  if (::close(fd) != 0) detail::throw_error(temp.path, ": close failed: ", errno_text(errno));
+  if (::close(fd) != 0) detail::throw_error(path, ": close failed: ", errno_text(errno));
   if (::rename(temp.path.c_str(), path.c_str()) != 0) {
     detail::throw_error(path, ": cannot rename ", temp.path, " into place: ", errno_text(errno));
   }

@@ -156,12 +156,10 @@ class Loader {
     }
   }
 
-  // A whole entry, or an undefined tensor when it is optional and absent.
-  HostTensor load_whole(const std::string& name, const std::vector<int64_t>& shape, bool required, DType dtype,
-                        const std::string& alias = "") const {
-    const SafetensorsEntry* entry = find(name, shape, required, alias);
+  // A whole entry (already checked by find), converted to `dtype`; undefined when absent.
+  HostTensor load_whole(const SafetensorsEntry* entry, DType dtype) const {
     if (entry == nullptr) return {};
-    HostTensor result(dtype, shape);
+    HostTensor result(dtype, entry->shape);
     convert_elements(file_.bytes(*entry), entry->dtype, result.data(), dtype, result.numel());
     return result;
   }
@@ -276,25 +274,47 @@ LayerWeights load_layer_weights(const SafetensorsFile& file, const LayerConfig& 
   const int64_t i_begin = parallel.rank * rank_i, is_begin = parallel.rank * rank_is;
   const Loader loader(file, prefix);
 
+  // Every tensor's presence, dtype and shape is checked against the file's header before any
+  // output is allocated: a config whose sizes disagree with the file (E or I far too large, say)
+  // must fail with the shape message, not first allocate and fill gigabytes of expert buffers.
+  const bool gated = config.is_gated(), shared = config.has_shared_expert();
+  const SafetensorsEntry* gate = loader.find("gate.weight", {config.num_router_outputs(), d}, false);
+  const SafetensorsEntry* score_bias =
+      loader.find("gate.e_score_correction_bias", {config.num_router_outputs()}, false);
+  const SafetensorsEntry* down_proj =
+      loader.find("routed_expert_down_proj.weight", {l, d}, true, "fc1_latent_proj.weight");
+  const SafetensorsEntry* latent_norm =
+      config.use_latent_norm ? loader.find("routed_expert_norm.weight", {l}, true) : nullptr;
+  const SafetensorsEntry* up_proj = loader.find("routed_expert_up_proj.weight", {d, l}, true, "fc2_latent_proj.weight");
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (gated) loader.find(expert_name(e, "gate_proj"), {full_i, l}, true);
+    loader.find(expert_name(e, "up_proj"), {full_i, l}, true);
+    loader.find(expert_name(e, "down_proj"), {l, full_i}, true);
+  }
+  const SafetensorsEntry* shared_gate =
+      shared && gated ? loader.find("shared_experts.gate_proj.weight", {full_is, d}, true) : nullptr;
+  const SafetensorsEntry* shared_up =
+      shared ? loader.find("shared_experts.up_proj.weight", {full_is, d}, true) : nullptr;
+  const SafetensorsEntry* shared_down =
+      shared ? loader.find("shared_experts.down_proj.weight", {d, full_is}, true) : nullptr;
+
   LayerWeights weights;
   weights.dtype = dtype;
-  weights.gate = loader.load_whole("gate.weight", {config.num_router_outputs(), d}, false, DType::f32);
-  weights.score_bias =
-      loader.load_whole("gate.e_score_correction_bias", {config.num_router_outputs()}, false, DType::f32);
-  weights.down_proj =
-      loader.load_whole("routed_expert_down_proj.weight", {l, d}, true, dtype, "fc1_latent_proj.weight");
-  if (config.use_latent_norm)
-    weights.latent_norm = loader.load_whole("routed_expert_norm.weight", {l}, true, DType::f32);
-  weights.up_proj = loader.load_whole("routed_expert_up_proj.weight", {d, l}, true, dtype, "fc2_latent_proj.weight");
+  weights.gate = loader.load_whole(gate, DType::f32);
+  weights.score_bias = loader.load_whole(score_bias, DType::f32);
+  weights.down_proj = loader.load_whole(down_proj, dtype);
+  weights.latent_norm = loader.load_whole(latent_norm, DType::f32);
+  weights.up_proj = loader.load_whole(up_proj, dtype);
 
-  // Stacked experts: each rank copies only its rows of gate/up and its columns of down.
-  if (config.is_gated()) weights.expert_gate = HostTensor(dtype, {num_experts, rank_i, l});
+  // Stacked experts: each rank copies only its rows of gate/up and its columns of down (the
+  // entries were checked above; find() returns the same ones again).
+  if (gated) weights.expert_gate = HostTensor(dtype, {num_experts, rank_i, l});
   weights.expert_up = HostTensor(dtype, {num_experts, rank_i, l});
   weights.expert_down = HostTensor(dtype, {num_experts, l, rank_i});
   for (int64_t e = 0; e < num_experts; ++e) {
-    if (config.is_gated()) {
-      const SafetensorsEntry* gate = loader.find(expert_name(e, "gate_proj"), {full_i, l}, true);
-      loader.copy_rows(*gate, i_begin, i_begin + rank_i, weights.expert_gate, e * rank_i * l);
+    if (gated) {
+      const SafetensorsEntry* expert_gate = loader.find(expert_name(e, "gate_proj"), {full_i, l}, true);
+      loader.copy_rows(*expert_gate, i_begin, i_begin + rank_i, weights.expert_gate, e * rank_i * l);
     }
     const SafetensorsEntry* up = loader.find(expert_name(e, "up_proj"), {full_i, l}, true);
     loader.copy_rows(*up, i_begin, i_begin + rank_i, weights.expert_up, e * rank_i * l);
@@ -302,18 +322,15 @@ LayerWeights load_layer_weights(const SafetensorsFile& file, const LayerConfig& 
     loader.copy_cols(*down, i_begin, i_begin + rank_i, weights.expert_down, e * l * rank_i);
   }
 
-  if (config.has_shared_expert()) {
-    if (config.is_gated()) {
-      const SafetensorsEntry* gate = loader.find("shared_experts.gate_proj.weight", {full_is, d}, true);
-      weights.shared_gate = HostTensor(dtype, {rank_is, d});
-      loader.copy_rows(*gate, is_begin, is_begin + rank_is, weights.shared_gate, 0);
-    }
-    const SafetensorsEntry* up = loader.find("shared_experts.up_proj.weight", {full_is, d}, true);
+  if (shared_gate != nullptr) {
+    weights.shared_gate = HostTensor(dtype, {rank_is, d});
+    loader.copy_rows(*shared_gate, is_begin, is_begin + rank_is, weights.shared_gate, 0);
+  }
+  if (shared_up != nullptr) {
     weights.shared_up = HostTensor(dtype, {rank_is, d});
-    loader.copy_rows(*up, is_begin, is_begin + rank_is, weights.shared_up, 0);
-    const SafetensorsEntry* down = loader.find("shared_experts.down_proj.weight", {d, full_is}, true);
+    loader.copy_rows(*shared_up, is_begin, is_begin + rank_is, weights.shared_up, 0);
     weights.shared_down = HostTensor(dtype, {d, rank_is});
-    loader.copy_cols(*down, is_begin, is_begin + rank_is, weights.shared_down, 0);
+    loader.copy_cols(*shared_down, is_begin, is_begin + rank_is, weights.shared_down, 0);
   }
   return weights;
 }
