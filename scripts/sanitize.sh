@@ -17,19 +17,6 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:ha
 echo "sanitize: ASan+UBSan CPU suite passed ($(($(date +%s) - start)) s)"
 start=$(date +%s)
 run_build build-tsan "-fsanitize=thread"
-# GCC 12's TSan runtime cannot map its shadow memory when the kernel randomises mmap with more than
-# 28 bits (vm.mmap_rnd_bits, 32 on some kernels): the binary dies with SIGSEGV before main. Listing
-# the tests tells; they then run with address-space randomisation off for that process tree
-# (setarch -R), and if even that cannot start TSan, the run fails saying so.
-tsan_launch=()
-if ! build-tsan/tests/latentmoe_tests --gtest_list_tests > /dev/null 2>&1; then
-  echo "sanitize: the TSan binary fails to start (vm.mmap_rnd_bits=$(cat /proc/sys/vm/mmap_rnd_bits 2>/dev/null || echo '?')); running it with ASLR off"
-  tsan_launch=(setarch "$(uname -m)" -R)
-  if ! "${tsan_launch[@]}" build-tsan/tests/latentmoe_tests --gtest_list_tests > /dev/null; then
-    echo "sanitize: the TSan binary cannot start on this machine even with ASLR off (setarch -R)" >&2
-    exit 1
-  fi
-fi
-TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 "${tsan_launch[@]}" build-tsan/tests/latentmoe_tests --gtest_brief=1 \
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 build-tsan/tests/latentmoe_tests --gtest_brief=1 \
   --gtest_filter='InProcessGroup*:LocalGroup*:*Runner*:*TailTier*:CliTest.run_*'
 echo "sanitize: TSan group/runner/tail tests passed ($(($(date +%s) - start)) s)"

@@ -6,7 +6,15 @@
 
 // The kernel is compiled twice on x86-64 (AVX2 and baseline), picked at load time. Both clones do
 // the same IEEE operations in the same order, so their results are bit-identical.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define LATENTMOE_CPU_UNDER_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define LATENTMOE_CPU_UNDER_TSAN 1
+#endif
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(LATENTMOE_CPU_UNDER_TSAN)
 #define LATENTMOE_CPU_MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define LATENTMOE_CPU_MULTIVERSION
