@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 
+#include "checkpoint_test_util.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/local_group.h"
 #include "latentmoe/safetensors.h"
@@ -223,6 +224,76 @@ TEST_F(CliTest, inspect_lists_tensors_and_version_and_help_work) {
   }
   result = latentmoe("frobnicate");
   EXPECT_NE(result.exit_code, 0);
+}
+
+// A Kimi-K3-style checkpoint: MXFP4 routed experts under the K3 names and prefix, the config as
+// published (layer keys and quantization_config under text_config). run gives, bit for bit, the
+// library's result on dense experts holding the exactly dequantised values; inspect lists it.
+TEST_F(CliTest, run_and_inspect_take_a_k3_style_mxfp4_checkpoint) {
+  LayerConfig config = resized(kimi_k3_config(), {40, 64, 6, 3, 256, 40});
+  config.experts_format = ExpertWeightFormat::mxfp4;
+  const std::string prefix = "language_model.model.layers.3.block_sparse_moe.";
+  std::ofstream(dir / "config.json") << R"({"architectures": ["KimiK3ForConditionalGeneration"], "text_config": )"
+                                     << config.to_json() << "}";
+  weights = make_random_layer_weights(config, DType::bf16, /*seed=*/17);
+  save_layer_weights((dir / "weights.safetensors").string(), weights, config, prefix);
+  inputs = testing::random_inputs(config, 7, DType::bf16, /*seed=*/5);
+  write_safetensors((dir / "input.safetensors").string(),
+                    {{"hidden_states", inputs.hidden_states.view()}, {"router_logits", inputs.router_logits.view()}});
+
+  LayerConfig dense_config = config;
+  dense_config.experts_format = ExpertWeightFormat::dense;
+  const LayerWeights dense = dequantize_layer_weights(weights);
+  for (int tp : {1, 2, 8}) {
+    fs::remove(dir / "out.safetensors");
+    const CommandResult result =
+        latentmoe("run " + files(prefix) + " --tp " + std::to_string(tp) + " --tier native --backend cpu");
+    ASSERT_EQ(result.exit_code, 0) << result.err;
+    const SafetensorsFile out = SafetensorsFile::open((dir / "out.safetensors").string());
+    LocalGroupOptions options;
+    options.tp_size = tp;
+    options.tier = TailTier::native;
+    const auto expected = run_local_group(
+        dense_config, [&](const ParallelConfig& p) { return shard_layer_weights(dense, dense_config, p); }, inputs,
+        options);
+    EXPECT_TRUE(bitwise_equal(out.read("output").view(), expected[0].output.view())) << "tp " << tp;
+  }
+
+  // The same checkpoint sharded as published (three shards and an index, with another layer's
+  // tensors beside it): every tier at tp 4 gives what the single file gives, bit for bit.
+  auto tensors = testing::read_all_tensors((dir / "weights.safetensors").string());
+  tensors.emplace_back("language_model.model.layers.4.block_sparse_moe.experts.0.w1.weight_packed",
+                       testing::random_host_tensor(DType::f32, {2, 2}, 3));
+  const std::string index = testing::write_sharded_checkpoint(dir / "k3", tensors, 3);
+  for (const char* tier : {"native", "tail_fusion", "allreduce_overlap", "column_parallel"}) {
+    const std::string options = " --tp 4 --backend cpu --tier " + std::string(tier);
+    fs::remove(dir / "out.safetensors");
+    CommandResult result = latentmoe("run " + files(prefix) + options);
+    ASSERT_EQ(result.exit_code, 0) << result.err;
+    const HostTensor single = SafetensorsFile::open((dir / "out.safetensors").string()).read("output");
+    for (const std::string& weights : {(dir / "k3").string(), index}) {
+      fs::remove(dir / "out.safetensors");
+      std::string command = "run " + files(prefix) + options;
+      command.replace(command.find((dir / "weights.safetensors").string()),
+                      (dir / "weights.safetensors").string().size(), weights);
+      result = latentmoe(command);
+      ASSERT_EQ(result.exit_code, 0) << result.err;
+      EXPECT_TRUE(
+          bitwise_equal(SafetensorsFile::open((dir / "out.safetensors").string()).read("output").view(), single.view()))
+          << tier << " " << weights;
+    }
+  }
+
+  // A config that does not declare the experts' format is one clear line.
+  std::ofstream(dir / "config.json", std::ios::trunc) << dense_config.to_json();
+  fs::remove(dir / "out.safetensors");
+  expect_failure(latentmoe("run " + files(prefix) + " --backend cpu"), "holds MXFP4 expert tensors");
+
+  const CommandResult listed = latentmoe("inspect " + (dir / "weights.safetensors").string());
+  ASSERT_EQ(listed.exit_code, 0) << listed.err;
+  EXPECT_NE(listed.out.find(prefix + "experts.5.w2.weight_packed"), std::string::npos);
+  EXPECT_NE(listed.out.find(prefix + "experts.0.w1.weight_scale"), std::string::npos);
+  EXPECT_NE(listed.out.find("U8"), std::string::npos);
 }
 
 TEST_F(CliTest, demo_passes) {

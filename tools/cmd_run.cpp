@@ -7,6 +7,7 @@
 #include <string>
 
 #include "commands.h"
+#include "latentmoe/checkpoint.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
@@ -69,9 +70,10 @@ void run_command(const RunArguments& args) {
     check_input(inputs.latent_states, args.input_path, "latent_states", {num_tokens, config.latent_size}, dtype);
   }
 
-  const SafetensorsFile weights_file = SafetensorsFile::open(args.weights_path);
+  // --weights: a safetensors file, a checkpoint folder or its index (docs/FILES.md).
+  const Checkpoint checkpoint = Checkpoint::open(args.weights_path);
   // Fail on a bad weights file before spawning ranks (rank 0's shard is checked fully here).
-  LayerWeights first_rank = load_layer_weights(weights_file, config, args.prefix, {args.tp_size, 0, false}, dtype);
+  LayerWeights first_rank = load_layer_weights(checkpoint, config, args.prefix, {args.tp_size, 0, false}, dtype);
   LATENTMOE_CHECK(inputs.router_logits.defined() || first_rank.gate.defined(), args.input_path,
                   ": no router_logits, and ", args.weights_path, " has no ", args.prefix,
                   "gate.weight to compute them from");
@@ -90,7 +92,7 @@ void run_command(const RunArguments& args) {
       config,
       [&](const ParallelConfig& parallel) {
         if (parallel.rank == 0) return std::move(first_rank);
-        return load_layer_weights(weights_file, config, args.prefix, parallel, dtype);
+        return load_layer_weights(checkpoint, config, args.prefix, parallel, dtype);
       },
       inputs, options);
 
@@ -120,7 +122,10 @@ void register_run_command(CLI::App& app) {
   auto args = std::make_shared<RunArguments>();
   CLI::App* command = app.add_subcommand("run", "Run the layer on files (DESIGN section 3)");
   command->add_option("--config", args->config_path, "Layer config (JSON, Hugging Face keys)")->required();
-  command->add_option("--weights", args->weights_path, "Weights (safetensors)")->required();
+  command
+      ->add_option("--weights", args->weights_path,
+                   "Weights: a safetensors file, a checkpoint folder or its model.safetensors.index.json")
+      ->required();
   command
       ->add_option("--input", args->input_path,
                    "Inputs (safetensors): hidden_states [T, d], optional router_logits [T, E+Z] F32, "

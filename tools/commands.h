@@ -10,5 +10,6 @@ void register_run_command(CLI::App& app);      // cmd_run.cpp
 void register_demo_command(CLI::App& app);     // cmd_demo.cpp
 void register_inspect_command(CLI::App& app);  // cmd_inspect.cpp
 void register_bench_command(CLI::App& app);    // cmd_bench.cpp
+void register_tune_command(CLI::App& app);     // cmd_tune.cpp
 
 }  // namespace latentmoe::tools

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   latentmoe::tools::register_demo_command(app);
   latentmoe::tools::register_inspect_command(app);
   latentmoe::tools::register_bench_command(app);
+  latentmoe::tools::register_tune_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

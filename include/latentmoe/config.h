@@ -19,9 +19,15 @@ inline constexpr int kMaxConfigDepth = 64;
 
 enum class Activation { silu, situ, relu2 };
 enum class ScoringFunc { sigmoid, softmax };
+// How the routed experts' weights are stored: dense (F32/BF16/F16, converted to the compute dtype at
+// load) or MXFP4 (compressed-tensors mxfp4-pack-quantized, declared by the config's
+// quantization_config; latentmoe/mxfp4.h). The router, latent projections, norm and shared expert
+// are always dense.
+enum class ExpertWeightFormat { dense, mxfp4 };
 
 std::string_view to_string(Activation activation);
 std::string_view to_string(ScoringFunc scoring);
+std::string_view to_string(ExpertWeightFormat format);
 
 struct LayerConfig {
   int64_t hidden_size = 0;                   // d         (hidden_size)
@@ -42,11 +48,14 @@ struct LayerConfig {
   bool use_latent_norm = false;  // (latent_moe_use_norm)
   double rms_norm_eps = 1e-5;
   int64_t zero_expert_num = 0;  // Z
+  // (quantization_config: mxfp4 when it covers the routed experts; docs/CONFIG.md section 1)
+  ExpertWeightFormat experts_format = ExpertWeightFormat::dense;
 
   bool has_shared_expert() const { return shared_intermediate_size > 0; }
   bool is_gated() const { return activation != Activation::relu2; }
   // E + Z: the width of the router logits.
   int64_t num_router_outputs() const { return num_experts + zero_expert_num; }
+  bool has_mxfp4_experts() const { return experts_format == ExpertWeightFormat::mxfp4; }
 
   // Throws Error naming the first inconsistent key (by its JSON name).
   void validate() const;
@@ -64,7 +73,8 @@ struct LayerConfig {
 };
 
 // Throws unless the parallel layout is possible for this layer: 1 <= tp, 0 <= rank < tp, and tp
-// divides d, l, I and (when there is a shared expert) Is.
+// divides d, l, I and (when there is a shared expert) Is; with MXFP4 experts also I / tp a multiple
+// of 32, so that no rank's slice splits a scale group.
 void validate_parallel(const LayerConfig& config, const ParallelConfig& parallel);
 
 }  // namespace latentmoe

@@ -25,7 +25,9 @@ struct RankResult {
   HostTensor topk_ids;      // [T, k] i32
   HostTensor topk_weights;  // [T, k] f32
   TailTier tier = TailTier::native;
-  double forward_ms = 0.0;  // median wall time of the timed forward calls of this rank
+  double forward_ms = 0.0;   // median wall time of the timed forward calls of this rank
+  TierSupport tier_support;  // what this rank's runner supports (Runner::tier_support())
+  bool ran = true;           // false: skip_unsupported_tier skipped the forced tier (outputs unset)
 };
 
 struct LocalGroupOptions {
@@ -33,7 +35,11 @@ struct LocalGroupOptions {
   BackendKind backend = BackendKind::cpu;
   std::optional<TailTier> tier;  // nullopt: the policy picks
   TierPolicy policy = {};
-  int num_timed_runs = 1;  // forward is run this many times; the last run's outputs are kept
+  int num_timed_runs = 1;   // forward is run this many times; the last run's outputs are kept
+  int num_warmup_runs = 0;  // untimed forward calls before the timed ones
+  // A forced tier that the runners do not support for these tokens is not run (RankResult::ran is
+  // false, tier_support says why) instead of failing.
+  bool skip_unsupported_tier = false;
 };
 
 // `rank_weights(parallel)` returns rank parallel.rank's shard (e.g. load_layer_weights from a file

@@ -78,11 +78,15 @@ class Runner {
 
   DType dtype() const;
   Device device() const;
-  // The tier forward() would take for `num_tokens` tokens when none is forced.
+  // What each tier can run for this runner (its layer, dtype, tp, backend and communicator): the
+  // structural requirements and the backend's own limits (dtype, token capacity of its fused
+  // collectives, whether the ranks reach each other). Fixed at construction.
+  const TierSupport& tier_support() const;
+  // The tier forward() would take for `num_tokens` tokens when none is forced (inside tier_support()).
   TailTier select_tier(int64_t num_tokens) const;
   // Runs the layer. Inputs and outputs live on device() (host tensors for the CPU backend).
-  // Returns the tier it ran. Throws Error on bad shapes or dtypes, an impossible forced tier, or
-  // more than max_tokens tokens.
+  // Returns the tier it ran. Throws Error on bad shapes or dtypes, a forced tier that tier_support()
+  // does not allow for these tokens (naming why), or more than max_tokens tokens.
   // CUDA: every kernel is enqueued on `stream` (a cudaStream_t; nullptr: the runner's own stream),
   // with the overlapped work on an aux stream forked from and joined back into it by events. forward
   // allocates nothing and never synchronises the host, so a caller can capture it into a CUDA graph

@@ -12,6 +12,7 @@
 // variables still override the table (defaults < table < environment).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -42,7 +43,39 @@ struct TuneTable {
 
   // The most specific entry for a layer, or nullopt when none has this tp (and matching fields).
   std::optional<TuneEntry> find(int tp_size, DType dtype, int64_t hidden_size, int64_t latent_size) const;
+
+  // The table in the format above (from_json reads it back to an equal table).
+  std::string to_json() const;
+  // Writes to_json() to `path` atomically (a temporary file in the same directory renamed into
+  // place: a failure leaves no file); refuses to replace anything but a regular file.
+  void write_file(const std::string& path) const;
 };
+
+// One measured token count of `latentmoe tune`: each tier's time (the median of its repeats), or
+// nullopt where the tier does not run at this token count (not supported, not measured).
+struct TierTimes {
+  int64_t num_tokens = 0;
+  std::array<std::optional<double>, 4> ms;  // indexed by TailTier
+};
+
+// The policy's two thresholds as the measured times say (tier.cpp's meaning of each knob):
+//   tail_fusion_max_tokens: the largest measured T up to which tail_fusion runs and is at least as
+//     fast as both allreduce_overlap and column_parallel (the tiers the policy takes without it) at
+//     every measured T, from the smallest up; 0 when it loses at the smallest (tier 0 off);
+//   shared_stream_token_threshold: likewise the largest measured T up to which allreduce_overlap runs
+//     and is at least as fast as column_parallel (the policy takes overlap for T <= it, column_parallel
+//     above); 0 when it loses at the smallest.
+// Only a run from the smallest T counts, so one noisy point ends it rather than extending it, and
+// nothing is extrapolated past the largest measured T. A tie goes to the tier the policy tries first
+// (tail_fusion, then allreduce_overlap). A tier that does not run at some T loses there; one that runs where its rival
+// does not wins. native is measured for reference: the policy never takes it on the fused path.
+// Throws Error for an empty list, token counts that are not >= 1 and strictly increasing, or a time
+// that is negative or not finite.
+struct Crossovers {
+  int64_t tail_fusion_max_tokens = 0;
+  int64_t shared_stream_token_threshold = 0;
+};
+Crossovers derive_crossovers(const std::vector<TierTimes>& times);
 
 // The policy a runner of this layout takes: the defaults, then the table's entry for it (when a table
 // is given and has one), then the LATENTMOE_* variables. `table_path` empty: LATENTMOE_TUNE_FILE, if

@@ -44,6 +44,12 @@ void Backend::tail_fusion_collective(Communicator& comm, const TensorView& laten
   comm.reduce_scatter_sum(shared_partial, shared_shard_out, stream());
 }
 
+TierSupport Backend::tier_support(const LayerConfig& config, DType dtype, int tp_size, const Communicator& comm) const {
+  TierSupport support;
+  support.collectives = "the communicator's collectives, composed";
+  return support;
+}
+
 void Backend::run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) {
   main();
   aux();

@@ -14,6 +14,7 @@
 #include "latentmoe/communicator.h"
 #include "latentmoe/config.h"
 #include "latentmoe/tensor.h"
+#include "latentmoe/tier.h"
 
 namespace latentmoe::detail {
 
@@ -73,10 +74,15 @@ struct ActivationParams {
 // One rank's shard of the routed experts (stacked) or of a dense gated/non-gated MLP.
 // For the routed experts: gate/up [E, I_r, l], down [E, l, I_r]; for a dense MLP: gate/up [Is_r, d],
 // down [d, Is_r]. `gate` is undefined for relu2.
+// MXFP4 routed experts (format mxfp4; never a dense MLP): gate/up/down hold the packed U8 codes
+// (gate/up [E, I_r, l/2], down [E, l, I_r/2]) and the *_scale views their U8 E8M0 scales
+// (gate/up [E, I_r, l/32], down [E, l, I_r/32]); latentmoe/mxfp4.h.
 struct MlpWeights {
   TensorView gate;
   TensorView up;
   TensorView down;
+  ExpertWeightFormat format = ExpertWeightFormat::dense;
+  TensorView gate_scale, up_scale, down_scale;  // mxfp4 only
 };
 
 class Backend {
@@ -100,6 +106,11 @@ class Backend {
   // internal workspaces (e.g. the grouped-GEMM layout) for up to `max_tokens` tokens here, so that
   // no operation allocates during forward.
   virtual void prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) {}
+  // What each tier can run on this backend for a layer of `config` in `dtype` over `comm` (tp_size
+  // ranks): dtype limits, token capacities of fused collectives, whether the ranks reach each other.
+  // Only the backend's own limits: the runner adds the structural ones (structural_tier_support).
+  // The default: every tier supported, unbounded, through the communicator's collectives.
+  virtual TierSupport tier_support(const LayerConfig& config, DType dtype, int tp_size, const Communicator& comm) const;
 
   // logits [T, E+Z] f32 = x [T, d] · gate [E+Z, d]^T, computed in fp32.
   virtual void router_logits(const TensorView& x, const TensorView& gate, const TensorView& logits) = 0;

@@ -13,11 +13,13 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <regex>
 #include <string>
 #include <unordered_set>
 #include <vector>
 
 #include "latentmoe/error.h"
+#include "latentmoe/mxfp4.h"
 
 namespace latentmoe {
 namespace {
@@ -361,7 +363,236 @@ class FileDescriptor {
   int fd_;
 };
 
+// --- quantization_config (compressed-tensors) ---------------------------------------------------
+
+// Module names of one routed expert's projection as checkpoints spell them: the quantization's
+// targets and ignore list are matched against these (the config does not know the layer's prefix).
+// **decision** (docs/CONFIG.md): a projection is covered when any of these names is matched by a
+// config group's targets and not by the ignore list. Layer 1, because layer 0 is a dense layer in
+// DeepSeek-style models and is sometimes ignored by name.
+constexpr std::string_view kExpertModulePrefixes[] = {
+    "model.layers.1.block_sparse_moe.experts.0.",
+    "model.layers.1.mlp.experts.0.",
+    "language_model.model.layers.1.block_sparse_moe.experts.0.",
+    "language_model.model.layers.1.mlp.experts.0.",
+};
+constexpr std::string_view kMxfp4Format = "mxfp4-pack-quantized";
+constexpr size_t kMaxPatternBytes = 1024;
+
+// Reads the quantization_config object; every error names the key by its path under it.
+class QuantizationReader {
+ public:
+  QuantizationReader(const json& config, std::string_view source) : config_(config), source_(source) {}
+
+  ExpertWeightFormat experts_format(bool gated) const {
+    if (!config_.is_object()) fail("'quantization_config' must be an object, got ", type_name(config_));
+    const std::string method = string_at(config_, "quantization_config.quant_method", "quant_method", true);
+    if (method != "compressed-tensors") {
+      // Other methods (fp8 blocks, GPTQ, ...) describe their coverage in their own ways; whatever they
+      // cover, latentmoe cannot read it, and loading bf16 names would fail later with a vaguer message.
+      fail("quantization_config.quant_method '", method,
+           "' is not supported; latentmoe reads compressed-tensors (mxfp4-pack-quantized routed experts)");
+    }
+    const std::vector<Pattern> ignore = patterns(config_, "quantization_config.ignore", "ignore");
+    const json* groups = member(config_, "config_groups");
+    if (groups != nullptr && !groups->is_object()) {
+      fail("'quantization_config.config_groups' must be an object, got ", type_name(*groups));
+    }
+
+    // Each group's targets, compiled once.
+    std::vector<std::pair<std::string, std::vector<Pattern>>> group_targets;
+    if (groups != nullptr) {
+      for (const auto& [group_name, group] : groups->items()) {
+        const std::string path = "quantization_config.config_groups." + group_name;
+        if (!group.is_object()) fail("'", path, "' must be an object, got ", type_name(group));
+        group_targets.emplace_back(group_name, patterns(group, path + ".targets", "targets"));
+      }
+    }
+
+    // Which group covers each projection (w1 gate, w3 up, w2 down); "" when none.
+    std::vector<std::string_view> projections = {"w3", "w2"};
+    if (gated) projections.insert(projections.begin(), "w1");
+    std::vector<std::string> covering(projections.size());
+    for (size_t p = 0; p < projections.size(); ++p) {
+      for (std::string_view module_prefix : kExpertModulePrefixes) {
+        const std::string name = std::string(module_prefix) + std::string(projections[p]);
+        if (matches_any(ignore, name)) continue;
+        for (const auto& [group_name, targets] : group_targets) {
+          if (!matches_any(targets, name, /*linear_class=*/true)) continue;
+          if (!covering[p].empty() && covering[p] != group_name) {
+            fail("quantization_config.config_groups '", covering[p], "' and '", group_name,
+                 "' both cover the routed experts' ", projections[p], "; give them one scheme");
+          }
+          covering[p] = group_name;
+        }
+      }
+    }
+    size_t covered = 0;
+    for (const std::string& group : covering) covered += group.empty() ? 0 : 1;
+    if (covered == 0) return ExpertWeightFormat::dense;
+    for (size_t p = 0; p < projections.size(); ++p) {
+      if (covering[p].empty()) {
+        fail("quantization_config covers some routed expert projections but not experts.{e}.", projections[p],
+             "; latentmoe needs all of them in one format");
+      }
+    }
+    for (const std::string& group_name : covering) check_scheme(group_name);
+    return ExpertWeightFormat::mxfp4;
+  }
+
+ private:
+  struct Pattern {
+    std::string text;              // as written
+    std::optional<std::regex> re;  // for "re:" entries
+  };
+
+  template <class... Parts>
+  [[noreturn]] void fail(Parts&&... parts) const {
+    detail::throw_error(source_, ": ", std::forward<Parts>(parts)...);
+  }
+
+  static const json* member(const json& object, std::string_view key) {
+    auto it = object.find(key);
+    if (it == object.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+
+  std::string string_at(const json& object, const std::string& path, std::string_view key, bool required) const {
+    const json* value = member(object, key);
+    if (value == nullptr) {
+      if (required) fail("missing key '", path, "'");
+      return {};
+    }
+    if (!value->is_string())
+      fail("'", path, "' must be a string, got ", type_name(*value), " (", describe(*value), ")");
+    return value->get<std::string>();
+  }
+
+  // A list of names / "re:" patterns (targets, ignore); a single string is accepted as a list of one.
+  std::vector<Pattern> patterns(const json& object, const std::string& path, std::string_view key) const {
+    std::vector<Pattern> result;
+    const json* value = member(object, key);
+    if (value == nullptr) return result;
+    if (!value->is_array() && !value->is_string()) {
+      fail("'", path, "' must be a list of strings, got ", type_name(*value));
+    }
+    const json list = value->is_string() ? json::array({*value}) : *value;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const json& entry = list[i];
+      if (!entry.is_string()) {
+        fail("'", path, "[", i, "]' must be a string, got ", type_name(entry), " (", describe(entry), ")");
+      }
+      Pattern pattern{entry.get<std::string>(), std::nullopt};
+      if (pattern.text.rfind("re:", 0) == 0) {
+        const std::string expression = pattern.text.substr(3);
+        if (expression.size() > kMaxPatternBytes) {
+          fail("'", path, "[", i, "]' is a pattern of ", expression.size(), " bytes; at most ", kMaxPatternBytes,
+               " are read");
+        }
+        try {
+          pattern.re.emplace(expression, std::regex::ECMAScript);
+        } catch (const std::regex_error& error) {
+          fail("'", path, "[", i, "]' (", describe(entry),
+               ") is not a regular expression latentmoe can read: ", error.what());
+        }
+      }
+      result.push_back(std::move(pattern));
+    }
+    return result;
+  }
+
+  // compressed-tensors semantics: "re:X" matches when X matches at the start of the module name
+  // (Python's re.match); any other entry is the full module name or, for targets, a module class
+  // (an expert projection is a "Linear").
+  static bool matches_any(const std::vector<Pattern>& list, const std::string& name, bool linear_class = false) {
+    for (const Pattern& pattern : list) {
+      if (pattern.re.has_value()) {
+        if (std::regex_search(name, *pattern.re, std::regex_constants::match_continuous)) return true;
+      } else if (pattern.text == name || (linear_class && pattern.text == "Linear")) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // The scheme of a group that covers the routed experts must be MXFP4 weights only.
+  void check_scheme(const std::string& group_name) const {
+    const std::string path = "quantization_config.config_groups." + group_name;
+    const json& group = config_.at("config_groups").at(group_name);
+    std::string format = string_at(group, path + ".format", "format", false);
+    std::string format_path = path + ".format";
+    if (format.empty()) {
+      format = string_at(config_, "quantization_config.format", "format", false);
+      format_path = "quantization_config.format";
+    }
+    if (format.empty()) fail("missing key 'quantization_config.format' (the routed experts' format)");
+    if (format != kMxfp4Format) {
+      fail("'", format_path, "' is '", format, "'; latentmoe reads routed experts in ", kMxfp4Format, " only");
+    }
+    const json* weights = member(group, "weights");
+    if (weights == nullptr) fail("missing key '", path, ".weights'");
+    if (!weights->is_object()) fail("'", path, ".weights' must be an object, got ", type_name(*weights));
+    check_int(*weights, path + ".weights.num_bits", "num_bits", 4, true);
+    const std::string type = string_at(*weights, path + ".weights.type", "type", true);
+    if (type != "float") fail("'", path, ".weights.type' is '", type, "'; MXFP4 needs 'float' (E2M1)");
+    check_int(*weights, path + ".weights.group_size", "group_size", kMxfp4GroupSize, true);
+    const std::string strategy = string_at(*weights, path + ".weights.strategy", "strategy", false);
+    if (!strategy.empty() && strategy != "group") {
+      fail("'", path, ".weights.strategy' is '", strategy, "'; MXFP4 needs 'group'");
+    }
+    for (const char* key : {"input_activations", "output_activations"}) {
+      if (member(group, key) != nullptr) {
+        fail("'", path, ".", key, "' is set: quantized activations are not supported (the routed experts run with ",
+             "activations in the compute dtype)");
+      }
+    }
+  }
+
+  void check_int(const json& object, const std::string& path, std::string_view key, int64_t expected,
+                 bool required) const {
+    const json* value = member(object, key);
+    if (value == nullptr) {
+      if (required) fail("missing key '", path, "'");
+      return;
+    }
+    if (!value->is_number_integer()) {
+      fail("'", path, "' must be an integer, got ", type_name(*value), " (", describe(*value), ")");
+    }
+    if (value->get<int64_t>() != expected) {
+      fail("'", path, "' is ", describe(*value), "; MXFP4 routed experts need ", expected);
+    }
+  }
+
+  const json& config_;
+  std::string_view source_;
+};
+
+// The quantization_config latentmoe writes for MXFP4 experts (to_json): one group over every routed
+// expert projection, the shared expert ignored.
+json mxfp4_quantization_config() {
+  json weights = {{"num_bits", 4},     {"type", "float"}, {"strategy", "group"}, {"group_size", kMxfp4GroupSize},
+                  {"symmetric", true}, {"dynamic", false}};
+  json group = {{"targets", json::array({"re:.*experts\\.\\d+\\.w[123]$"})},
+                {"weights", weights},
+                {"input_activations", nullptr},
+                {"format", kMxfp4Format}};
+  return {{"quant_method", "compressed-tensors"},
+          {"format", kMxfp4Format},
+          {"config_groups", {{"group_0", group}}},
+          {"ignore", json::array({"lm_head", "re:.*shared_experts.*"})}};
+}
+
 }  // namespace
+
+std::string_view to_string(ExpertWeightFormat format) {
+  switch (format) {
+    case ExpertWeightFormat::dense:
+      return "dense";
+    case ExpertWeightFormat::mxfp4:
+      return "mxfp4";
+  }
+  return "unknown";
+}
 
 std::string_view to_string(Activation activation) {
   switch (activation) {
@@ -419,6 +650,15 @@ void LayerConfig::validate() const {
   check_positive_finite("routed_scaling_factor", routed_scaling_factor);
   check_positive_finite("rms_norm_eps", rms_norm_eps);
 
+  if (has_mxfp4_experts()) {
+    // Packed rows hold whole scale groups: 32 input columns of gate/up (l) and of down (I).
+    LATENTMOE_CHECK(latent_size % kMxfp4GroupSize == 0, "MXFP4 experts (quantization_config) need moe_latent_size ",
+                    "to be a multiple of the group size ", kMxfp4GroupSize, ", got ", latent_size);
+    LATENTMOE_CHECK(intermediate_size % kMxfp4GroupSize == 0,
+                    "MXFP4 experts (quantization_config) need moe_intermediate_size to be a multiple of the group ",
+                    "size ", kMxfp4GroupSize, ", got ", intermediate_size);
+  }
+
   // The largest weight tensor (all routed experts' projections) must have a countable size.
   LATENTMOE_CHECK(checked_product({num_experts, 3, intermediate_size, latent_size}).has_value(),
                   "n_routed_experts * moe_intermediate_size * moe_latent_size overflows (", num_experts, " * ",
@@ -445,6 +685,7 @@ std::string LayerConfig::to_json() const {
   out["latent_moe_use_norm"] = use_latent_norm;
   out["rms_norm_eps"] = rms_norm_eps;
   out["zero_expert_num"] = zero_expert_num;
+  if (has_mxfp4_experts()) out["quantization_config"] = mxfp4_quantization_config();
   return out.dump(2);
 }
 
@@ -462,8 +703,18 @@ LayerConfig LayerConfig::from_json(std::string_view json_text, std::string_view 
   } catch (const json::exception& error) {  // parse_error, or out_of_range for a number like 1e400
     detail::throw_error(source, ": invalid JSON: ", parse_error_text(error));
   }
-  Reader reader(root, source);
-  if (!root.is_object()) reader.fail("the top level must be a JSON object, got ", type_name(root));
+  if (!root.is_object()) Reader(root, source).fail("the top level must be a JSON object, got ", type_name(root));
+  // A published multimodal config keeps the language model's keys under text_config: read the layer
+  // from there when the top level has no hidden_size.
+  const json* layer_root = &root;
+  std::string layer_source(source);
+  if (const auto text_config = root.find("text_config");
+      (!root.contains("hidden_size") || root["hidden_size"].is_null()) && text_config != root.end() &&
+      text_config->is_object()) {
+    layer_root = &*text_config;
+    layer_source += ": text_config";
+  }
+  Reader reader(*layer_root, layer_source);
 
   LayerConfig config;
   config.hidden_size = reader.required_int("hidden_size");
@@ -522,6 +773,19 @@ LayerConfig LayerConfig::from_json(std::string_view json_text, std::string_view 
   config.use_latent_norm = reader.optional_bool("latent_moe_use_norm", {}, config.use_latent_norm);
   config.rms_norm_eps = reader.optional_double("rms_norm_eps", config.rms_norm_eps);
   config.zero_expert_num = reader.optional_int("zero_expert_num", {}, config.zero_expert_num);
+
+  // quantization_config: at the top level, else beside the layer keys (text_config).
+  const json* quantization = nullptr;
+  std::string_view quantization_source = source;
+  for (const json* object : {static_cast<const json*>(&root), layer_root}) {
+    const auto it = object->find("quantization_config");
+    if (quantization != nullptr || it == object->end() || it->is_null()) continue;
+    quantization = &*it;
+    if (object == layer_root) quantization_source = layer_source;
+  }
+  if (quantization != nullptr) {
+    config.experts_format = QuantizationReader(*quantization, quantization_source).experts_format(config.is_gated());
+  }
 
   try {
     config.validate();
@@ -587,6 +851,13 @@ void validate_parallel(const LayerConfig& config, const ParallelConfig& parallel
   check_divides("moe_latent_size", config.latent_size);
   check_divides("moe_intermediate_size", config.intermediate_size);
   if (config.has_shared_expert()) check_divides("shared_expert_intermediate_size", config.shared_intermediate_size);
+  if (config.has_mxfp4_experts()) {
+    const int64_t rank_i = config.intermediate_size / tp;
+    LATENTMOE_CHECK(rank_i % kMxfp4GroupSize == 0, "tp ", tp, ": MXFP4 experts need moe_intermediate_size / tp ",
+                    "to be a multiple of the group size ", kMxfp4GroupSize,
+                    " (a rank's slice of a packed row must not split a scale group); moe_intermediate_size ",
+                    config.intermediate_size, " / tp ", tp, " = ", rank_i);
+  }
 }
 
 }  // namespace latentmoe

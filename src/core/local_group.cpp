@@ -37,6 +37,7 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
                                         const LocalGroupInputs& inputs, const LocalGroupOptions& options) {
   config.validate();
   LATENTMOE_CHECK(options.num_timed_runs >= 1, "num_timed_runs must be at least 1");
+  LATENTMOE_CHECK(options.num_warmup_runs >= 0, "num_warmup_runs must be at least 0");
   LATENTMOE_CHECK(inputs.hidden_states.defined() && inputs.hidden_states.shape().size() == 2,
                   "hidden_states must be a rank-2 tensor [tokens, hidden_size]");
   validate_parallel(config, ParallelConfig{options.tp_size, 0, false});
@@ -80,6 +81,14 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
     at_constructed.wait();
 
     RankResult& result = results[rank];
+    result.tier_support = runner->tier_support();
+    // Every rank has the same support (same layout), so every rank skips together.
+    if (options.skip_unsupported_tier && options.tier.has_value() &&
+        !result.tier_support.allows(*options.tier, num_tokens)) {
+      result.ran = false;
+      at_finished.wait();
+      return;
+    }
     result.output = HostTensor(dtype, {num_tokens, config.hidden_size});
     result.topk_ids = HostTensor(DType::i32, {num_tokens, config.top_k});
     result.topk_weights = HostTensor(DType::f32, {num_tokens, config.top_k});
@@ -90,6 +99,7 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
     forward_inputs.tier = options.tier;
     ForwardOutputs forward_outputs{result.output.view(), result.topk_ids.view(), result.topk_weights.view()};
 
+    for (int run = 0; run < options.num_warmup_runs; ++run) runner->forward_host(forward_inputs, forward_outputs);
     std::vector<double> times_ms;
     for (int run = 0; run < options.num_timed_runs; ++run) {
       const auto start = std::chrono::steady_clock::now();

@@ -148,6 +148,9 @@ Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const 
   state.expert_gate = detail::place(backend, weights.expert_gate, "expert_gate");
   state.expert_up = detail::place(backend, weights.expert_up, "expert_up");
   state.expert_down = detail::place(backend, weights.expert_down, "expert_down");
+  state.expert_gate_scale = detail::place(backend, weights.expert_gate_scale, "expert_gate_scale");
+  state.expert_up_scale = detail::place(backend, weights.expert_up_scale, "expert_up_scale");
+  state.expert_down_scale = detail::place(backend, weights.expert_down_scale, "expert_down_scale");
   state.shared_gate = detail::place(backend, weights.shared_gate, "shared_gate");
   state.shared_up = detail::place(backend, weights.shared_up, "shared_up");
   state.shared_down = detail::place(backend, weights.shared_down, "shared_down");
@@ -165,6 +168,8 @@ Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const 
   state.shared_partial = detail::workspace(backend, state.dtype, {max_tokens, d});
   state.hidden_shard = detail::workspace(backend, state.dtype, {max_tokens, shard});
   backend.prepare(config, state.dtype, max_tokens, parallel.tp_size);
+  state.support = structural_tier_support(state.fused_path_conditions());
+  state.support.restrict_to(backend.tier_support(config, state.dtype, parallel.tp_size, communicator));
   if (options.host_staging && backend.device() != Device::cpu) {
     // forward_host's staging, allocated here so that no rank allocates (cudaMalloc may synchronise the
     // device) while a peer's collective is waiting for it.
@@ -188,8 +193,10 @@ detail::RunnerState& detail::state_of(Runner& runner) { return *runner.impl_; }
 DType Runner::dtype() const { return impl_->dtype; }
 Device Runner::device() const { return impl_->backend->device(); }
 
+const TierSupport& Runner::tier_support() const { return impl_->support; }
+
 TailTier Runner::select_tier(int64_t num_tokens) const {
-  return select_tail_tier(impl_->options.policy, impl_->fused_path_conditions(), num_tokens);
+  return select_tail_tier(impl_->options.policy, impl_->support, num_tokens);
 }
 
 TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outputs, StreamHandle stream) {
@@ -219,14 +226,11 @@ TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outp
     check_tensor(outputs.topk_weights, "topk_weights", DType::f32, {num_tokens, k}, device);
   }
 
-  const FusedPathConditions conditions = state.fused_path_conditions();
-  TailTier tier;
-  if (inputs.tier.has_value()) {
-    check_tier_possible(*inputs.tier, conditions);
-    tier = *inputs.tier;
-  } else {
-    tier = select_tail_tier(state.options.policy, conditions, num_tokens);
-  }
+  // A forced tier and the policy's choice meet the same check: the policy stays inside the support,
+  // so only a forced tier (or no tier at all) can fail it.
+  const TailTier tier =
+      inputs.tier.has_value() ? *inputs.tier : select_tail_tier(state.options.policy, state.support, num_tokens);
+  state.support.check(tier, num_tokens);
   if (num_tokens == 0) return tier;  // every rank sees the same T, so all skip the collectives together
 
   // The caller's stream for this call only; the backend's own again afterwards, even on an error.

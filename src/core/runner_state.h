@@ -27,8 +27,8 @@ struct RunnerState {
     conditions.tp_size = parallel.tp_size;
     conditions.has_shared_expert = config.has_shared_expert();
     conditions.sequence_parallel = parallel.sequence_parallel;
-    // partials_unreduced and tail_fusion_supported keep their defaults (true): every rank's experts
-    // produce partial sums, and every backend runs tier 0 (composed or fused).
+    // partials_unreduced keeps its default (true): every rank's experts produce partial sums. What the
+    // backend runs is in `support` (Backend::tier_support), not in tail_fusion_supported.
     return conditions;
   }
 
@@ -36,6 +36,8 @@ struct RunnerState {
   ParallelConfig parallel;
   Communicator& comm;
   RunnerOptions options;
+  // The structural requirements and the backend's report, made at construction (Runner::tier_support()).
+  TierSupport support;
   DType dtype = DType::f32;
   std::unique_ptr<Backend> backend;
   RoutingParams routing;
@@ -44,6 +46,7 @@ struct RunnerState {
   // Weights on the device (this rank's shard).
   DeviceTensor gate, score_bias, down_proj, latent_norm, up_proj;
   DeviceTensor expert_gate, expert_up, expert_down;
+  DeviceTensor expert_gate_scale, expert_up_scale, expert_down_scale;  // MXFP4 experts only
   DeviceTensor shared_gate, shared_up, shared_down;
 
   // Workspaces sized for max_tokens rows; forward uses their first T rows.

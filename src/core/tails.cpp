@@ -22,11 +22,13 @@ namespace {
 TensorView rows_of(const DeviceTensor& tensor, int64_t rows) { return tensor.view.slice_rows(0, rows); }
 
 MlpWeights routed_expert_weights(const RunnerState& state) {
-  return {state.expert_gate.view, state.expert_up.view, state.expert_down.view};
+  return {state.expert_gate.view,      state.expert_up.view,         state.expert_down.view,
+          state.config.experts_format, state.expert_gate_scale.view, state.expert_up_scale.view,
+          state.expert_down_scale.view};
 }
 
 MlpWeights shared_expert_weights(const RunnerState& state) {
-  return {state.shared_gate.view, state.shared_up.view, state.shared_down.view};
+  return {state.shared_gate.view, state.shared_up.view, state.shared_down.view, ExpertWeightFormat::dense, {}, {}, {}};
 }
 
 struct TailTensors {

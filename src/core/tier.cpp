@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <utility>
 #include <variant>
 
 #include "latentmoe/error.h"
@@ -117,33 +118,84 @@ bool fused_path_applies(const FusedPathConditions& conditions) {
          !conditions.sequence_parallel;
 }
 
+bool TierSupport::allows(TailTier tier, int64_t num_tokens) const {
+  const TierLimit& limit = (*this)[tier];
+  return limit.supported && num_tokens <= limit.max_tokens;
+}
+
+void TierSupport::check(TailTier tier, int64_t num_tokens) const {
+  const TierLimit& limit = (*this)[tier];
+  if (!limit.supported) detail::throw_error("tier ", to_string(tier), " ", limit.reason);
+  if (num_tokens > limit.max_tokens) {
+    detail::throw_error("tier ", to_string(tier), " carries at most ", limit.max_tokens, " tokens here (", limit.reason,
+                        "); this call has ", num_tokens);
+  }
+}
+
+void TierSupport::refuse(TailTier tier, std::string reason) {
+  TierLimit& limit = (*this)[tier];
+  if (!limit.supported) return;
+  limit.supported = false;
+  limit.reason = std::move(reason);
+}
+
+void TierSupport::bound(TailTier tier, int64_t max_tokens, std::string reason) {
+  TierLimit& limit = (*this)[tier];
+  if (!limit.supported || max_tokens >= limit.max_tokens) return;
+  limit.max_tokens = max_tokens;
+  limit.reason = std::move(reason);
+}
+
+void TierSupport::restrict_to(const TierSupport& other) {
+  for (TailTier tier : kTiers) {
+    const TierLimit& limit = other[tier];
+    if (!limit.supported) {
+      refuse(tier, limit.reason);
+    } else if (limit.max_tokens != TierLimit::kUnbounded) {
+      bound(tier, limit.max_tokens, limit.reason);
+    }
+  }
+  peers_reachable = peers_reachable || other.peers_reachable;
+  if (!other.collectives.empty()) collectives = other.collectives;
+}
+
+TierSupport structural_tier_support(const FusedPathConditions& conditions) {
+  TierSupport support;
+  // In the order check_tier_possible has always reported them: the first failed requirement wins.
+  for (TailTier tier : {TailTier::tail_fusion, TailTier::allreduce_overlap, TailTier::column_parallel}) {
+    if (conditions.tp_size <= 1) {
+      support.refuse(tier, "needs tp > 1 (tp is " + std::to_string(conditions.tp_size) + ")");
+    } else if (!conditions.has_shared_expert) {
+      support.refuse(tier, "needs a shared expert (this layer has none: shared_expert_intermediate_size is 0)");
+    } else if (!conditions.partials_unreduced) {
+      support.refuse(tier, "needs un-reduced per-rank partials (the experts' outputs are already reduced)");
+    } else if (conditions.sequence_parallel) {
+      support.refuse(tier, "needs every rank to hold all tokens (it does not support sequence parallelism)");
+    }
+  }
+  if (!conditions.tail_fusion_supported)
+    support.refuse(TailTier::tail_fusion, "is not supported by this backend/device");
+  return support;
+}
+
 TailTier select_tail_tier(const TierPolicy& policy, const FusedPathConditions& conditions, int64_t num_tokens) {
+  return select_tail_tier(policy, structural_tier_support(conditions), num_tokens);
+}
+
+TailTier select_tail_tier(const TierPolicy& policy, const TierSupport& support, int64_t num_tokens) {
   LATENTMOE_CHECK(num_tokens >= 0, "select_tail_tier: num_tokens must be >= 0, got ", num_tokens);
-  if (!fused_path_applies(conditions)) return TailTier::native;
-  const bool tail_fusion_enabled =
-      !policy.disable_tail_fusion && conditions.tail_fusion_supported && policy.tail_fusion_max_tokens > 0;
   // T == 0 never takes tier 0 (as the reference): an empty batch has nothing to fuse.
-  if (tail_fusion_enabled && num_tokens > 0 && num_tokens <= policy.tail_fusion_max_tokens) {
-    return TailTier::tail_fusion;
-  }
-  if (num_tokens <= policy.shared_stream_token_threshold && !policy.disable_shared_stream) {
-    return TailTier::allreduce_overlap;
-  }
-  return TailTier::column_parallel;
+  const bool tail_fusion_wanted = !policy.disable_tail_fusion && policy.tail_fusion_max_tokens > 0 && num_tokens > 0 &&
+                                  num_tokens <= policy.tail_fusion_max_tokens;
+  if (tail_fusion_wanted && support.allows(TailTier::tail_fusion, num_tokens)) return TailTier::tail_fusion;
+  const bool overlap_wanted = num_tokens <= policy.shared_stream_token_threshold && !policy.disable_shared_stream;
+  if (overlap_wanted && support.allows(TailTier::allreduce_overlap, num_tokens)) return TailTier::allreduce_overlap;
+  if (support.allows(TailTier::column_parallel, num_tokens)) return TailTier::column_parallel;
+  return TailTier::native;
 }
 
 void check_tier_possible(TailTier tier, const FusedPathConditions& conditions) {
-  if (tier == TailTier::native) return;
-  const std::string_view name = to_string(tier);
-  LATENTMOE_CHECK(conditions.tp_size > 1, "tier ", name, " needs tp > 1 (tp is ", conditions.tp_size, ")");
-  LATENTMOE_CHECK(conditions.has_shared_expert, "tier ", name,
-                  " needs a shared expert (this layer has none: shared_expert_intermediate_size is 0)");
-  LATENTMOE_CHECK(conditions.partials_unreduced, "tier ", name,
-                  " needs un-reduced per-rank partials (the experts' outputs are already reduced)");
-  LATENTMOE_CHECK(!conditions.sequence_parallel, "tier ", name,
-                  " needs every rank to hold all tokens (it does not support sequence parallelism)");
-  LATENTMOE_CHECK(tier != TailTier::tail_fusion || conditions.tail_fusion_supported,
-                  "tier tail_fusion is not supported by this backend/device");
+  structural_tier_support(conditions).check(tier, 0);
 }
 
 }  // namespace latentmoe

@@ -1,7 +1,13 @@
 // The tuned crossover table (latentmoe/tune.h): reading, matching, and the policy a runner takes.
 #include "latentmoe/tune.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -36,6 +42,38 @@ int pinned(const TuneEntry& entry) {
 bool same_key(const TuneEntry& a, const TuneEntry& b) {
   return a.tp_size == b.tp_size && a.dtype == b.dtype && a.hidden_size == b.hidden_size &&
          a.latent_size == b.latent_size;
+}
+
+// The table's spelling of a compute dtype (from_json reads these three).
+std::string_view table_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
+    case DType::f32:
+      return "f32";
+    default:
+      break;
+  }
+  detail::throw_error("a tune table entry's dtype must be bf16, f16 or f32, not ", dtype_name(dtype));
+}
+
+// Removes the temporary file unless it was renamed into place; closes it if still open.
+struct TemporaryFile {
+  std::string path;
+  int fd = -1;
+  bool committed = false;
+  ~TemporaryFile() {
+    if (fd >= 0) ::close(fd);
+    if (!path.empty() && !committed) ::unlink(path.c_str());
+  }
+};
+
+// Whether `rival` takes `tier`'s place at one token count: `tier` loses where it does not run, wins
+// where only it runs, and wins a tie.
+bool beats(const std::optional<double>& tier, const std::optional<double>& rival) {
+  return tier.has_value() && (!rival.has_value() || *tier <= *rival);
 }
 
 }  // namespace
@@ -119,6 +157,102 @@ std::optional<TuneEntry> TuneTable::find(int tp_size, DType dtype, int64_t hidde
                   hidden_size, ", l ", latent_size, " equally; pin dtype or the shapes");
   if (best == nullptr) return std::nullopt;
   return *best;
+}
+
+std::string TuneTable::to_json() const {
+  nlohmann::ordered_json root;
+  root["format"] = kFormat;
+  root["machine"] = machine;
+  root["entries"] = nlohmann::ordered_json::array();
+  for (const TuneEntry& entry : entries) {
+    nlohmann::ordered_json item;
+    item["tp"] = entry.tp_size;
+    if (entry.dtype) item["dtype"] = std::string(table_dtype_name(*entry.dtype));
+    if (entry.hidden_size) item["hidden_size"] = *entry.hidden_size;
+    if (entry.latent_size) item["latent_size"] = *entry.latent_size;
+    item["tail_fusion_max_tokens"] = entry.tail_fusion_max_tokens;
+    item["shared_stream_token_threshold"] = entry.shared_stream_token_threshold;
+    root["entries"].push_back(item);
+  }
+  try {
+    return root.dump(2) + "\n";
+  } catch (const nlohmann::json::exception& error) {  // e.g. a machine text that is not UTF-8
+    detail::throw_error("cannot encode the tune table: ", error.what());
+  }
+}
+
+void TuneTable::write_file(const std::string& path) const {
+  const std::string text = to_json();
+  const std::filesystem::path target(path);
+  LATENTMOE_CHECK(!target.filename().empty(), path, ": not a file path");
+  std::filesystem::path directory = target.parent_path();
+  if (directory.empty()) directory = ".";
+  // The rename would replace whatever is there: a FIFO, a device or a directory is refused.
+  struct stat existing {};
+  if (::stat(path.c_str(), &existing) == 0) {
+    LATENTMOE_CHECK(S_ISREG(existing.st_mode), path, ": exists and is not a regular file; refusing to replace it");
+  }
+  static std::atomic<uint64_t> counter{0};
+  TemporaryFile temp;
+  for (int attempt = 0; attempt < 100 && temp.fd < 0; ++attempt) {
+    const std::string candidate =
+        (directory / (".lmoe-tune." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1)) + ".tmp"))
+            .string();
+    const int fd = ::open(candidate.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0) {
+      temp.fd = fd;
+      temp.path = candidate;
+    } else if (const int error = errno; error != EEXIST) {
+      detail::throw_error(path, ": cannot create a file in directory ", directory.string(), ": ", std::strerror(error));
+    }
+  }
+  LATENTMOE_CHECK(temp.fd >= 0, path, ": cannot find a free temporary file name in ", directory.string());
+  for (size_t written = 0; written < text.size();) {
+    const ssize_t n = ::write(temp.fd, text.data() + written, text.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) detail::throw_error(path, ": write failed: ", n < 0 ? std::strerror(errno) : "no progress");
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(temp.fd) != 0) detail::throw_error(path, ": fsync failed: ", std::strerror(errno));
+  const int fd = temp.fd;
+  temp.fd = -1;
+  if (::close(fd) != 0) detail::throw_error(path, ": close failed: ", std::strerror(errno));
+  if (::rename(temp.path.c_str(), path.c_str()) != 0) {
+    detail::throw_error(path, ": cannot rename ", temp.path, " into place: ", std::strerror(errno));
+  }
+  temp.committed = true;
+}
+
+Crossovers derive_crossovers(const std::vector<TierTimes>& times) {
+  LATENTMOE_CHECK(!times.empty(), "derive_crossovers: no measured token counts");
+  for (size_t i = 0; i < times.size(); ++i) {
+    LATENTMOE_CHECK(times[i].num_tokens >= 1, "derive_crossovers: token count ", times[i].num_tokens, " is below 1");
+    LATENTMOE_CHECK(i == 0 || times[i].num_tokens > times[i - 1].num_tokens,
+                    "derive_crossovers: token counts must be strictly increasing (", times[i - 1].num_tokens, " then ",
+                    times[i].num_tokens, ")");
+    for (size_t tier = 0; tier < times[i].ms.size(); ++tier) {
+      const std::optional<double>& ms = times[i].ms[tier];
+      LATENTMOE_CHECK(!ms.has_value() || (std::isfinite(*ms) && *ms >= 0.0), "derive_crossovers: the time of tier ",
+                      to_string(static_cast<TailTier>(tier)), " at ", times[i].num_tokens, " tokens is ",
+                      ms.value_or(0.0), " ms");
+    }
+  }
+  auto ms = [](const TierTimes& row, TailTier tier) { return row.ms[static_cast<size_t>(tier)]; };
+  Crossovers crossovers;
+  bool tail_fusion_leads = true, overlap_leads = true;
+  for (const TierTimes& row : times) {
+    const auto tail_fusion = ms(row, TailTier::tail_fusion);
+    const auto overlap = ms(row, TailTier::allreduce_overlap);
+    const auto column = ms(row, TailTier::column_parallel);
+    // The policy's choice without tier 0 at this T is the faster of the two it may take.
+    std::optional<double> best_without = overlap;
+    if (column && (!best_without || *column < *best_without)) best_without = column;
+    tail_fusion_leads = tail_fusion_leads && beats(tail_fusion, best_without);
+    if (tail_fusion_leads) crossovers.tail_fusion_max_tokens = row.num_tokens;
+    overlap_leads = overlap_leads && beats(overlap, column);
+    if (overlap_leads) crossovers.shared_stream_token_threshold = row.num_tokens;
+  }
+  return crossovers;
 }
 
 TierPolicy tuned_policy(const std::string& table_path, int tp_size, DType dtype, int64_t hidden_size,

@@ -1,11 +1,13 @@
 #include "latentmoe/weights.h"
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "latentmoe/error.h"
+#include "latentmoe/mxfp4.h"
 #include "latentmoe/random.h"
 
 namespace latentmoe {
@@ -106,11 +108,12 @@ HostTensor clone(const HostTensor& tensor) {
 
 class Loader {
  public:
-  Loader(const SafetensorsFile& file, std::string_view prefix) : file_(file), prefix_(prefix) {}
+  Loader(const Checkpoint& file, std::string_view prefix) : file_(file), prefix_(prefix) {}
 
   // The entry under `name` (or its alias), checked against `shape`; nullptr when absent and optional.
+  // A compute dtype is required, or U8 when `packed` (MXFP4 codes and scales).
   const SafetensorsEntry* find(const std::string& name, const std::vector<int64_t>& shape, bool required,
-                               const std::string& alias = "") const {
+                               const std::string& alias = "", bool packed = false) const {
     const std::string full_name = prefix_ + name;
     const SafetensorsEntry* entry = file_.find(full_name);
     std::string found_name = full_name;
@@ -129,9 +132,14 @@ class Loader {
                       ")");
       return nullptr;
     }
-    LATENTMOE_CHECK(is_compute_dtype(entry->dtype), file_.path(), ": tensor ", found_name, " has dtype ",
-                    dtype_name(entry->dtype), "; weights must be F32, BF16 or F16");
-    LATENTMOE_CHECK(entry->shape == shape, file_.path(), ": tensor ", found_name, " has shape ",
+    if (packed) {
+      LATENTMOE_CHECK(entry->dtype == DType::u8, file_.file_path(*entry), ": tensor ", found_name, " has dtype ",
+                      dtype_name(entry->dtype), "; MXFP4 weight_packed and weight_scale tensors must be U8");
+    } else {
+      LATENTMOE_CHECK(is_compute_dtype(entry->dtype), file_.file_path(*entry), ": tensor ", found_name, " has dtype ",
+                      dtype_name(entry->dtype), "; weights must be F32, BF16 or F16");
+    }
+    LATENTMOE_CHECK(entry->shape == shape, file_.file_path(*entry), ": tensor ", found_name, " has shape ",
                     shape_string(entry->shape), ", expected ", shape_string(shape));
     return entry;
   }
@@ -156,6 +164,15 @@ class Loader {
     }
   }
 
+  // An MXFP4 expert tensor of the file (U8, checked by find) under `prefix + name`.
+  const SafetensorsEntry* find_packed(const std::string& name, const std::vector<int64_t>& shape) const {
+    return find(name, shape, true, "", /*packed=*/true);
+  }
+
+  bool has(const std::string& name) const { return file_.find(prefix_ + name) != nullptr; }
+  std::string describe(const std::string& name) const { return file_.path() + ": tensor " + prefix_ + name; }
+  const std::string& prefix() const { return prefix_; }
+
   // A whole entry (already checked by find), converted to `dtype`; undefined when absent.
   HostTensor load_whole(const SafetensorsEntry* entry, DType dtype) const {
     if (entry == nullptr) return {};
@@ -165,13 +182,29 @@ class Loader {
   }
 
  private:
-  const SafetensorsFile& file_;
+  const Checkpoint& file_;  // one file, or the shards of a sharded checkpoint
   std::string prefix_;
 };
 
 std::string expert_name(int64_t expert, const char* projection) {
   return "experts." + std::to_string(expert) + "." + projection + ".weight";
 }
+
+// The Kimi K3 (compressed-tensors) names of an MXFP4 expert projection: w1 gate, w3 up, w2 down;
+// `part` is "weight_packed" or "weight_scale".
+std::string mxfp4_expert_name(int64_t expert, const char* projection, const char* part) {
+  return "experts." + std::to_string(expert) + "." + projection + "." + part;
+}
+
+// One expert projection under both naming schemes, for the error that says the file holds the other
+// format than the config declares.
+struct ExpertProjection {
+  const char* dense;  // gate_proj, up_proj, down_proj
+  const char* mxfp4;  // w1, w3, w2
+};
+constexpr ExpertProjection kGateProjection{"gate_proj", "w1"};
+constexpr ExpertProjection kUpProjection{"up_proj", "w3"};
+constexpr ExpertProjection kDownProjection{"down_proj", "w2"};
 
 // --- validation -------------------------------------------------------------------------------
 
@@ -207,12 +240,64 @@ HostTensor random_tensor(uint64_t seed, uint64_t field, DType dtype, std::vector
 
 float inverse_sqrt(int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(fan_in)); }
 
+// MXFP4 experts: every code uniform (a random byte holds two), every scale byte
+// 124 - floor(log2(fan_in) / 2) + {-1, 0, 1}: values of roughly the dense weights' U / sqrt(fan_in)
+// magnitude, and far inside the range where F32, BF16 and F16 hold them exactly.
+HostTensor random_codes(uint64_t seed, uint64_t field, std::vector<int64_t> shape) {
+  HostTensor tensor(DType::u8, std::move(shape));
+  SplitMix64 rng(field_seed(seed, field));
+  auto* bytes = tensor.data_as<uint8_t>();
+  for (int64_t i = 0; i < tensor.numel(); ++i) bytes[i] = static_cast<uint8_t>(rng.next() >> 56);
+  return tensor;
+}
+
+HostTensor random_scales(uint64_t seed, uint64_t field, std::vector<int64_t> shape, int64_t fan_in) {
+  HostTensor tensor(DType::u8, std::move(shape));
+  SplitMix64 rng(field_seed(seed, field));
+  const int base = 124 - (std::bit_width(static_cast<uint64_t>(fan_in)) - 1) / 2;
+  auto* bytes = tensor.data_as<uint8_t>();
+  for (int64_t i = 0; i < tensor.numel(); ++i)
+    bytes[i] = static_cast<uint8_t>(base + static_cast<int>(rng.next() % 3) - 1);
+  return tensor;
+}
+
+// A stacked MXFP4 tensor [E, rows, cols/2] with scales [E, rows, cols/32] as dense [E, rows, cols] in
+// `dtype`, every value checked to be held exactly.
+HostTensor dequantize_stack(const HostTensor& packed, const HostTensor& scales, DType dtype, const char* field) {
+  if (!packed.defined()) return {};
+  LATENTMOE_CHECK(packed.dtype() == DType::u8 && packed.shape().size() == 3, "dequantize: ", field,
+                  " must be U8 [E, rows, cols/2]");
+  const int64_t num_experts = packed.size(0), rows = packed.size(1), cols = 2 * packed.size(2);
+  const int64_t groups = cols / kMxfp4GroupSize;
+  LATENTMOE_CHECK(cols % kMxfp4GroupSize == 0 && scales.defined() && scales.dtype() == DType::u8 &&
+                      scales.shape() == (std::vector<int64_t>{num_experts, rows, groups}),
+                  "dequantize: ", field, "_scale must be U8 ", shape_string({num_experts, rows, groups}));
+  HostTensor result(dtype, {num_experts, rows, cols});
+  std::vector<double> row(static_cast<size_t>(cols));
+  for (int64_t e = 0; e < num_experts; ++e) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t index = e * rows + r;
+      mxfp4_decode_row(packed.data_as<uint8_t>() + index * (cols / 2), scales.data_as<uint8_t>() + index * groups, 0,
+                       cols, row.data());
+      for (int64_t c = 0; c < cols; ++c) {
+        const auto value = static_cast<float>(row[c]);
+        store_from_float(result.data(), dtype, index * cols + c, value);
+        LATENTMOE_CHECK(static_cast<double>(load_as_float(result.data(), dtype, index * cols + c)) == row[c],
+                        "dequantize: ", field, " value ", row[c], " of expert ", e, " at [", r, ", ", c,
+                        "] is not exactly representable in ", dtype_name(dtype));
+      }
+    }
+  }
+  return result;
+}
+
 }  // namespace
 
 LayerWeightViews views_of(const LayerWeights& weights) {
   auto view = [](const HostTensor& tensor) { return tensor.defined() ? tensor.view() : TensorView(); };
   LayerWeightViews views;
   views.dtype = weights.dtype;
+  views.experts_format = weights.experts_format;
   views.gate = view(weights.gate);
   views.score_bias = view(weights.score_bias);
   views.down_proj = view(weights.down_proj);
@@ -221,6 +306,9 @@ LayerWeightViews views_of(const LayerWeights& weights) {
   views.expert_gate = view(weights.expert_gate);
   views.expert_up = view(weights.expert_up);
   views.expert_down = view(weights.expert_down);
+  views.expert_gate_scale = view(weights.expert_gate_scale);
+  views.expert_up_scale = view(weights.expert_up_scale);
+  views.expert_down_scale = view(weights.expert_down_scale);
   views.shared_gate = view(weights.shared_gate);
   views.shared_up = view(weights.shared_up);
   views.shared_down = view(weights.shared_down);
@@ -253,17 +341,53 @@ void validate_layer_weights(const LayerWeightViews& weights, const LayerConfig& 
   check_field("latent_norm", weights.latent_norm, config.use_latent_norm ? Presence::required : Presence::absent,
               "latent_moe_use_norm is false", DType::f32, {l});
   check_field("up_proj", weights.up_proj, Presence::required, "", dt, {d, l});
-  check_field("expert_gate", weights.expert_gate, if_gated, "the activation is not gated", dt,
-              {num_experts, rank_i, l});
-  check_field("expert_up", weights.expert_up, Presence::required, "", dt, {num_experts, rank_i, l});
-  check_field("expert_down", weights.expert_down, Presence::required, "", dt, {num_experts, l, rank_i});
+  LATENTMOE_CHECK(weights.experts_format == config.experts_format, "layer weights: the experts are ",
+                  to_string(weights.experts_format), " but the config declares ", to_string(config.experts_format),
+                  " experts (quantization_config)");
+  if (config.has_mxfp4_experts()) {
+    LATENTMOE_CHECK(l % kMxfp4GroupSize == 0 && rank_i % kMxfp4GroupSize == 0, "layer weights: MXFP4 experts need ",
+                    "moe_latent_size (", l, ") and moe_intermediate_size / tp (", rank_i, ") to be multiples of ",
+                    kMxfp4GroupSize);
+    const int64_t l_groups = l / kMxfp4GroupSize, i_groups = rank_i / kMxfp4GroupSize;
+    check_field("expert_gate", weights.expert_gate, if_gated, "the activation is not gated", DType::u8,
+                {num_experts, rank_i, l / 2});
+    check_field("expert_up", weights.expert_up, Presence::required, "", DType::u8, {num_experts, rank_i, l / 2});
+    check_field("expert_down", weights.expert_down, Presence::required, "", DType::u8, {num_experts, l, rank_i / 2});
+    check_field("expert_gate_scale", weights.expert_gate_scale, if_gated, "the activation is not gated", DType::u8,
+                {num_experts, rank_i, l_groups});
+    check_field("expert_up_scale", weights.expert_up_scale, Presence::required, "", DType::u8,
+                {num_experts, rank_i, l_groups});
+    check_field("expert_down_scale", weights.expert_down_scale, Presence::required, "", DType::u8,
+                {num_experts, l, i_groups});
+    // Scales the host holds are checked for NaN here too (weights made in memory, not loaded).
+    auto check_scales = [num_experts](const char* field, const TensorView& scales) {
+      if (!scales.defined() || scales.device() != Device::cpu) return;
+      const int64_t rows = scales.size(1), groups = scales.size(2);
+      for (int64_t e = 0; e < num_experts; ++e) {
+        check_e8m0_scales(static_cast<const uint8_t*>(scales.data()) + e * rows * groups, rows, groups, groups,
+                          "layer weights: " + std::string(field) + " of expert " + std::to_string(e));
+      }
+    };
+    check_scales("expert_gate_scale", weights.expert_gate_scale);
+    check_scales("expert_up_scale", weights.expert_up_scale);
+    check_scales("expert_down_scale", weights.expert_down_scale);
+  } else {
+    check_field("expert_gate", weights.expert_gate, if_gated, "the activation is not gated", dt,
+                {num_experts, rank_i, l});
+    check_field("expert_up", weights.expert_up, Presence::required, "", dt, {num_experts, rank_i, l});
+    check_field("expert_down", weights.expert_down, Presence::required, "", dt, {num_experts, l, rank_i});
+    const char* dense_reason = "the experts are dense (no MXFP4 quantization_config)";
+    check_field("expert_gate_scale", weights.expert_gate_scale, Presence::absent, dense_reason, DType::u8, {});
+    check_field("expert_up_scale", weights.expert_up_scale, Presence::absent, dense_reason, DType::u8, {});
+    check_field("expert_down_scale", weights.expert_down_scale, Presence::absent, dense_reason, DType::u8, {});
+  }
   check_field("shared_gate", weights.shared_gate, if_shared_gated,
               shared ? "the activation is not gated" : "the layer has no shared expert", dt, {rank_is, d});
   check_field("shared_up", weights.shared_up, if_shared, "the layer has no shared expert", dt, {rank_is, d});
   check_field("shared_down", weights.shared_down, if_shared, "the layer has no shared expert", dt, {d, rank_is});
 }
 
-LayerWeights load_layer_weights(const SafetensorsFile& file, const LayerConfig& config, std::string_view prefix,
+LayerWeights load_layer_weights(const Checkpoint& file, const LayerConfig& config, std::string_view prefix,
                                 const ParallelConfig& parallel, DType dtype) {
   validate_parallel(config, parallel);
   LATENTMOE_CHECK(is_compute_dtype(dtype), file.path(), ": cannot load weights as ", dtype_name(dtype),
@@ -286,10 +410,31 @@ LayerWeights load_layer_weights(const SafetensorsFile& file, const LayerConfig& 
   const SafetensorsEntry* latent_norm =
       config.use_latent_norm ? loader.find("routed_expert_norm.weight", {l}, true) : nullptr;
   const SafetensorsEntry* up_proj = loader.find("routed_expert_up_proj.weight", {d, l}, true, "fc2_latent_proj.weight");
+  const bool mxfp4 = config.has_mxfp4_experts();
+  const int64_t l_groups = l / kMxfp4GroupSize, full_i_groups = full_i / kMxfp4GroupSize;
+  const int64_t rank_i_groups = rank_i / kMxfp4GroupSize;
+  // An expert projection of `rows` x `cols` (dense) or its packed codes and scales (MXFP4). A file
+  // in the other format than the config declares is named as such rather than as a missing tensor.
+  auto check_expert = [&](int64_t e, const ExpertProjection& projection, int64_t rows, int64_t cols) {
+    const std::string dense = expert_name(e, projection.dense);
+    const std::string packed = mxfp4_expert_name(e, projection.mxfp4, "weight_packed");
+    if (mxfp4) {
+      LATENTMOE_CHECK(loader.has(packed) || !loader.has(dense), file.path(),
+                      ": the config declares MXFP4 experts (quantization_config) but the file holds dense expert ",
+                      "tensors: ", loader.prefix(), dense, " instead of ", loader.prefix(), packed);
+      loader.find_packed(packed, {rows, cols / 2});
+      loader.find_packed(mxfp4_expert_name(e, projection.mxfp4, "weight_scale"), {rows, cols / kMxfp4GroupSize});
+    } else {
+      LATENTMOE_CHECK(loader.has(dense) || !loader.has(packed), file.path(), ": the file holds MXFP4 expert tensors (",
+                      loader.prefix(), packed, ") but the config declares dense experts (no quantization_config ",
+                      "covering them); expected ", loader.prefix(), dense);
+      loader.find(dense, {rows, cols}, true);
+    }
+  };
   for (int64_t e = 0; e < num_experts; ++e) {
-    if (gated) loader.find(expert_name(e, "gate_proj"), {full_i, l}, true);
-    loader.find(expert_name(e, "up_proj"), {full_i, l}, true);
-    loader.find(expert_name(e, "down_proj"), {l, full_i}, true);
+    if (gated) check_expert(e, kGateProjection, full_i, l);
+    check_expert(e, kUpProjection, full_i, l);
+    check_expert(e, kDownProjection, l, full_i);
   }
   const SafetensorsEntry* shared_gate =
       shared && gated ? loader.find("shared_experts.gate_proj.weight", {full_is, d}, true) : nullptr;
@@ -308,18 +453,54 @@ LayerWeights load_layer_weights(const SafetensorsFile& file, const LayerConfig& 
 
   // Stacked experts: each rank copies only its rows of gate/up and its columns of down (the
   // entries were checked above; find() returns the same ones again).
-  if (gated) weights.expert_gate = HostTensor(dtype, {num_experts, rank_i, l});
-  weights.expert_up = HostTensor(dtype, {num_experts, rank_i, l});
-  weights.expert_down = HostTensor(dtype, {num_experts, l, rank_i});
-  for (int64_t e = 0; e < num_experts; ++e) {
+  if (mxfp4) {
+    weights.experts_format = ExpertWeightFormat::mxfp4;
     if (gated) {
-      const SafetensorsEntry* expert_gate = loader.find(expert_name(e, "gate_proj"), {full_i, l}, true);
-      loader.copy_rows(*expert_gate, i_begin, i_begin + rank_i, weights.expert_gate, e * rank_i * l);
+      weights.expert_gate = HostTensor(DType::u8, {num_experts, rank_i, l / 2});
+      weights.expert_gate_scale = HostTensor(DType::u8, {num_experts, rank_i, l_groups});
     }
-    const SafetensorsEntry* up = loader.find(expert_name(e, "up_proj"), {full_i, l}, true);
-    loader.copy_rows(*up, i_begin, i_begin + rank_i, weights.expert_up, e * rank_i * l);
-    const SafetensorsEntry* down = loader.find(expert_name(e, "down_proj"), {l, full_i}, true);
-    loader.copy_cols(*down, i_begin, i_begin + rank_i, weights.expert_down, e * l * rank_i);
+    weights.expert_up = HostTensor(DType::u8, {num_experts, rank_i, l / 2});
+    weights.expert_up_scale = HostTensor(DType::u8, {num_experts, rank_i, l_groups});
+    weights.expert_down = HostTensor(DType::u8, {num_experts, l, rank_i / 2});
+    weights.expert_down_scale = HostTensor(DType::u8, {num_experts, l, rank_i_groups});
+    // Gate/up: rows [i_begin, i_begin + I_r) of codes and scales. Down: the same input columns, i.e.
+    // packed columns [i_begin/2, ...) and scale columns [i_begin/32, ...) (whole groups: I_r % 32 == 0).
+    auto copy_rows_projection = [&](int64_t e, const char* projection, const HostTensor& packed,
+                                    const HostTensor& scales) {
+      loader.copy_rows(*loader.find_packed(mxfp4_expert_name(e, projection, "weight_packed"), {full_i, l / 2}), i_begin,
+                       i_begin + rank_i, packed, e * rank_i * (l / 2));
+      const std::string scale_name = mxfp4_expert_name(e, projection, "weight_scale");
+      loader.copy_rows(*loader.find_packed(scale_name, {full_i, l_groups}), i_begin, i_begin + rank_i, scales,
+                       e * rank_i * l_groups);
+      check_e8m0_scales(scales.data_as<uint8_t>() + e * rank_i * l_groups, rank_i, l_groups, l_groups,
+                        loader.describe(scale_name), i_begin, 0);
+    };
+    for (int64_t e = 0; e < num_experts; ++e) {
+      if (gated) copy_rows_projection(e, kGateProjection.mxfp4, weights.expert_gate, weights.expert_gate_scale);
+      copy_rows_projection(e, kUpProjection.mxfp4, weights.expert_up, weights.expert_up_scale);
+      loader.copy_cols(
+          *loader.find_packed(mxfp4_expert_name(e, kDownProjection.mxfp4, "weight_packed"), {l, full_i / 2}),
+          i_begin / 2, (i_begin + rank_i) / 2, weights.expert_down, e * l * (rank_i / 2));
+      const std::string scale_name = mxfp4_expert_name(e, kDownProjection.mxfp4, "weight_scale");
+      loader.copy_cols(*loader.find_packed(scale_name, {l, full_i_groups}), i_begin / kMxfp4GroupSize,
+                       i_begin / kMxfp4GroupSize + rank_i_groups, weights.expert_down_scale, e * l * rank_i_groups);
+      check_e8m0_scales(weights.expert_down_scale.data_as<uint8_t>() + e * l * rank_i_groups, l, rank_i_groups,
+                        rank_i_groups, loader.describe(scale_name), 0, i_begin / kMxfp4GroupSize);
+    }
+  } else {
+    if (gated) weights.expert_gate = HostTensor(dtype, {num_experts, rank_i, l});
+    weights.expert_up = HostTensor(dtype, {num_experts, rank_i, l});
+    weights.expert_down = HostTensor(dtype, {num_experts, l, rank_i});
+    for (int64_t e = 0; e < num_experts; ++e) {
+      if (gated) {
+        const SafetensorsEntry* expert_gate = loader.find(expert_name(e, "gate_proj"), {full_i, l}, true);
+        loader.copy_rows(*expert_gate, i_begin, i_begin + rank_i, weights.expert_gate, e * rank_i * l);
+      }
+      const SafetensorsEntry* up = loader.find(expert_name(e, "up_proj"), {full_i, l}, true);
+      loader.copy_rows(*up, i_begin, i_begin + rank_i, weights.expert_up, e * rank_i * l);
+      const SafetensorsEntry* down = loader.find(expert_name(e, "down_proj"), {l, full_i}, true);
+      loader.copy_cols(*down, i_begin, i_begin + rank_i, weights.expert_down, e * l * rank_i);
+    }
   }
 
   if (shared_gate != nullptr) {
@@ -351,16 +532,40 @@ LayerWeights shard_layer_weights(const LayerWeights& full, const LayerConfig& co
   shard.down_proj = clone(full.down_proj);
   shard.latent_norm = clone(full.latent_norm);
   shard.up_proj = clone(full.up_proj);
-  if (full.expert_gate.defined()) shard.expert_gate = HostTensor(dtype, {num_experts, rank_i, l});
-  shard.expert_up = HostTensor(dtype, {num_experts, rank_i, l});
-  shard.expert_down = HostTensor(dtype, {num_experts, l, rank_i});
-  for (int64_t e = 0; e < num_experts; ++e) {
-    if (full.expert_gate.defined()) {
-      copy_row_block(full.expert_gate, e * full_i * l, l, i_begin, i_begin + rank_i, shard.expert_gate, e * rank_i * l);
+  shard.experts_format = full.experts_format;
+  // Expert e's rows [i_begin, i_begin + I_r) of a [E, I, cols] tensor and its columns
+  // [col_begin, col_begin + width) of a [E, l, full_cols] tensor, whatever the element type (MXFP4
+  // codes and scales are U8 with cols = l/2 or l/32, and full_cols = I/2 or I/32).
+  auto shard_rows = [&](const HostTensor& source, int64_t cols) {
+    if (!source.defined()) return HostTensor();
+    HostTensor result(source.dtype(), {num_experts, rank_i, cols});
+    for (int64_t e = 0; e < num_experts; ++e) {
+      copy_row_block(source, e * full_i * cols, cols, i_begin, i_begin + rank_i, result, e * rank_i * cols);
     }
-    copy_row_block(full.expert_up, e * full_i * l, l, i_begin, i_begin + rank_i, shard.expert_up, e * rank_i * l);
-    copy_col_block(full.expert_down, e * l * full_i, l, full_i, i_begin, i_begin + rank_i, shard.expert_down,
-                   e * l * rank_i);
+    return result;
+  };
+  auto shard_cols = [&](const HostTensor& source, int64_t full_cols, int64_t col_begin, int64_t width) {
+    if (!source.defined()) return HostTensor();
+    HostTensor result(source.dtype(), {num_experts, l, width});
+    for (int64_t e = 0; e < num_experts; ++e) {
+      copy_col_block(source, e * l * full_cols, l, full_cols, col_begin, col_begin + width, result, e * l * width);
+    }
+    return result;
+  };
+  if (full.experts_format == ExpertWeightFormat::mxfp4) {
+    // validate_parallel made I_r a multiple of 32, so a rank's columns of w2 are whole scale groups.
+    const int64_t l_groups = l / kMxfp4GroupSize;
+    shard.expert_gate = shard_rows(full.expert_gate, l / 2);
+    shard.expert_up = shard_rows(full.expert_up, l / 2);
+    shard.expert_down = shard_cols(full.expert_down, full_i / 2, i_begin / 2, rank_i / 2);
+    shard.expert_gate_scale = shard_rows(full.expert_gate_scale, l_groups);
+    shard.expert_up_scale = shard_rows(full.expert_up_scale, l_groups);
+    shard.expert_down_scale = shard_cols(full.expert_down_scale, full_i / kMxfp4GroupSize, i_begin / kMxfp4GroupSize,
+                                         rank_i / kMxfp4GroupSize);
+  } else {
+    shard.expert_gate = shard_rows(full.expert_gate, l);
+    shard.expert_up = shard_rows(full.expert_up, l);
+    shard.expert_down = shard_cols(full.expert_down, full_i, i_begin, rank_i);
   }
   if (full.shared_gate.defined()) {
     shard.shared_gate = HostTensor(dtype, {rank_is, d});
@@ -389,7 +594,23 @@ void save_layer_weights(const std::string& path, const LayerWeights& full, const
   add("routed_expert_down_proj.weight", full.down_proj);
   add("routed_expert_norm.weight", full.latent_norm);
   add("routed_expert_up_proj.weight", full.up_proj);
-  for (int64_t e = 0; e < config.num_experts; ++e) {
+  if (full.experts_format == ExpertWeightFormat::mxfp4) {
+    // Kimi K3's names: per expert w1 (gate), w3 (up), w2 (down), each its codes then its scales.
+    auto add_expert = [&](int64_t e, const char* projection, const HostTensor& packed, const HostTensor& scales,
+                          int64_t rows, int64_t cols) {
+      if (!packed.defined()) return;
+      tensors.emplace_back(p + mxfp4_expert_name(e, projection, "weight_packed"),
+                           packed.view().slice_rows(e, e + 1).reshaped({rows, cols / 2}));
+      tensors.emplace_back(p + mxfp4_expert_name(e, projection, "weight_scale"),
+                           scales.view().slice_rows(e, e + 1).reshaped({rows, cols / kMxfp4GroupSize}));
+    };
+    for (int64_t e = 0; e < config.num_experts; ++e) {
+      add_expert(e, kGateProjection.mxfp4, full.expert_gate, full.expert_gate_scale, full_i, l);
+      add_expert(e, kUpProjection.mxfp4, full.expert_up, full.expert_up_scale, full_i, l);
+      add_expert(e, kDownProjection.mxfp4, full.expert_down, full.expert_down_scale, l, full_i);
+    }
+  }
+  for (int64_t e = 0; e < config.num_experts && full.experts_format == ExpertWeightFormat::dense; ++e) {
     if (full.expert_gate.defined()) {
       tensors.emplace_back(p + expert_name(e, "gate_proj"),
                            full.expert_gate.view().slice_rows(e, e + 1).reshaped({full_i, l}));
@@ -420,16 +641,59 @@ LayerWeights make_random_layer_weights(const LayerConfig& config, DType dtype, u
   weights.down_proj = random_tensor(seed, 3, dtype, {l, d}, inverse_sqrt(d), 0);
   if (config.use_latent_norm) weights.latent_norm = random_tensor(seed, 4, DType::f32, {l}, 0.25f, 1.0f);
   weights.up_proj = random_tensor(seed, 5, dtype, {d, l}, inverse_sqrt(l), 0);
-  if (config.is_gated())
-    weights.expert_gate = random_tensor(seed, 6, dtype, {num_experts, full_i, l}, inverse_sqrt(l), 0);
-  weights.expert_up = random_tensor(seed, 7, dtype, {num_experts, full_i, l}, inverse_sqrt(l), 0);
-  weights.expert_down = random_tensor(seed, 8, dtype, {num_experts, l, full_i}, inverse_sqrt(full_i), 0);
+  if (config.has_mxfp4_experts()) {
+    weights.experts_format = ExpertWeightFormat::mxfp4;
+    const int64_t l_groups = l / kMxfp4GroupSize, i_groups = full_i / kMxfp4GroupSize;
+    if (config.is_gated()) {
+      weights.expert_gate = random_codes(seed, 6, {num_experts, full_i, l / 2});
+      weights.expert_gate_scale = random_scales(seed, 12, {num_experts, full_i, l_groups}, l);
+    }
+    weights.expert_up = random_codes(seed, 7, {num_experts, full_i, l / 2});
+    weights.expert_up_scale = random_scales(seed, 13, {num_experts, full_i, l_groups}, l);
+    weights.expert_down = random_codes(seed, 8, {num_experts, l, full_i / 2});
+    weights.expert_down_scale = random_scales(seed, 14, {num_experts, l, i_groups}, full_i);
+  } else {
+    if (config.is_gated())
+      weights.expert_gate = random_tensor(seed, 6, dtype, {num_experts, full_i, l}, inverse_sqrt(l), 0);
+    weights.expert_up = random_tensor(seed, 7, dtype, {num_experts, full_i, l}, inverse_sqrt(l), 0);
+    weights.expert_down = random_tensor(seed, 8, dtype, {num_experts, l, full_i}, inverse_sqrt(full_i), 0);
+  }
   if (config.has_shared_expert()) {
     if (config.is_gated()) weights.shared_gate = random_tensor(seed, 9, dtype, {full_is, d}, inverse_sqrt(d), 0);
     weights.shared_up = random_tensor(seed, 10, dtype, {full_is, d}, inverse_sqrt(d), 0);
     weights.shared_down = random_tensor(seed, 11, dtype, {d, full_is}, inverse_sqrt(full_is), 0);
   }
   return weights;
+}
+
+LayerWeights dequantize_layer_weights(const LayerWeights& weights) {
+  LayerWeights result;
+  result.dtype = weights.dtype;
+  result.gate = clone(weights.gate);
+  result.score_bias = clone(weights.score_bias);
+  result.down_proj = clone(weights.down_proj);
+  result.latent_norm = clone(weights.latent_norm);
+  result.up_proj = clone(weights.up_proj);
+  result.shared_gate = clone(weights.shared_gate);
+  result.shared_up = clone(weights.shared_up);
+  result.shared_down = clone(weights.shared_down);
+  if (weights.experts_format == ExpertWeightFormat::dense) {
+    result.expert_gate = clone(weights.expert_gate);
+    result.expert_up = clone(weights.expert_up);
+    result.expert_down = clone(weights.expert_down);
+    return result;
+  }
+  LATENTMOE_CHECK(is_compute_dtype(weights.dtype), "dequantize: dtype ", dtype_name(weights.dtype),
+                  " is not a compute dtype (F32, BF16, F16)");
+  result.expert_gate = dequantize_stack(weights.expert_gate, weights.expert_gate_scale, weights.dtype, "expert_gate");
+  result.expert_up = dequantize_stack(weights.expert_up, weights.expert_up_scale, weights.dtype, "expert_up");
+  result.expert_down = dequantize_stack(weights.expert_down, weights.expert_down_scale, weights.dtype, "expert_down");
+  return result;
+}
+
+LayerWeights load_layer_weights(const SafetensorsFile& file, const LayerConfig& config, std::string_view prefix,
+                                const ParallelConfig& parallel, DType dtype) {
+  return load_layer_weights(Checkpoint::view(file), config, prefix, parallel, dtype);
 }
 
 }  // namespace latentmoe

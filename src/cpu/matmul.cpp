@@ -4,8 +4,12 @@
 #include <cstring>
 #include <vector>
 
+#include "latentmoe/mxfp4.h"
+
 // The kernel is compiled twice on x86-64 (AVX2 and baseline), picked at load time. Both clones do
-// the same IEEE operations in the same order, so their results are bit-identical.
+// the same IEEE operations in the same order, so their results are bit-identical. Not under
+// ThreadSanitizer: the clone's resolver runs while the dynamic loader relocates, before the TSan
+// runtime exists, and its instrumented entry crashes the process before main.
 #if defined(__has_feature)
 #if __has_feature(thread_sanitizer)
 #define LATENTMOE_CPU_UNDER_TSAN 1
@@ -109,28 +113,48 @@ void to_double(const float* in, int64_t count, double* out) {
   for (int64_t i = 0; i < count; ++i) out[i] = in[i];
 }
 
-}  // namespace
-
-void matmul_nt(const float* x, int64_t rows, const Matrix& w, double* y) {
-  const int64_t k = w.cols;
-  const int64_t n = w.rows;
+// y = x · w^T for w of n rows of length k, whose rows [c0, c1) `load_block(c0, c1, out)` writes as
+// contiguous doubles.
+template <class LoadBlock>
+void matmul_blocks(const float* x, int64_t rows, int64_t n, int64_t k, LoadBlock load_block, double* y) {
   if (rows == 0 || n == 0) return;
   const int64_t block_rows = std::clamp<int64_t>(kBlockDoubles / std::max<int64_t>(k, 1), 1, n);
   const int64_t tile_rows = std::min(
       rows, std::max(kRowsPerKernel, kTileDoubles / std::max<int64_t>(k, 1) / kRowsPerKernel * kRowsPerKernel));
-  std::vector<float> block_floats(static_cast<size_t>(block_rows * k));
-  std::vector<double> block(block_floats.size());
+  std::vector<double> block(static_cast<size_t>(block_rows * k));
   std::vector<double> tile(static_cast<size_t>(tile_rows * k));
   for (int64_t c0 = 0; c0 < n; c0 += block_rows) {
     const int64_t c1 = std::min(n, c0 + block_rows);
-    load_rows(w, c0, c1, block_floats.data());
-    to_double(block_floats.data(), (c1 - c0) * k, block.data());
+    load_block(c0, c1, block.data());
     for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
       const int64_t r1 = std::min(rows, r0 + tile_rows);
       to_double(x + r0 * k, (r1 - r0) * k, tile.data());
       multiply_tile(tile.data(), r1 - r0, block.data(), c1 - c0, k, y + r0 * n + c0, n);
     }
   }
+}
+
+}  // namespace
+
+void matmul_nt(const float* x, int64_t rows, const Matrix& w, double* y) {
+  const int64_t k = w.cols;
+  std::vector<float> block_floats;
+  auto load_block = [&](int64_t c0, int64_t c1, double* out) {
+    block_floats.resize(static_cast<size_t>((c1 - c0) * k));
+    load_rows(w, c0, c1, block_floats.data());
+    to_double(block_floats.data(), (c1 - c0) * k, out);
+  };
+  matmul_blocks(x, rows, w.rows, k, load_block, y);
+}
+
+void matmul_nt(const float* x, int64_t rows, const Mxfp4Matrix& w, double* y) {
+  const int64_t k = w.cols;
+  auto load_block = [&](int64_t c0, int64_t c1, double* out) {
+    for (int64_t c = c0; c < c1; ++c) {
+      mxfp4_decode_row(w.packed + c * w.packed_stride, w.scales + c * w.scale_stride, 0, k, out + (c - c0) * k);
+    }
+  };
+  matmul_blocks(x, rows, w.rows, k, load_block, y);
 }
 
 }  // namespace latentmoe::detail::cpu

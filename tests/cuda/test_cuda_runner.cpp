@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "cuda_test_util.h"
+#include "latentmoe/error.h"
 #include "latentmoe/in_process_group.h"
 #include "latentmoe/runner.h"
 #include "latentmoe/weights.h"
@@ -33,6 +34,25 @@ LayerOutputs run_layer(BackendKind kind, const LayerConfig& config, const LayerW
   if (logits != nullptr) inputs.router_logits = logits->view();
   runner.forward_host(inputs, ForwardOutputs{out.output.view(), out.ids.view(), out.weights.view()});
   return out;
+}
+
+// MXFP4 routed experts (issue 16) have no CUDA kernels yet: building the runner is one clear error,
+// never a silent fallback.
+TEST(CudaRunner, mxfp4_experts_are_refused_when_the_runner_is_built) {
+  LATENTMOE_REQUIRE_GPU();
+  LayerConfig config = resized(kimi_k3_config(), {40, 64, 6, 3, 256, 40});
+  config.experts_format = ExpertWeightFormat::mxfp4;
+  const LayerWeights weights = make_random_layer_weights(config, DType::bf16, 3);
+  auto group = make_in_process_group(1);
+  RunnerOptions options;
+  options.backend = BackendKind::cuda;
+  options.max_tokens = 8;
+  try {
+    Runner runner(config, ParallelConfig{}, weights, *group[0], options);
+    ADD_FAILURE() << "the CUDA runner accepted MXFP4 experts";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("does not run MXFP4 experts yet"), std::string::npos) << error.what();
+  }
 }
 
 TEST(CudaRunner, tp1_layer_matches_the_cpu_runner) {

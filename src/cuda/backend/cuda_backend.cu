@@ -250,6 +250,10 @@ void CudaBackend::copy(const TensorView& src, const TensorView& dst) {
 }
 
 void CudaBackend::prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) {
+  // No silent fallback: the MXFP4 kernels are not written yet, and dequantising to a dense copy would
+  // need four times the experts' memory.
+  LATENTMOE_CHECK(!config.has_mxfp4_experts(),
+                  "the CUDA backend does not run MXFP4 experts yet (issue 16); run them on the CPU backend");
   LATENTMOE_CHECK(tp_size >= 1, "CUDA prepare: tp_size ", tp_size, " must be positive");
   LATENTMOE_CHECK(is_compute_dtype(dtype), "CUDA prepare: ", dtype_name(dtype), " is not a compute dtype");
   // The kernels' own limits, reported when the runner is built rather than at the first forward.

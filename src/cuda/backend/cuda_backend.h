@@ -102,6 +102,12 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
                               const TensorView& gamma, float eps, const TensorView& latent_out,
                               const TensorView& shared_shard_out) override;
 
+  // With a GPU group (tier_support.cpp): every tier bounded by the tokens its widest one-shot message
+  // fits in the group's receive region, and none when the group carries another dtype; otherwise the
+  // default (the communicator's collectives, unbounded).
+  TierSupport tier_support(const LayerConfig& config, DType dtype, int tp_size,
+                           const Communicator& comm) const override;
+
   // Up to how many rows (tokens) linear, dense_mlp and routed_experts may run on the skinny kernels
   // (cuda/gemm/skinny_gemm.h) instead of cuBLASLt and the grouped GEMMs: 0..kSkinnyMaxRows (8, the default);
   // 0 turns them off (the benchmark compares both). Throws Error outside that range. Within it a call

@@ -1,0 +1,285 @@
+// latentmoe tune: measures the tail tiers' crossovers on this machine and writes a latentmoe-tune-1
+// table (latentmoe/tune.h) that `latentmoe run --tune-file` and LATENTMOE_TUNE_FILE load.
+//
+// Method: for each tp and token count, every tier that the runners support is forced and timed
+// through the public path `latentmoe run --tp N` takes (run_local_group: ranks as threads on the CPU,
+// ranks simulated on one GPU on CUDA) on seeded random weights and inputs: warm-up calls, then the
+// median of the repeats, the slowest rank's. derive_crossovers turns the times into the policy's two
+// thresholds (a pure function, tested on its own); one entry per (tp, dtype, d, l).
+// Every option is checked, and the output's directory probed, before anything is measured; the table
+// is written atomically at the end, so a failure leaves no file.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "commands.h"
+#include "latentmoe/config.h"
+#include "latentmoe/error.h"
+#include "latentmoe/local_group.h"
+#include "latentmoe/presets.h"
+#include "latentmoe/random.h"
+#include "latentmoe/tune.h"
+#include "latentmoe/weights.h"
+
+#ifdef LATENTMOE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace latentmoe::tools {
+namespace {
+
+constexpr TailTier kTiers[] = {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
+                               TailTier::column_parallel};
+constexpr int64_t kMaxTokens = int64_t{1} << 20;
+// On the CPU the presets are scaled down by this much unless --scale says otherwise: kimi-k3 at full
+// size is ~60 GB of weights, and the reference backend is slow by design.
+constexpr int kCpuDefaultScale = 32;
+
+struct TuneArguments {
+  std::string preset = "kimi-k3";
+  std::string config_path;
+  int scale = 0;  // 0: 1 on CUDA or with --config, kCpuDefaultScale for a preset on the CPU
+  std::vector<int> tp_sizes{2, 4, 8};
+  std::string dtype = "bf16";
+  std::string backend = "auto";
+  std::vector<int64_t> tokens;  // empty: the backend's default
+  std::vector<std::string> tiers{"native", "tail_fusion", "allreduce_overlap", "column_parallel"};
+  int repeats = 0;  // 0: the backend's default
+  int warmup = -1;  // -1: the backend's default
+  std::string output;
+  std::string machine;  // empty: described from the CPU model or the GPU name
+  uint64_t seed = 2026;
+};
+
+DType parse_tune_dtype(const std::string& name) {
+  if (name == "bf16") return DType::bf16;
+  if (name == "f16") return DType::f16;
+  if (name == "f32") return DType::f32;
+  detail::throw_error("--dtype '", name, "' is not bf16, f16 or f32");
+}
+
+// The layer to tune: a preset (scaled down by `scale`: d, l, E, I and Is divided by it, top_k capped
+// at E) or a config file (as given, unless --scale).
+LayerConfig tune_layer(const TuneArguments& args, int scale, std::string& label) {
+  LayerConfig config = args.config_path.empty() ? preset_config(args.preset) : LayerConfig::from_file(args.config_path);
+  label = args.config_path.empty() ? args.preset : args.config_path;
+  if (scale == 1) {
+    config.validate();
+    return config;
+  }
+  const std::pair<const char*, int64_t> sizes[] = {{"hidden_size", config.hidden_size},
+                                                   {"latent_size", config.latent_size},
+                                                   {"num_experts", config.num_experts},
+                                                   {"intermediate_size", config.intermediate_size},
+                                                   {"shared_intermediate_size", config.shared_intermediate_size}};
+  for (const auto& [name, size] : sizes) {
+    LATENTMOE_CHECK(size % scale == 0, "--scale ", scale, " does not divide ", name, " ", size, " of ", label);
+  }
+  label += " / " + std::to_string(scale);
+  const int64_t experts = config.num_experts / scale;
+  return resized(config,
+                 {config.hidden_size / scale, config.latent_size / scale, experts, std::min(config.top_k, experts),
+                  config.intermediate_size / scale, config.shared_intermediate_size / scale});
+}
+
+// Refuses, before anything is measured, an output that could not be written at the end.
+void check_output_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  LATENTMOE_CHECK(!path.empty(), "--output is required");
+  const fs::path target(path);
+  LATENTMOE_CHECK(!target.filename().empty(), path, ": not a file path");
+  std::error_code ec;
+  if (fs::exists(target, ec)) {
+    LATENTMOE_CHECK(fs::is_regular_file(target, ec), path,
+                    ": exists and is not a regular file; refusing to replace it");
+  }
+  const fs::path directory = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  LATENTMOE_CHECK(fs::is_directory(directory, ec), path, ": directory ", directory.string(), " does not exist");
+  LATENTMOE_CHECK(::access(directory.c_str(), W_OK | X_OK) == 0, path, ": directory ", directory.string(),
+                  " is not writable");
+}
+
+std::string describe_machine(BackendKind backend) {
+  if (backend == BackendKind::cuda) {
+#ifdef LATENTMOE_WITH_CUDA
+    cudaDeviceProp properties{};
+    if (cudaGetDeviceProperties(&properties, 0) == cudaSuccess) {
+      return std::string(properties.name) + ", tp ranks simulated on one GPU (no NVLink cost)";
+    }
+#endif
+    return "CUDA GPU, tp ranks simulated on one GPU (no NVLink cost)";
+  }
+  std::string model;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; model.empty() && std::getline(cpuinfo, line);) {
+    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
+      model = line.substr(line.find(':') + 1);
+      model.erase(0, model.find_first_not_of(" \t"));
+    }
+  }
+  if (model.empty()) model = "CPU";
+  return model + ", " + std::to_string(std::thread::hardware_concurrency()) +
+         " hardware threads, CPU reference backend (tp ranks as threads)";
+}
+
+std::string format_ms(const std::optional<double>& ms) {
+  if (!ms) return "-";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.4f", *ms);
+  return text;
+}
+
+void run_tune(const TuneArguments& args) {
+  // 1. Every option, before any work.
+  const DType dtype = parse_tune_dtype(args.dtype);
+  const BackendKind backend = resolve_backend_kind(parse_backend_kind(args.backend));
+  const bool cpu = backend == BackendKind::cpu;
+  std::vector<TailTier> timed_tiers;
+  for (const std::string& name : args.tiers) timed_tiers.push_back(parse_tail_tier(name));
+  const int scale = args.scale > 0 ? args.scale : (cpu && args.config_path.empty() ? kCpuDefaultScale : 1);
+  std::string label;
+  const LayerConfig config = tune_layer(args, scale, label);
+
+  std::vector<int> tp_sizes = args.tp_sizes;
+  LATENTMOE_CHECK(!tp_sizes.empty(), "--tp needs at least one tp size");
+  std::sort(tp_sizes.begin(), tp_sizes.end());
+  tp_sizes.erase(std::unique(tp_sizes.begin(), tp_sizes.end()), tp_sizes.end());
+  for (int tp : tp_sizes) {
+    LATENTMOE_CHECK(tp >= 2, "--tp ", tp, ": one rank runs only the native tier, there is nothing to tune");
+    validate_parallel(config, ParallelConfig{tp, 0, false});
+  }
+
+  std::vector<int64_t> tokens = args.tokens;
+  if (tokens.empty()) {
+    const int64_t largest = cpu ? 64 : 4096;  // the CPU reference: seconds, not minutes
+    for (int64_t t = 1; t <= largest; t *= 2) tokens.push_back(t);
+  }
+  std::sort(tokens.begin(), tokens.end());
+  tokens.erase(std::unique(tokens.begin(), tokens.end()), tokens.end());
+  for (int64_t t : tokens) {
+    LATENTMOE_CHECK(t >= 1 && t <= kMaxTokens, "--tokens: ", t, " is outside 1..", kMaxTokens);
+  }
+  // The command line checked the ranges of the values given; 0 and -1 stand for the defaults.
+  const int repeats = args.repeats > 0 ? args.repeats : (cpu ? 5 : 20);
+  const int warmup = args.warmup >= 0 ? args.warmup : (cpu ? 1 : 3);
+  check_output_path(args.output);
+
+  TuneTable table;
+  table.machine = args.machine.empty() ? describe_machine(backend) : args.machine;
+
+  // 2. The measurements.
+  std::printf("# latentmoe tune: %s (d %lld, l %lld, E %lld, k %lld, I %lld, Is %lld), %s, %s backend\n", label.c_str(),
+              static_cast<long long>(config.hidden_size), static_cast<long long>(config.latent_size),
+              static_cast<long long>(config.num_experts), static_cast<long long>(config.top_k),
+              static_cast<long long>(config.intermediate_size), static_cast<long long>(config.shared_intermediate_size),
+              args.dtype.c_str(), std::string(to_string(backend)).c_str());
+  std::printf("# machine: %s\n", table.machine.c_str());
+  std::printf("# ms per forward: the median of %d calls after %d warm-up(s), the slowest rank's; '-': not run\n",
+              repeats, warmup);
+  if (cpu) {
+    std::printf(
+        "# note: CPU timings are noisy (threads share cores with everything else); the crossovers follow the\n"
+        "#       measured medians exactly, so rerun with more --repeats where they look off\n");
+  } else {
+    std::printf("# note: ranks share one GPU, so NVLink costs are missing; times include forward_host's staging\n");
+  }
+  std::fflush(stdout);
+
+  const LayerWeights full = make_random_layer_weights(config, dtype, args.seed, /*with_gate=*/false);
+  auto shard_of = [&](const ParallelConfig& parallel) { return shard_layer_weights(full, config, parallel); };
+  for (int tp : tp_sizes) {
+    if (!cpu) std::fprintf(stderr, "latentmoe tune: tp %d on the CUDA backend: %d ranks simulated on GPU 0\n", tp, tp);
+    std::printf("\n# tp %d\n%8s", tp, "tokens");
+    for (TailTier tier : kTiers) std::printf(" %18s", std::string(to_string(tier)).c_str());
+    std::printf("  fastest\n");
+    std::vector<TierTimes> rows;
+    for (int64_t num_tokens : tokens) {
+      LocalGroupInputs inputs;
+      const uint64_t input_seed = args.seed + 1000 * static_cast<uint64_t>(num_tokens);
+      inputs.hidden_states = random_uniform_tensor(dtype, {num_tokens, config.hidden_size}, input_seed);
+      inputs.router_logits =
+          random_uniform_tensor(DType::f32, {num_tokens, config.num_router_outputs()}, input_seed + 1, 2.0f);
+      TierTimes row;
+      row.num_tokens = num_tokens;
+      for (TailTier tier : timed_tiers) {
+        LocalGroupOptions options;
+        options.tp_size = tp;
+        options.backend = backend;
+        options.tier = tier;
+        options.num_timed_runs = repeats;
+        options.num_warmup_runs = warmup;
+        options.skip_unsupported_tier = true;
+        const std::vector<RankResult> results = run_local_group(config, shard_of, inputs, options);
+        if (!results[0].ran) continue;
+        double slowest = 0.0;
+        for (const RankResult& result : results) slowest = std::max(slowest, result.forward_ms);
+        row.ms[static_cast<size_t>(tier)] = slowest;
+      }
+      std::optional<TailTier> fastest;
+      for (TailTier tier : kTiers) {
+        const auto& ms = row.ms[static_cast<size_t>(tier)];
+        if (ms && (!fastest || *ms < *row.ms[static_cast<size_t>(*fastest)])) fastest = tier;
+      }
+      std::printf("%8lld", static_cast<long long>(num_tokens));
+      for (TailTier tier : kTiers) std::printf(" %18s", format_ms(row.ms[static_cast<size_t>(tier)]).c_str());
+      std::printf("  %s\n", fastest ? std::string(to_string(*fastest)).c_str() : "-");
+      std::fflush(stdout);
+      rows.push_back(row);
+    }
+    const Crossovers crossovers = derive_crossovers(rows);
+    std::printf("# tp %d: tail_fusion_max_tokens %lld, shared_stream_token_threshold %lld\n", tp,
+                static_cast<long long>(crossovers.tail_fusion_max_tokens),
+                static_cast<long long>(crossovers.shared_stream_token_threshold));
+    TuneEntry entry;
+    entry.tp_size = tp;
+    entry.dtype = dtype;
+    entry.hidden_size = config.hidden_size;
+    entry.latent_size = config.latent_size;
+    entry.tail_fusion_max_tokens = crossovers.tail_fusion_max_tokens;
+    entry.shared_stream_token_threshold = crossovers.shared_stream_token_threshold;
+    table.entries.push_back(entry);
+  }
+
+  // 3. The table, atomically.
+  table.write_file(args.output);
+  std::printf("\n# wrote %s (%zu entries): latentmoe run --tune-file %s, or LATENTMOE_TUNE_FILE\n", args.output.c_str(),
+              table.entries.size(), args.output.c_str());
+}
+
+}  // namespace
+
+void register_tune_command(CLI::App& app) {
+  auto args = std::make_shared<TuneArguments>();
+  CLI::App* command = app.add_subcommand(
+      "tune", "Measure the tail tiers' crossovers on this machine and write a tune table (docs/CONFIG.md)");
+  CLI::Option* preset = command->add_option("--preset", args->preset, "kimi-k3 (default) or nemotron3-super");
+  command->add_option("--config", args->config_path, "a layer config (JSON) instead of a preset")->excludes(preset);
+  command
+      ->add_option("--scale", args->scale,
+                   "divide d, l, E, I and Is by this (default: 32 for a preset on the CPU, else 1)")
+      ->check(CLI::Range(1, 1 << 20));
+  command->add_option("--tp", args->tp_sizes, "tp sizes, each >= 2 (default 2,4,8)")->delimiter(',');
+  command->add_option("--dtype", args->dtype, "bf16 (default), f16 or f32");
+  command->add_option("--backend", args->backend, "auto|cpu|cuda");
+  command->add_option("--tokens", args->tokens, "token counts (default 1,2,4,...,4096; on the CPU up to 64)")
+      ->delimiter(',');
+  command->add_option("--tiers", args->tiers, "tiers to time (default all); one left out never wins")->delimiter(',');
+  command->add_option("--repeats", args->repeats, "timed forward calls per point, median (default 20; CPU 5)")
+      ->check(CLI::Range(1, 10000));
+  command->add_option("--warmup", args->warmup, "untimed forward calls per point (default 3; CPU 1)")
+      ->check(CLI::Range(0, 1000));
+  command->add_option("--output", args->output, "the table to write (JSON, atomically)")->required();
+  command->add_option("--machine", args->machine, "the table's machine text (default: the CPU model or GPU name)");
+  command->add_option("--seed", args->seed, "seed of the random weights and inputs");
+  command->callback([args] { run_tune(*args); });
+}
+
+}  // namespace latentmoe::tools
