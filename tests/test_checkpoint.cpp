@@ -290,16 +290,16 @@ TEST_F(CheckpointTest, folder_without_index_needs_exactly_one_safetensors_file) 
 TEST_F(CheckpointTest, index_that_is_not_a_regular_file_is_refused_without_blocking) {
   fs::create_directories(folder());
   ASSERT_EQ(::mkfifo(index().c_str(), 0600), 0) << std::strerror(errno);
-  expect_open_error(folder().string(), {index() + ": not a regular file"});
-  expect_open_error(index(), {index() + ": not a regular file"});
+  expect_open_error(folder().string(), {index() + ": cannot read index: not a regular file"});
+  expect_open_error(index(), {index() + ": cannot read index: not a regular file"});
   fs::remove(index());
   fs::create_directories(index());  // a directory named like the index
-  expect_open_error(folder().string(), {index() + ": not a regular file"});
+  expect_open_error(folder().string(), {index() + ": cannot read index: is a directory, not a regular file"});
   // A dangling symlink as the index is an error naming it, even beside a single safetensors file.
   fs::remove(index());
   write_safetensors((folder() / "only.safetensors").string(), {{"x", tensors[0].second.view()}});
   fs::create_symlink(folder() / "blobs" / "gone", index());
-  expect_open_error(folder().string(), {index() + ": cannot open: No such file or directory"});
+  expect_open_error(folder().string(), {index() + ": cannot read index: No such file or directory"});
   // A safetensors path that is a FIFO is refused the same way.
   ASSERT_EQ(::mkfifo((dir / "w.safetensors").c_str(), 0600), 0);
   expect_open_error((dir / "w.safetensors").string(), {"w.safetensors: not a regular file"});
@@ -310,7 +310,7 @@ TEST_F(CheckpointTest, index_over_the_size_limit_is_refused_before_reading) {
   { std::ofstream create(big); }
   // Sparse: costs no disk, and the size is refused from stat before a byte is read.
   fs::resize_file(big, kMaxCheckpointIndexBytes + 1);
-  expect_open_error(big.string(), {big.string() + ": index is 67108865 bytes, over the limit of 67108864 bytes"});
+  expect_open_error(big.string(), {big.string() + ": index is over the limit of 67108864 bytes (64 MiB)"});
   fs::resize_file(big, kMaxCheckpointIndexBytes);  // at the limit: read, then refused as JSON (NULs)
   expect_open_error(big.string(), {big.string() + ": index is not valid JSON: NUL byte at offset 0"});
 }

@@ -16,6 +16,7 @@
 #include "latentmoe/safetensors.h"
 #include "latentmoe/weights.h"
 #include "layer_test_util.h"
+#include "cli_test_util.h"
 #include "scratch_dir.h"
 
 namespace latentmoe {
@@ -23,31 +24,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string read_file(const fs::path& path) {
-  std::ifstream stream(path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << stream.rdbuf();
-  return buffer.str();
-}
+using testing::CommandResult;
 
 class CliTest : public ::testing::Test {
  protected:
-  CommandResult latentmoe(const std::string& arguments) {
-    const fs::path out_path = dir / "stdout.txt", err_path = dir / "stderr.txt";
-    const std::string command =
-        std::string(LATENTMOE_CLI_PATH) + " " + arguments + " >" + out_path.string() + " 2>" + err_path.string();
-    const int status = std::system(command.c_str());
-    CommandResult result;
-    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    result.out = read_file(out_path);
-    result.err = read_file(err_path);
-    return result;
-  }
+  CommandResult latentmoe(const std::string& arguments) { return testing::run_cli(arguments, dir); }
 
   // Writes config.json, weights.safetensors (names under `prefix`) and input.safetensors.
   void write_problem(const LayerConfig& config, DType dtype, int64_t num_tokens, const std::string& prefix,
@@ -161,7 +142,7 @@ TEST_F(CliTest, bad_inputs_fail_with_one_line_and_no_output) {
   expect_failure(latentmoe("run --config " + (dir / "config.json").string()), "--weights");  // parse error: one line
 
   // A truncated weights file.
-  const std::string bytes = read_file(dir / "weights.safetensors");
+  const std::string bytes = testing::read_text_file(dir / "weights.safetensors");
   std::ofstream(dir / "weights.safetensors", std::ios::binary | std::ios::trunc) << bytes.substr(0, bytes.size() / 2);
   expect_failure(latentmoe("run " + files("p.")), "weights.safetensors");
   std::ofstream(dir / "weights.safetensors", std::ios::binary | std::ios::trunc) << bytes;
@@ -201,7 +182,7 @@ TEST_F(CliTest, existing_output_is_untouched_when_a_run_fails) {
   std::ofstream(dir / "out.safetensors") << "previous";
   const CommandResult result = latentmoe("run " + files() + " --tp 3");
   EXPECT_NE(result.exit_code, 0);
-  EXPECT_EQ(read_file(dir / "out.safetensors"), "previous");
+  EXPECT_EQ(testing::read_text_file(dir / "out.safetensors"), "previous");
 }
 
 TEST_F(CliTest, inspect_lists_tensors_and_version_and_help_work) {

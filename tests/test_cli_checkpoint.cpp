@@ -16,6 +16,7 @@
 #include "latentmoe/safetensors.h"
 #include "latentmoe/weights.h"
 #include "layer_test_util.h"
+#include "cli_test_util.h"
 #include "scratch_dir.h"
 
 namespace latentmoe {
@@ -24,31 +25,11 @@ namespace {
 namespace fs = std::filesystem;
 using testing::shard_file_name;
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string read_text(const fs::path& path) {
-  std::ifstream stream(path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << stream.rdbuf();
-  return buffer.str();
-}
+using testing::CommandResult;
 
 class CliCheckpoint : public ::testing::Test {
  protected:
-  CommandResult latentmoe(const std::string& arguments) {
-    const fs::path out_path = dir / "stdout.txt", err_path = dir / "stderr.txt";
-    const std::string command =
-        std::string(LATENTMOE_CLI_PATH) + " " + arguments + " >" + out_path.string() + " 2>" + err_path.string();
-    const int status = std::system(command.c_str());
-    CommandResult result;
-    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    result.out = read_text(out_path);
-    result.err = read_text(err_path);
-    return result;
-  }
+  CommandResult latentmoe(const std::string& arguments) { return testing::run_cli(arguments, dir); }
 
   static void expect_failure(const CommandResult& result, const std::string& fragment) {
     EXPECT_EQ(result.exit_code, 1);

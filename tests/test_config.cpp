@@ -686,11 +686,11 @@ TEST_F(ConfigFile, a_file_larger_than_the_cap_is_refused) {
   std::string at_cap = write("at_cap.json", text);
   EXPECT_EQ(file_error(at_cap), "");
   std::string over = write("over.json", text + " ");
-  EXPECT_EQ(file_error(over), over + ": config file is larger than 16 MiB");
+  EXPECT_EQ(file_error(over), over + ": config file is over the limit of 16777216 bytes (16 MiB)");
   // A sparse file claiming terabytes is refused from its size, without reading it.
   std::string sparse = write("sparse.json", "");
   std::filesystem::resize_file(sparse, uintmax_t{1} << 40);
-  EXPECT_EQ(file_error(sparse), sparse + ": config file is larger than 16 MiB");
+  EXPECT_EQ(file_error(sparse), sparse + ": config file is over the limit of 16777216 bytes (16 MiB)");
 }
 
 TEST_F(ConfigFile, only_regular_files_are_read) {

@@ -20,6 +20,7 @@
 #include "latentmoe/tune.h"
 #include "latentmoe/weights.h"
 #include "layer_test_util.h"
+#include "cli_test_util.h"
 #include "scratch_dir.h"
 
 namespace latentmoe {
@@ -169,31 +170,11 @@ TEST(TuneTableWriter, round_trips_and_writes_atomically) {
             std::string::npos);
 }
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string read_text(const fs::path& path) {
-  std::ifstream stream(path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << stream.rdbuf();
-  return buffer.str();
-}
+using testing::CommandResult;
 
 class TuneCommandTest : public ::testing::Test {
  protected:
-  CommandResult latentmoe(const std::string& arguments) {
-    const fs::path out_path = dir / "stdout.txt", err_path = dir / "stderr.txt";
-    const std::string command =
-        std::string(LATENTMOE_CLI_PATH) + " " + arguments + " >" + out_path.string() + " 2>" + err_path.string();
-    const int status = std::system(command.c_str());
-    CommandResult result;
-    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    result.out = read_text(out_path);
-    result.err = read_text(err_path);
-    return result;
-  }
+  CommandResult latentmoe(const std::string& arguments) { return testing::run_cli(arguments, dir); }
 
   // Failed with one line on stderr containing `fragment`, and left no table (nor a temporary file).
   void expect_failure(const CommandResult& result, const std::string& fragment) {
@@ -222,7 +203,7 @@ TEST_F(TuneCommandTest, writes_a_table_that_run_accepts) {
   EXPECT_NE(tuned.out.find("tail_fusion_max_tokens"), std::string::npos) << tuned.out;
 
   // The table: one entry per tp, pinned to the layer's dtype and shapes, crossovers among the tokens.
-  const nlohmann::json json = nlohmann::json::parse(read_text(table_path));
+  const nlohmann::json json = nlohmann::json::parse(testing::read_text_file(table_path));
   EXPECT_EQ(json.at("format"), "latentmoe-tune-1");
   EXPECT_FALSE(json.at("machine").get<std::string>().empty());
   const TuneTable table = TuneTable::from_file(table_path);

@@ -14,6 +14,7 @@
 #include <set>
 #include <utility>
 
+#include "core/bounded_file.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
@@ -48,50 +49,6 @@ const char* shard_name_problem(std::string_view name) {
     if (slash == std::string_view::npos) return nullptr;
     begin = slash + 1;
   }
-}
-
-// Closes a file descriptor on every path out of a scope.
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-// The whole index file: a regular file only (stat before open so a FIFO is never opened, then
-// O_NONBLOCK and fstat of what was opened), at most kMaxCheckpointIndexBytes read whatever it claims.
-std::string read_index_file(const std::string& path) {
-  const auto check = [&path](const struct stat& info) {
-    LATENTMOE_CHECK(S_ISREG(info.st_mode), path, ": not a regular file");
-    LATENTMOE_CHECK(static_cast<uint64_t>(info.st_size) <= kMaxCheckpointIndexBytes, path, ": index is ",
-                    static_cast<uint64_t>(info.st_size), " bytes, over the limit of ", kMaxCheckpointIndexBytes,
-                    " bytes (64 MiB)");
-  };
-  struct stat info {};
-  if (::stat(path.c_str(), &info) != 0) detail::throw_error(path, ": cannot open: ", errno_text(errno));
-  check(info);
-  Fd file{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
-  if (file.fd < 0) detail::throw_error(path, ": cannot open: ", errno_text(errno));
-  if (::fstat(file.fd, &info) != 0) detail::throw_error(path, ": cannot stat: ", errno_text(errno));
-  check(info);
-
-  std::string text;
-  text.resize(static_cast<size_t>(info.st_size) + 1);  // one more byte shows a file that grew
-  size_t used = 0;
-  while (true) {
-    if (used == text.size()) {
-      LATENTMOE_CHECK(text.size() <= kMaxCheckpointIndexBytes, path, ": index is over the limit of ",
-                      kMaxCheckpointIndexBytes, " bytes (64 MiB)");
-      text.resize(std::min<size_t>(text.size() * 2, kMaxCheckpointIndexBytes + 1));
-    }
-    const ssize_t got = ::read(file.fd, text.data() + used, text.size() - used);
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) detail::throw_error(path, ": cannot read: ", errno_text(errno));
-    if (got == 0) break;
-    used += static_cast<size_t>(got);
-  }
-  text.resize(used);
-  return text;
 }
 
 // The index as read: tensor name -> shard number, and the shards by name.
@@ -351,7 +308,7 @@ Checkpoint Checkpoint::open(const std::string& path) {
   auto state = std::make_unique<State>();
   state->path = index_path;
   state->index_path = index_path;
-  const std::string text = read_index_file(index_path);
+  const std::string text = detail::read_bounded_file(index_path, kMaxCheckpointIndexBytes, "index");
   ParsedIndex index;
   try {
     index = parse_index(index_path, text);

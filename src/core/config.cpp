@@ -2,10 +2,6 @@
 // docs/CONFIG.md; keep the two in step.
 #include "latentmoe/config.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -18,6 +14,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "core/bounded_file.h"
 #include "latentmoe/error.h"
 #include "latentmoe/mxfp4.h"
 
@@ -346,21 +343,6 @@ class DuplicateKeyCheck : public nlohmann::json_sax<json> {
 
   std::string_view source_;
   std::vector<Frame> frames_;
-};
-
-// Closes a file descriptor on every path out of from_file.
-class FileDescriptor {
- public:
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  ~FileDescriptor() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FileDescriptor(const FileDescriptor&) = delete;
-  FileDescriptor& operator=(const FileDescriptor&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
 };
 
 // --- quantization_config (compressed-tensors) ---------------------------------------------------
@@ -796,47 +778,7 @@ LayerConfig LayerConfig::from_json(std::string_view json_text, std::string_view 
 }
 
 LayerConfig LayerConfig::from_file(const std::string& path) {
-  const auto fail_errno = [&path](int error) {
-    detail::throw_error(path, ": cannot read config file: ", std::strerror(error));
-  };
-  const auto check_regular = [&path](const struct stat& info) {
-    if (S_ISDIR(info.st_mode))
-      detail::throw_error(path, ": cannot read config file: is a directory, not a regular file");
-    if (!S_ISREG(info.st_mode)) detail::throw_error(path, ": cannot read config file: not a regular file");
-    if (info.st_size > static_cast<off_t>(kMaxConfigBytes)) {
-      detail::throw_error(path, ": config file is larger than ", kMaxConfigBytes >> 20, " MiB");
-    }
-  };
-  // stat first so that a FIFO or a device is never opened (opening a FIFO blocks); O_NONBLOCK and
-  // the fstat after open close the race with a file swapped in between.
-  struct stat info {};
-  if (::stat(path.c_str(), &info) != 0) fail_errno(errno);
-  check_regular(info);
-  FileDescriptor file(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
-  if (file.get() < 0) fail_errno(errno);
-  if (::fstat(file.get(), &info) != 0) fail_errno(errno);
-  check_regular(info);
-
-  // At most kMaxConfigBytes + 1 bytes are read, whatever the file claims or grows to.
-  std::string text;
-  constexpr size_t kChunk = 64 << 10;
-  while (text.size() <= kMaxConfigBytes) {
-    const size_t offset = text.size();
-    const size_t want = std::min(kChunk, kMaxConfigBytes + 1 - offset);
-    text.resize(offset + want);
-    const ssize_t got = ::read(file.get(), text.data() + offset, want);
-    if (got < 0) {
-      text.resize(offset);
-      if (errno == EINTR) continue;
-      fail_errno(errno);
-    }
-    text.resize(offset + static_cast<size_t>(got));
-    if (got == 0) break;
-  }
-  if (text.size() > kMaxConfigBytes) {
-    detail::throw_error(path, ": config file is larger than ", kMaxConfigBytes >> 20, " MiB");
-  }
-  return from_json(text, path);
+  return from_json(detail::read_bounded_file(path, kMaxConfigBytes, "config file"), path);
 }
 
 void validate_parallel(const LayerConfig& config, const ParallelConfig& parallel) {

@@ -2,12 +2,10 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -18,6 +16,7 @@
 #include <sstream>
 #include <utility>
 
+#include "core/atomic_file.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
@@ -442,49 +441,8 @@ HostTensor SafetensorsFile::read(std::string_view name) const {
 
 namespace {
 
-// Writes through a file descriptor, retrying short writes and EINTR; buffers small pieces.
-class FileWriter {
- public:
-  FileWriter(int fd, std::string path) : fd_(fd), path_(std::move(path)) { buffer_.reserve(kBufferBytes); }
-
-  void write(const void* data, size_t size) {
-    const auto* bytes = static_cast<const char*>(data);
-    if (buffer_.size() + size > kBufferBytes) flush();
-    if (size >= kBufferBytes) {
-      write_through(bytes, size);
-    } else {
-      buffer_.insert(buffer_.end(), bytes, bytes + size);
-    }
-  }
-
-  void flush() {
-    write_through(buffer_.data(), buffer_.size());
-    buffer_.clear();
-  }
-
- private:
-  static constexpr size_t kBufferBytes = size_t{1} << 20;
-
-  void write_through(const char* bytes, size_t size) {
-    while (size > 0) {
-      ssize_t written = ::write(fd_, bytes, size);
-      if (written < 0 && errno == EINTR) continue;
-      if (written < 0 && errno == EFBIG) {
-        detail::throw_error(path_, ": write failed: the file size limit (RLIMIT_FSIZE, ulimit -f) was reached");
-      }
-      if (written <= 0) detail::throw_error(path_, ": write failed: ", errno_text(written < 0 ? errno : EIO));
-      bytes += written;
-      size -= static_cast<size_t>(written);
-    }
-  }
-
-  int fd_;
-  std::string path_;
-  std::vector<char> buffer_;
-};
-
 // Writes a view's elements in row-major order, whatever its strides.
-void write_view(FileWriter& writer, const TensorView& view) {
+void write_view(detail::AtomicFile& writer, const TensorView& view) {
   const int64_t numel = view.numel();
   if (numel == 0) return;
   const size_t element = dtype_size(view.dtype());
@@ -514,17 +472,6 @@ void write_view(FileWriter& writer, const TensorView& view) {
     }
   }
 }
-
-// Removes the temporary file unless the write got as far as renaming it into place.
-struct TempFileGuard {
-  std::string path;
-  int fd = -1;
-  bool committed = false;
-  ~TempFileGuard() {
-    if (fd >= 0) ::close(fd);
-    if (!committed && !path.empty()) ::unlink(path.c_str());
-  }
-};
 
 }  // namespace
 
@@ -561,69 +508,17 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   // Pad with spaces so the data section starts 8-byte aligned (as the reference writer does).
   header_text.append((8 - header_text.size() % 8) % 8, ' ');
 
-  const std::filesystem::path target(path);
-  LATENTMOE_CHECK(!target.filename().empty(), path, ": not a file path");
-  std::filesystem::path directory = target.parent_path();
-  if (directory.empty()) directory = ".";
-
-  // The rename would replace whatever is at `path`: a FIFO, a device (/dev/null, a disk) or a
-  // directory is refused rather than turned into a regular file. (A symlink is followed for the
-  // check and replaced by the file, as before.)
-  struct stat existing {};
-  if (::stat(path.c_str(), &existing) == 0) {
-    LATENTMOE_CHECK(S_ISREG(existing.st_mode), path, ": exists and is not a regular file; refusing to replace it");
-  }
-
-  // The whole size is known: under a file-size limit (RLIMIT_FSIZE) the write would be killed by
-  // SIGXFSZ part way, leaving a partial temporary file, so refuse before creating anything.
   uint64_t total_bytes = 8 + header_text.size();
   for (const auto& [name, view] : tensors) {
     total_bytes += static_cast<uint64_t>(view.numel()) * dtype_size(view.dtype());
   }
-  if (struct rlimit limit{}; ::getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
-                             total_bytes > static_cast<uint64_t>(limit.rlim_cur)) {
-    detail::throw_error(path, ": the file would be ", total_bytes, " bytes, over the file size limit of ",
-                        static_cast<uint64_t>(limit.rlim_cur), " bytes (RLIMIT_FSIZE, ulimit -f)");
-  }
-
-  // A unique temporary name in the target's directory, so the final rename cannot cross file
-  // systems. It does not contain the target's name, so any name up to NAME_MAX can be written.
-  static std::atomic<uint64_t> counter{0};
-  TempFileGuard temp;
-  for (int attempt = 0; attempt < 100 && temp.fd < 0; ++attempt) {
-    std::ostringstream name;
-    name << ".lmoe." << ::getpid() << '.' << counter.fetch_add(1) << ".tmp";
-    const std::string candidate = (directory / name.str()).string();
-    int fd = ::open(candidate.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd >= 0) {
-      temp.fd = fd;
-      temp.path = candidate;
-    } else if (int error = errno; error != EEXIST) {
-      detail::throw_error(path, ": cannot create a file in directory ", directory.string(), ": ", errno_text(error));
-    }
-  }
-  LATENTMOE_CHECK(temp.fd >= 0, path, ": cannot find a free temporary file name in ", directory.string());
-
-  FileWriter writer(temp.fd, path);  // errors name the target; the temporary file is removed
+  detail::AtomicFile file(path, total_bytes);  // refuses a non-regular target or a size over RLIMIT_FSIZE
   unsigned char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(uint64_t{header_text.size()} >> (8 * i));
-  writer.write(length, sizeof(length));
-  writer.write(header_text.data(), header_text.size());
-  for (const auto& [name, view] : tensors) write_view(writer, view);
-  writer.flush();
-
-  if (::fsync(temp.fd) != 0) detail::throw_error(path, ": fsync failed: ", errno_text(errno));
-  int fd = temp.fd;
-  temp.fd = -1;
-  if (::close(fd) != 0) detail::throw_error(path, ": close failed: ", errno_text(errno));
-  if (::rename(temp.path.c_str(), path.c_str()) != 0) {
-    detail::throw_error(path, ": cannot rename ", temp.path, " into place: ", errno_text(errno));
-  }
-  temp.committed = true;
-
-  // Make the rename itself durable; the file is complete either way, so failures here are ignored.
-  FdGuard dir{::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
-  if (dir.fd >= 0) (void)::fsync(dir.fd);
+  file.write(length, sizeof(length));
+  file.write(header_text.data(), header_text.size());
+  for (const auto& [name, view] : tensors) write_view(file, view);
+  file.commit();
 }
 
 }  // namespace latentmoe

@@ -1,20 +1,12 @@
 // The tuned crossover table (latentmoe/tune.h): reading, matching, and the policy a runner takes.
 #include "latentmoe/tune.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <cerrno>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
+#include "core/atomic_file.h"
+#include "core/bounded_file.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
@@ -23,6 +15,8 @@ namespace {
 using nlohmann::json;
 
 constexpr std::string_view kFormat = "latentmoe-tune-1";
+// A table has an entry per tp, dtype and shape measured: kilobytes. Anything near this is not one.
+constexpr size_t kMaxTuneTableBytes = size_t{16} << 20;
 
 int64_t count_field(const json& entry, const char* key, std::string_view where, int64_t low) {
   LATENTMOE_CHECK(entry.contains(key), where, ": \"", key, "\" is missing");
@@ -58,17 +52,6 @@ std::string_view table_dtype_name(DType dtype) {
   }
   detail::throw_error("a tune table entry's dtype must be bf16, f16 or f32, not ", dtype_name(dtype));
 }
-
-// Removes the temporary file unless it was renamed into place; closes it if still open.
-struct TemporaryFile {
-  std::string path;
-  int fd = -1;
-  bool committed = false;
-  ~TemporaryFile() {
-    if (fd >= 0) ::close(fd);
-    if (!path.empty() && !committed) ::unlink(path.c_str());
-  }
-};
 
 // Whether `rival` takes `tier`'s place at one token count: `tier` loses where it does not run, wins
 // where only it runs, and wins a tie.
@@ -128,14 +111,7 @@ TuneTable TuneTable::from_json(std::string_view text, std::string_view origin) {
 }
 
 TuneTable TuneTable::from_file(const std::string& path) {
-  std::error_code ec;
-  LATENTMOE_CHECK(std::filesystem::is_regular_file(path, ec), path, ": cannot read the tune table: ",
-                  std::filesystem::exists(path, ec) ? "not a regular file" : "no such file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) detail::throw_error(path, ": cannot read the tune table: ", std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return from_json(text.str(), path);
+  return from_json(detail::read_bounded_file(path, kMaxTuneTableBytes, "tune table"), path);
 }
 
 std::optional<TuneEntry> TuneTable::find(int tp_size, DType dtype, int64_t hidden_size, int64_t latent_size) const {
@@ -183,44 +159,9 @@ std::string TuneTable::to_json() const {
 
 void TuneTable::write_file(const std::string& path) const {
   const std::string text = to_json();
-  const std::filesystem::path target(path);
-  LATENTMOE_CHECK(!target.filename().empty(), path, ": not a file path");
-  std::filesystem::path directory = target.parent_path();
-  if (directory.empty()) directory = ".";
-  // The rename would replace whatever is there: a FIFO, a device or a directory is refused.
-  struct stat existing {};
-  if (::stat(path.c_str(), &existing) == 0) {
-    LATENTMOE_CHECK(S_ISREG(existing.st_mode), path, ": exists and is not a regular file; refusing to replace it");
-  }
-  static std::atomic<uint64_t> counter{0};
-  TemporaryFile temp;
-  for (int attempt = 0; attempt < 100 && temp.fd < 0; ++attempt) {
-    const std::string candidate =
-        (directory / (".lmoe-tune." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1)) + ".tmp"))
-            .string();
-    const int fd = ::open(candidate.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd >= 0) {
-      temp.fd = fd;
-      temp.path = candidate;
-    } else if (const int error = errno; error != EEXIST) {
-      detail::throw_error(path, ": cannot create a file in directory ", directory.string(), ": ", std::strerror(error));
-    }
-  }
-  LATENTMOE_CHECK(temp.fd >= 0, path, ": cannot find a free temporary file name in ", directory.string());
-  for (size_t written = 0; written < text.size();) {
-    const ssize_t n = ::write(temp.fd, text.data() + written, text.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) detail::throw_error(path, ": write failed: ", n < 0 ? std::strerror(errno) : "no progress");
-    written += static_cast<size_t>(n);
-  }
-  if (::fsync(temp.fd) != 0) detail::throw_error(path, ": fsync failed: ", std::strerror(errno));
-  const int fd = temp.fd;
-  temp.fd = -1;
-  if (::close(fd) != 0) detail::throw_error(path, ": close failed: ", std::strerror(errno));
-  if (::rename(temp.path.c_str(), path.c_str()) != 0) {
-    detail::throw_error(path, ": cannot rename ", temp.path, " into place: ", std::strerror(errno));
-  }
-  temp.committed = true;
+  detail::AtomicFile file(path, text.size());
+  file.write(text.data(), text.size());
+  file.commit();
 }
 
 Crossovers derive_crossovers(const std::vector<TierTimes>& times) {
