@@ -36,6 +36,16 @@ int main(int argc, char** argv) {
   write(root + "/safetensors/bad_offsets.safetensors",
         std::string("\x40\0\0\0\0\0\0\0", 8) + R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}}          )" +
             std::string(8, '\0'));
+  const LayerConfig mxfp4 = fuzz::tiny_mxfp4_config();
+  save_layer_weights(root + "/weights/tiny_mxfp4.safetensors", make_random_layer_weights(mxfp4, DType::bf16, 3), mxfp4);
+  // Indexes of a sharded checkpoint (the target's folder holds a.safetensors with tensor "x").
+  write(root + "/checkpoint_index/valid.json",
+        R"({"metadata": {"total_size": 24}, "weight_map": {"x": "a.safetensors"}})");
+  write(root + "/checkpoint_index/two_shards.json",
+        R"({"metadata": {}, "weight_map": {"x": "a.safetensors", "y": "sub/b.safetensors", "z": "a.safetensors"}})");
+  write(root + "/checkpoint_index/escaping.json", R"({"weight_map": {"x": "../a.safetensors", "y": "/etc/passwd"}})");
+  write(root + "/checkpoint_index/duplicate.json", R"({"weight_map": {"x": "a.safetensors", "x": "a.safetensors"}})");
+  write(root + "/checkpoint_index/nested.json", R"({"weight_map": {"x": {"y": ["a.safetensors"]}}})");
   std::printf("seeds written under %s\n", root.c_str());
   return 0;
 }

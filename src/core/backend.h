@@ -102,9 +102,10 @@ class Backend {
   virtual void bind_stream(StreamHandle stream) {}
   // Waits until everything the backend enqueued on its own streams has completed (construction).
   virtual void synchronize() {}
-  // Called once by the runner at construction, after the weights are placed: a backend sizes its
-  // internal workspaces (e.g. the grouped-GEMM layout) for up to `max_tokens` tokens here, so that
-  // no operation allocates during forward.
+  // Called once by the runner at construction, before any weight is placed: a backend refuses a layer
+  // it cannot run (its kernel limits, a weight format it has no kernels for) before the weights cost
+  // device memory, and sizes its internal workspaces (e.g. the grouped-GEMM layout) for up to
+  // `max_tokens` tokens, so that no operation allocates during forward.
   virtual void prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) {}
   // What each tier can run on this backend for a layer of `config` in `dtype` over `comm` (tp_size
   // ranks): dtype limits, token capacities of fused collectives, whether the ranks reach each other.
@@ -168,5 +169,8 @@ std::unique_ptr<Backend> make_cpu_backend();
 std::unique_ptr<Backend> make_cuda_backend(int device_ordinal);
 // Number of CUDA devices; 0 without CUDA, a driver or a GPU. Never throws.
 int cuda_device_count() noexcept;
+// Whether each of GPUs 0..num_devices-1 can access every other's memory (cudaDeviceCanAccessPeer);
+// false without CUDA or on any error. Never throws.
+bool cuda_peer_access_between(int num_devices) noexcept;
 
 }  // namespace latentmoe::detail

@@ -139,6 +139,9 @@ Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const 
   detail::Backend& backend = *state.backend;
   state.routing = detail::RoutingParams::from_config(config);
   state.activation = detail::ActivationParams::from_config(config);
+  // The backend's own limits (kernel limits, weight formats it cannot run) before any weight is
+  // copied to its device: a layer it refuses costs no device memory.
+  backend.prepare(config, state.dtype, options.max_tokens, parallel.tp_size);
 
   state.gate = detail::place(backend, weights.gate, "gate");
   state.score_bias = detail::place(backend, weights.score_bias, "score_bias");
@@ -167,7 +170,6 @@ Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const 
   state.latent_reduced = detail::workspace(backend, state.dtype, {max_tokens, l});
   state.shared_partial = detail::workspace(backend, state.dtype, {max_tokens, d});
   state.hidden_shard = detail::workspace(backend, state.dtype, {max_tokens, shard});
-  backend.prepare(config, state.dtype, max_tokens, parallel.tp_size);
   state.support = structural_tier_support(state.fused_path_conditions());
   state.support.restrict_to(backend.tier_support(config, state.dtype, parallel.tp_size, communicator));
   if (options.host_staging && backend.device() != Device::cpu) {
