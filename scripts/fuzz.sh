@@ -10,10 +10,10 @@ build=${FUZZ_BUILD_DIR:-build-fuzz}
 flags="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O1"
 CC=clang CXX=clang++ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLATENTMOE_CUDA=OFF \
   -DLATENTMOE_BUILD_TESTS=OFF -DLATENTMOE_FUZZ=ON "-DCMAKE_CXX_FLAGS=$flags" "-DCMAKE_C_FLAGS=$flags" > /dev/null
-cmake --build "$build" -j"$(nproc)" --target fuzz_config fuzz_safetensors fuzz_weights
+cmake --build "$build" -j"$(nproc)" --target fuzz_config fuzz_safetensors fuzz_weights fuzz_checkpoint_index
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-for target in config safetensors weights; do
+for target in config safetensors weights checkpoint_index; do
   mkdir -p "$scratch/$target"
   echo "fuzz: $target for ${seconds} s"
   start=$(date +%s)

@@ -4,9 +4,17 @@
 #   scripts/gpu_run.sh BIN_DIR COMMIT STEPS
 # BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh), and
 # grouped_gemm_bench and gemv_bench (build-gpu/bench/) for the steps that run them;
-# STEPS is a comma list of: tests, demo, sanitize_comm, sanitize, bench, bench_decode, bench_no_skinny, bench_no_gemv,
-# grouped_gemm, grouped_gemm_sweep, gemv, peers (run in that order: tests, bench, bench_decode,
-# bench_no_skinny, bench_no_gemv, grouped_gemm, grouped_gemm_sweep, gemv, peers, sanitize).
+# STEPS is a comma list of: tests, nccl, demo, sanitize_comm, sanitize, bench, bench_decode, bench_no_skinny,
+# bench_no_gemv, bench_tail, grouped_gemm, grouped_gemm_sweep, gemv, peers (run in that order: tests, nccl, bench,
+# bench_decode, bench_no_skinny, bench_no_gemv, bench_tail, grouped_gemm, grouped_gemm_sweep, gemv, peers,
+# sanitize).
+#   nccl  the NCCL group tests (NcclGroup*: one GPU and every GPU present) against PyTorch's libnccl, the
+#         release latentmoe is built against (the machine's default libnccl is older; NCCL's device API
+#         has no ABI compatibility across releases), with the GPU links and NCCL's version recorded
+#   bench_tail          latentmoe bench tail on ranks simulated on GPU 0: both presets, tp 2, 4, 8, tokens
+#                       1..4096, every tier, the unfused tail, AR+RMSNorm, the AR ceiling (tail.json, tail.log,
+#                       tail.png); ~3-4 min expected, stopped by --max-seconds 400 (then listed as skipped)
+#                       and by a 540 s timeout: give it a call of its own (run after bench_no_gemv)
 #   grouped_gemm        grouped_gemm_bench, the library's variant choice, every phase (grouped_gemm.json)
 #   grouped_gemm_sweep  grouped_gemm_bench, every tensor-core variant, gate_up and down (grouped_gemm_sweep.json)
 #   gemv                gemv_bench: the decode GEMV against cuBLAS and a plain read (gemv.json)
@@ -27,6 +35,17 @@ if has tests; then
   echo "cuda tests rc=$?"
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests ran" "$out/cuda_tests.log" | head -20
   timeout 60 "$bin/latentmoe" run --help > /dev/null && echo "cli starts"
+fi
+if has nccl; then
+  nccl_lib="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])')/lib"
+  echo "libnccl for the nccl step: $nccl_lib"; ls "$nccl_lib"
+  nvidia-smi topo -m 2>&1 | head -20
+  # NCCL_NVLS_ENABLE=0 stays exported (above): latentmoe refuses any other value.
+  LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LATENTMOE_TEST_REQUIRE_NCCL=1 \
+    LATENTMOE_COLLECTIVE_TIMEOUT_MS=5000 NCCL_DEBUG=WARN timeout 420 "$bin/latentmoe_cuda_tests" \
+    --gtest_filter='NcclGroup*' > "$out/nccl_tests.log" 2>&1
+  echo "nccl tests rc=$?"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|^\[  SKIPPED \]|tests ran|NCCL WARN" "$out/nccl_tests.log" | head -30
 fi
 if has demo; then  # the main job on the GPU (tp > 1 on simulated ranks) against the CPU reference
   timeout 240 "$bin/latentmoe" demo --backend cuda --tokens 37 --runs 1 > "$out/demo.log" 2>&1
@@ -59,6 +78,19 @@ if has bench_no_gemv; then  # the decode token counts with every linear on cuBLA
   timeout 60 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,8 \
     --gemv-max-tokens 0 --commit "$commit" --json "$out/layer_no_gemv.json" 2>&1 | tee "$out/layer_no_gemv.log"
   echo "bench (no gemv) rc=${PIPESTATUS[0]}"
+fi
+if has bench_tail; then  # simulated ranks: rows say placement "simulated", no NVLink cost in them
+  # A latentmoe built with NCCL loads the libnccl it was built against (PyTorch's, as the nccl step).
+  tail_lib=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)/lib
+  LD_LIBRARY_PATH="$tail_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LATENTMOE_COLLECTIVE_TIMEOUT_MS=10000 \
+    timeout 540 "$bin/latentmoe" bench tail --backend cuda --placement simulated \
+    --preset kimi-k3,nemotron3-super --tp 2,4,8 --max-seconds 400 --commit "$commit" --json "$out/tail.json" \
+    > "$out/tail.log" 2>&1
+  echo "bench tail rc=$?"; tail -n 30 "$out/tail.log"
+  if ! python3 bench/plot_tail.py "$out/tail.json" --out "$out/tail.png" > "$out/tail_plot.log" 2>&1; then
+    echo "plot failed (bench/plot_tail.py needs matplotlib; draw it from tail.json afterwards):"
+    tail -n 2 "$out/tail_plot.log"
+  fi
 fi
 # The kernel benchmarks, skipped with a note when their binary is not in BIN_DIR.
 run_bench() {  # run_bench LIMIT LOG LINES NAME ARGS...: $bin/NAME ARGS... > $out/LOG, then its last LINES lines

@@ -1,15 +1,17 @@
 // INTERNAL, for benchmarks only: not part of latentmoe's API, and no library code, test or engine may
-// include it. It is the one door through which `latentmoe bench layer` (tools/bench_layer.cpp) and the
-// benchmark harness (bench/harness/) reach inside the library: a Runner's private state (weights,
-// workspaces, backend, routing and activation parameters; src/core/runner_state.h) to time each phase of
-// the layer on the runner's own buffers, the CUDA backend's decode knobs, and the CUDA fill and L2-flush
-// kernels. Everything here may change with the internals it exposes.
+// include it. It is the one door through which `latentmoe bench layer` (tools/bench_layer.cpp),
+// `latentmoe bench tail` (tools/bench_tail*.cpp) and the benchmark harness (bench/harness/) reach inside
+// the library: a Runner's private state (weights, workspaces, backend, routing and activation
+// parameters; src/core/runner_state.h) to time each phase of the layer, or its tail alone, on the
+// runner's own buffers, the CUDA backend's decode knobs, and the CUDA fill and L2-flush kernels.
+// Everything here may change with the internals it exposes.
 #pragma once
 
 #include <memory>
 
 #include "core/backend.h"
 #include "core/runner_state.h"
+#include "core/tails.h"
 #include "latentmoe/error.h"
 #include "latentmoe/runner.h"
 
@@ -31,6 +33,12 @@ using detail::RunnerState;
 
 // The runner's weights (device views), workspaces (sized for max_tokens), backend and parameters.
 inline RunnerState& state_of(Runner& runner) { return detail::state_of(runner); }
+
+// The tail of one tier alone, as forward runs it (core/tails.h): `latentmoe bench tail` times it on
+// partials it restores before every run.
+using detail::run_tail;
+using detail::tail_tensors;
+using detail::TailTensors;
 
 #ifdef LATENTMOE_WITH_CUDA
 

@@ -1,13 +1,15 @@
-// latentmoe bench layer: options and registration; the work is in bench_layer.cpp.
+// latentmoe bench layer and bench tail: options and registration; the work is in bench_layer.cpp and
+// bench_tail.cpp.
 #include <memory>
 
 #include "bench_layer.h"
+#include "bench_tail.h"
 #include "commands.h"
 
 namespace latentmoe::tools {
 
 void register_bench_command(CLI::App& app) {
-  CLI::App* bench = app.add_subcommand("bench", "Benchmarks (CUDA backend)");
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
   auto options = std::make_shared<BenchLayerOptions>();
   CLI::App* layer = bench->add_subcommand(
@@ -34,6 +36,39 @@ void register_bench_command(CLI::App& app) {
   layer->add_option("--json", options->json_path, "write the results as JSON to this file");
   layer->add_option("--commit", options->commit, "commit id recorded in the JSON");
   layer->callback([options] { run_bench_layer(*options); });
+
+  auto tail_options = std::make_shared<BenchTailOptions>();
+  CLI::App* tail = bench->add_subcommand(
+      "tail",
+      "Every tail tier forced, per tp and token count, all ranks timed together: the tail alone and the whole layer "
+      "with it, beside the unfused tail, the AR+RMSNorm step alone and the all-reduce ceiling (CUDA: ranks simulated "
+      "on one GPU or one GPU per rank; --backend cpu: ranks as threads)");
+  tail->add_option("--preset", tail_options->presets, "kimi-k3, nemotron3-super (default both)")->delimiter(',');
+  tail->add_option("--tp", tail_options->tp_sizes, "tp sizes, each >= 2 (default 2,4,8)")->delimiter(',');
+  tail->add_option("--tokens", tail_options->tokens,
+                   "token counts (default 1,2,4,...,1024,4096; on the CPU 1,2,4,...,64)")
+      ->delimiter(',');
+  tail->add_option("--backend", tail_options->backend, "auto|cpu|cuda");
+  tail->add_option("--scale", tail_options->scale, "divide d, l, E, I and Is by this (default 1; on the CPU 32)")
+      ->check(CLI::Range(1, 1 << 20));
+  tail->add_option("--dtype", tail_options->dtype, "bf16 (default), f16 or f32");
+  tail->add_option("--warmup", tail_options->warmup, "untimed runs per measurement (default 3; CPU 1)")
+      ->check(CLI::Range(0, 1000));
+  tail->add_option("--iterations", tail_options->iterations, "timed runs per measurement, median (default 20; CPU 3)")
+      ->check(CLI::Range(1, 10000));
+  tail->add_option("--max-seconds", tail_options->max_seconds,
+                   "start no new point after this many seconds; what is left is listed as skipped (default: no limit)")
+      ->check(CLI::Range(0.0, 1e6));
+  tail->add_option("--device", tail_options->device, "CUDA device the simulated ranks share");
+  tail->add_option("--placement", tail_options->placement,
+                   "CUDA: auto (default: one GPU per rank when tp GPUs with peer access and NCCL are there), "
+                   "simulated (every rank on --device) or devices");
+  tail->add_option("--collectives", tail_options->collectives,
+                   "one_shot (default) or nccl (devices only: every collective through NCCL, the fused tiers off)");
+  tail->add_option("--seed", tail_options->seed, "seed of the random weights, inputs and partials");
+  tail->add_option("--json", tail_options->json_path, "write the results as JSON to this file (atomically)");
+  tail->add_option("--commit", tail_options->commit, "commit id recorded in every row");
+  tail->callback([tail_options] { run_bench_tail(*tail_options); });
 }
 
 }  // namespace latentmoe::tools

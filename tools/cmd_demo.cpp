@@ -70,6 +70,7 @@ int run_demo(int64_t num_tokens, int num_timed_runs, BackendKind requested) {
         options.tp_size = tp_size;
         options.tier = tier;
         options.num_timed_runs = num_timed_runs;
+        options.placement = GpuPlacement::simulated;  // what the table says (tp > 1: ranks on GPU 0)
         return run_local_group(model.config, shard_of, inputs, options);
       };
       auto print_row = [&](TailTier tier, int tp_size, double error, double time_ms, bool ok) {

@@ -11,6 +11,7 @@
 #include "latentmoe/compare.h"
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
+#include "latentmoe/gpu_group.h"
 #include "latentmoe/local_group.h"
 #include "latentmoe/safetensors.h"
 #include "latentmoe/tune.h"
@@ -25,6 +26,7 @@ struct RunArguments {
   int tp_size = 1;
   std::string tier = "auto";
   std::string backend = "auto";
+  std::string placement = "auto";
   std::string tune_file;  // empty: LATENTMOE_TUNE_FILE, if set
 };
 
@@ -47,6 +49,7 @@ void run_command(const RunArguments& args) {
   std::optional<TailTier> tier;
   if (args.tier != "auto") tier = parse_tail_tier(args.tier);
   const BackendKind backend = resolve_backend_kind(parse_backend_kind(args.backend));
+  const GpuPlacement requested_placement = parse_gpu_placement(args.placement);
 
   const SafetensorsFile input_file = SafetensorsFile::open(args.input_path);
   LocalGroupInputs inputs;
@@ -78,12 +81,15 @@ void run_command(const RunArguments& args) {
                   ": no router_logits, and ", args.weights_path, " has no ", args.prefix,
                   "gate.weight to compute them from");
 
+  GpuPlacement placement = GpuPlacement::simulated;
   if (backend == BackendKind::cuda && args.tp_size > 1) {
-    // Several real GPUs (NCCL, peer access) are the next step; today every rank shares GPU 0.
-    std::fprintf(stderr, "latentmoe run: tp %d on the CUDA backend: %d ranks simulated on GPU 0\n", args.tp_size,
-                 args.tp_size);
+    // N real GPUs (one thread per GPU, NCCL) when present with peer access, else N ranks on GPU 0.
+    std::string why;
+    placement = resolve_gpu_placement(requested_placement, args.tp_size, &why);
+    std::fprintf(stderr, "latentmoe run: tp %d on the CUDA backend: %s\n", args.tp_size, why.c_str());
   }
   LocalGroupOptions options;
+  options.placement = placement;
   options.tp_size = args.tp_size;
   options.backend = backend;
   options.tier = tier;
@@ -137,6 +143,9 @@ void register_run_command(CLI::App& app) {
   command->add_option("--tp", args->tp_size, "Tensor-parallel ranks (threads on the CPU backend)");
   command->add_option("--tier", args->tier, "auto|native|tail_fusion|allreduce_overlap|column_parallel");
   command->add_option("--backend", args->backend, "auto|cpu|cuda");
+  command->add_option("--placement", args->placement,
+                      "auto|simulated|devices: where the CUDA backend's tp > 1 ranks run (auto: one GPU each when "
+                      "tp GPUs with peer access are present, else simulated on GPU 0)");
   command->add_option("--tune-file", args->tune_file,
                       "Tier crossovers measured on this machine (JSON, docs/CONFIG.md; default: LATENTMOE_TUNE_FILE)");
   command->callback([args] { run_command(*args); });

@@ -23,6 +23,7 @@
 #include "commands.h"
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
+#include "latentmoe/gpu_group.h"
 #include "latentmoe/local_group.h"
 #include "latentmoe/presets.h"
 #include "latentmoe/random.h"
@@ -196,7 +197,13 @@ void run_tune(const TuneArguments& args) {
   const LayerWeights full = make_random_layer_weights(config, dtype, args.seed, /*with_gate=*/false);
   auto shard_of = [&](const ParallelConfig& parallel) { return shard_layer_weights(full, config, parallel); };
   for (int tp : tp_sizes) {
-    if (!cpu) std::fprintf(stderr, "latentmoe tune: tp %d on the CUDA backend: %d ranks simulated on GPU 0\n", tp, tp);
+    // Real GPUs (one thread per GPU, NCCL) when tp of them are present, else ranks simulated on GPU 0.
+    GpuPlacement placement = GpuPlacement::simulated;
+    if (!cpu && tp > 1) {
+      std::string why;
+      placement = resolve_gpu_placement(GpuPlacement::automatic, tp, &why);
+      std::fprintf(stderr, "latentmoe tune: tp %d on the CUDA backend: %s\n", tp, why.c_str());
+    }
     std::printf("\n# tp %d\n%8s", tp, "tokens");
     for (TailTier tier : kTiers) std::printf(" %18s", std::string(to_string(tier)).c_str());
     std::printf("  fastest\n");
@@ -217,6 +224,7 @@ void run_tune(const TuneArguments& args) {
         options.num_timed_runs = repeats;
         options.num_warmup_runs = warmup;
         options.skip_unsupported_tier = true;
+        options.placement = placement;
         const std::vector<RankResult> results = run_local_group(config, shard_of, inputs, options);
         if (!results[0].ran) continue;
         double slowest = 0.0;

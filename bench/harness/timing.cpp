@@ -12,12 +12,6 @@
 
 namespace latentmoe::bench {
 
-double median(std::vector<double> values) {
-  LATENTMOE_CHECK(!values.empty(), "bench: the median of no runs");
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
-
 DeviceMemory::DeviceMemory(size_t bytes) : bytes_(bytes) {
   LATENTMOE_CUDA_CHECK(cudaMalloc(&pointer_, std::max<size_t>(bytes, 256)));
 }
@@ -82,6 +76,40 @@ std::vector<double> Timer::times_us(cudaStream_t stream, const std::function<voi
   // A failed launch inside body() that nothing checked surfaces here, not in the next measurement.
   LATENTMOE_CUDA_CHECK(cudaGetLastError());
   return times;
+}
+
+EventClock::EventClock(cudaStream_t stream, bool flush_l2, size_t flush_bytes) : stream_(stream) {
+  if (flush_l2) {
+    flush_ = DeviceMemory((flush_bytes == 0 ? default_flush_bytes() : flush_bytes) / 16 * 16);
+    sink_ = DeviceMemory(16);
+    LATENTMOE_CUDA_CHECK(cudaMemset(flush_.get(), 0, flush_.bytes()));
+  }
+  LATENTMOE_CUDA_CHECK(cudaEventCreate(&start_));
+  LATENTMOE_CUDA_CHECK(cudaEventCreate(&stop_));
+}
+
+EventClock::~EventClock() {
+  if (start_ != nullptr) cudaEventDestroy(start_);
+  if (stop_ != nullptr) cudaEventDestroy(stop_);
+}
+
+void EventClock::flush() {
+  if (flush_.get() != nullptr) cuda::read_through(flush_.get(), flush_.bytes(), sink_.as<uint32_t>(), stream_);
+}
+
+void EventClock::wait() { LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void EventClock::start() { LATENTMOE_CUDA_CHECK(cudaEventRecord(start_, stream_)); }
+
+void EventClock::stop() { LATENTMOE_CUDA_CHECK(cudaEventRecord(stop_, stream_)); }
+
+double EventClock::elapsed_us() {
+  LATENTMOE_CUDA_CHECK(cudaEventSynchronize(stop_));
+  float ms = 0;
+  LATENTMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+  // A failed launch of the timed work that nothing checked surfaces here.
+  LATENTMOE_CUDA_CHECK(cudaGetLastError());
+  return 1000.0 * ms;
 }
 
 Graph::Graph(cudaStream_t stream, const std::function<void()>& body) {

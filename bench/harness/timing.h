@@ -23,17 +23,12 @@
 #include <vector>
 
 #include "cuda/common/cuda_check.h"  // LATENTMOE_CUDA_CHECK, LATENTMOE_CUBLAS_CHECK
+#include "harness/group_timing.h"
+#include "harness/runs.h"
 
 namespace latentmoe::bench {
 
-// The median (upper median for an even count) of `values`; throws Error when empty.
-double median(std::vector<double> values);
-
-struct Runs {
-  int warmup = 3;        // untimed runs first
-  int iterations = 20;   // timed runs (the median is reported)
-  bool flush_l2 = true;  // read the flush buffer before each run, outside the timed region
-};
+// Runs and median (runs.h); RunClock and the group timing loop (group_timing.h).
 
 // Device memory of the current device (cudaMalloc, at least 256 bytes), freed on destruction.
 class DeviceMemory {
@@ -83,6 +78,31 @@ class Timer {
 
  private:
   Runs runs_;
+  DeviceMemory flush_;
+  DeviceMemory sink_;
+  cudaEvent_t start_ = nullptr;
+  cudaEvent_t stop_ = nullptr;
+};
+
+// A RunClock on one CUDA stream (group_timing.h): CUDA events around the work, and the L2 flush by
+// reading (as Timer) when `flush_l2`; a group of ranks sharing one GPU flushes on one rank only.
+// Allocates at construction (before any rank of a group runs), never afterwards.
+class EventClock final : public RunClock {
+ public:
+  // flush_bytes 0: default_flush_bytes().
+  EventClock(cudaStream_t stream, bool flush_l2, size_t flush_bytes = 0);
+  ~EventClock() override;
+  EventClock(const EventClock&) = delete;
+  EventClock& operator=(const EventClock&) = delete;
+
+  void flush() override;
+  void wait() override;
+  void start() override;
+  void stop() override;
+  double elapsed_us() override;
+
+ private:
+  cudaStream_t stream_;
   DeviceMemory flush_;
   DeviceMemory sink_;
   cudaEvent_t start_ = nullptr;

@@ -2,7 +2,8 @@
 //
 // Contract shared by every implementation:
 //   - sums accumulate in fp32 (or wider) and add the ranks' contributions in rank order 0..tp-1,
-//     so every rank obtains bit-identical results;
+//     so every rank obtains bit-identical results (an NCCL group above its one-shot capacity sums in
+//     NCCL's order instead, still identical on every rank: latentmoe/gpu_group.h);
 //   - tensors are rank-2 [rows, cols] with a contiguous last dimension; shards are column blocks:
 //     rank r owns columns [r*cols/tp, (r+1)*cols/tp);
 //   - every call is collective: all ranks call the same sequence of operations with equal shapes;

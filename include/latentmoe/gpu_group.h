@@ -1,10 +1,20 @@
 // A tensor-parallel group whose collectives run on the GPU: one communicator per rank, every
-// collective enqueued on the caller's stream (nothing blocks the host), device tensors only.
+// collective enqueued on the caller's stream (nothing blocks the host), device tensors only. Three
+// placements of the ranks, one code path (the one-shot Lamport kernels of src/cuda/comm, reached through
+// a plain peer-pointer struct; docs/ARCHITECTURE.md, "Ranks on the GPU"):
 //
-// Simulated placement: all `tp_size` ranks on one GPU, each rank with its own streams (its own
-// Runner), the peer buffers in that GPU's memory. Every tier of the layer then runs, and is tested,
-// on one GPU; only the cost of NVLink is missing. The collectives are the one-shot Lamport kernels
-// of src/cuda/comm (bounded waits, bit-identical sums on every rank).
+// Simulated (make_simulated_gpu_group): all `tp_size` ranks on one GPU, each rank with its own streams
+// (its own Runner), the peer buffers in that GPU's memory. Every tier of the layer then runs, and is
+// tested, on one GPU; only the cost of NVLink is missing.
+//
+// One thread per GPU (make_nccl_gpu_group): rank r on GPU r, the library creates the NCCL communicator;
+// one process per GPU (latentmoe/nccl_group.h): the caller passes its ncclComm_t. On real GPUs the
+// receive buffers come from NCCL 2.28 (ncclMemAlloc + ncclCommWindowRegister, symmetric), each peer's
+// pointer read once through NCCL's device API. Where not every rank can load and store its peers'
+// buffers, or a message exceeds the one-shot capacity, the collectives go through ncclAllReduce /
+// ncclReduceScatter / ncclAllGather (column blocks packed into NCCL's contiguous chunks). NVLink
+// multicast stays off (NCCL_NVLS_ENABLE=0; another value is refused), and the loaded libnccl must be
+// the release latentmoe was built against (the device API has no ABI compatibility across releases).
 //
 // Ranks that share a GPU spin on each other, so such a process needs, set before its first CUDA call
 // (the latentmoe tool and the GPU tests set both):
@@ -17,6 +27,8 @@
 
 #include <chrono>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "latentmoe/communicator.h"
@@ -24,8 +36,21 @@
 
 namespace latentmoe {
 
+// Where the ranks of a CUDA group of tp > 1 run: `simulated` on GPU 0, `devices` on GPUs 0..tp-1 (one
+// thread per GPU, NCCL), `automatic` on devices when tp GPUs with peer access are present and
+// latentmoe has NCCL, simulated otherwise.
+enum class GpuPlacement { automatic, simulated, devices };
+std::string_view to_string(GpuPlacement placement);
+// "auto", "simulated" or "devices"; throws Error otherwise.
+GpuPlacement parse_gpu_placement(std::string_view name);
+
+// What `requested` resolves to on this machine for tp_size ranks (GPU count, peer access between every
+// pair of GPUs 0..tp-1, NCCL built in). Throws Error when `requested` is devices and they cannot be had.
+// `why` receives one line for people ("8 ranks on GPUs 0..7, ..." or "... simulated on GPU 0 (...)").
+GpuPlacement resolve_gpu_placement(GpuPlacement requested, int tp_size, std::string* why = nullptr);
+
 struct GpuGroupOptions {
-  int device = 0;             // the GPU every simulated rank runs on
+  int device = 0;             // the GPU every simulated rank runs on (NCCL groups: rank r on GPU r)
   DType dtype = DType::bf16;  // the dtype of every collective (the layer's compute dtype)
   // The largest message one collective moves, in elements of `dtype` per rank: T (d + l) holds
   // every collective of a layer of T tokens (tier 0's carries [T, l + d/tp]); each rank's receive
@@ -34,6 +59,13 @@ struct GpuGroupOptions {
   // How long a collective waits for its peers before it fails (LATENTMOE_COLLECTIVE_TIMEOUT_MS
   // overrides the default).
   std::chrono::milliseconds timeout{30000};
+  // NCCL groups only. The largest tensor (rows x cols elements) one collective may carry: a message above
+  // the one-shot capacity goes through NCCL, staged through a buffer of this many elements per rank
+  // (column blocks packed into NCCL's contiguous chunks). 0: capacity_elements (every message one-shot).
+  int64_t max_elements = 0;
+  // NCCL groups only. false: every collective through NCCL, no one-shot kernels and no fused tiers (the
+  // unfused baseline; also what a group whose ranks cannot all load/store each other gets).
+  bool one_shot = true;
 };
 
 // The default timeout, or LATENTMOE_COLLECTIVE_TIMEOUT_MS when set (a positive integer).
@@ -41,5 +73,14 @@ std::chrono::milliseconds default_collective_timeout();
 
 // Throws Error without CUDA or a GPU, for tp_size outside 1..16, or a capacity below 1.
 std::vector<std::unique_ptr<Communicator>> make_simulated_gpu_group(int tp_size, const GpuGroupOptions& options);
+
+// One thread per GPU: rank r on GPU r (0..tp_size-1). Creates the NCCL communicator (one unique id,
+// ncclCommInitRank per rank on a thread of its own), registers every rank's receive area as a
+// symmetric window and reads the peers' pointers. Every rank's calls must then come from that rank's
+// own thread or stream, in the same order on every rank. Sets NCCL_NVLS_ENABLE=0 when unset. Throws
+// Error without CUDA or NCCL, with fewer than tp_size GPUs, when NCCL_NVLS_ENABLE is set to anything but
+// 0, when the loaded libnccl is not the release latentmoe was built against, or when NCCL fails.
+// The communicators free their NCCL resources together, when the last of them is destroyed.
+std::vector<std::unique_ptr<Communicator>> make_nccl_gpu_group(int tp_size, const GpuGroupOptions& options);
 
 }  // namespace latentmoe

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "latentmoe/config.h"
+#include "latentmoe/gpu_group.h"
 #include "latentmoe/runner.h"
 #include "latentmoe/tensor.h"
 #include "latentmoe/weights.h"
@@ -40,6 +41,9 @@ struct LocalGroupOptions {
   // A forced tier that the runners do not support for these tokens is not run (RankResult::ran is
   // false, tier_support says why) instead of failing.
   bool skip_unsupported_tier = false;
+  // The CUDA backend at tp > 1: ranks simulated on GPU 0, or on GPUs 0..tp-1 (one thread per GPU, NCCL);
+  // automatic: devices when present (resolve_gpu_placement, latentmoe/gpu_group.h).
+  GpuPlacement placement = GpuPlacement::automatic;
 };
 
 // `rank_weights(parallel)` returns rank parallel.rank's shard (e.g. load_layer_weights from a file

@@ -62,6 +62,7 @@ std::unique_ptr<Backend> make_cuda_backend(int) {
   throw_error("the CUDA backend is not available: latentmoe was built without CUDA");
 }
 int cuda_device_count() noexcept { return 0; }
+bool cuda_peer_access_between(int) noexcept { return false; }
 #endif
 
 }  // namespace latentmoe::detail

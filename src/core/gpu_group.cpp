@@ -1,10 +1,13 @@
-// The portable part of latentmoe/gpu_group.h: the timeout default, and the stand-in that reports a
-// build without CUDA (src/cuda/comm/simulated_group.cpp defines the group otherwise).
+// The portable part of latentmoe/gpu_group.h: the timeout default, the placements, and the stand-ins
+// that report a build without CUDA (src/cuda/comm/simulated_group.cpp and nccl_group.cpp define the
+// groups otherwise).
 #include "latentmoe/gpu_group.h"
 
 #include <cstdlib>
 #include <string>
 
+#include "core/backend.h"
+#include "core/nccl_checks.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
@@ -19,10 +22,45 @@ std::chrono::milliseconds default_collective_timeout() {
   return std::chrono::milliseconds(ms);
 }
 
+std::string_view to_string(GpuPlacement placement) {
+  switch (placement) {
+    case GpuPlacement::automatic:
+      return "auto";
+    case GpuPlacement::simulated:
+      return "simulated";
+    case GpuPlacement::devices:
+      return "devices";
+  }
+  return "auto";
+}
+
+GpuPlacement parse_gpu_placement(std::string_view name) {
+  if (name == "auto") return GpuPlacement::automatic;
+  if (name == "simulated") return GpuPlacement::simulated;
+  if (name == "devices") return GpuPlacement::devices;
+  detail::throw_error("unknown GPU placement '", name, "' (expected auto, simulated or devices)");
+}
+
+GpuPlacement resolve_gpu_placement(GpuPlacement requested, int tp_size, std::string* why) {
+  LATENTMOE_CHECK(tp_size >= 1, "GPU placement: tp must be at least 1, got ", tp_size);
+  const int devices = detail::cuda_device_count();
+  // NCCL and peer access are asked only when they could matter (peer access initialises every device).
+  const bool wanted = requested != GpuPlacement::simulated && devices >= tp_size;
+  const std::string nccl = wanted ? detail::nccl_problem() : std::string();
+  const bool peers_ok = wanted && nccl.empty() && detail::cuda_peer_access_between(tp_size);
+  return detail::choose_gpu_placement(requested, tp_size, devices, peers_ok, nccl, why);
+}
+
 #ifndef LATENTMOE_WITH_CUDA
 std::vector<std::unique_ptr<Communicator>> make_simulated_gpu_group(int, const GpuGroupOptions&) {
   detail::throw_error("a GPU group needs the CUDA backend: latentmoe was built without CUDA");
 }
+std::vector<std::unique_ptr<Communicator>> make_nccl_gpu_group(int, const GpuGroupOptions&) {
+  detail::throw_error("an NCCL GPU group needs the CUDA backend and NCCL: latentmoe was built without CUDA");
+}
+namespace detail {
+std::string nccl_problem() { return "latentmoe was built without CUDA and NCCL"; }
+}  // namespace detail
 #endif
 
 }  // namespace latentmoe

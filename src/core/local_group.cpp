@@ -45,18 +45,25 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
   const int64_t num_tokens = inputs.hidden_states.size(0);
   const DType dtype = inputs.hidden_states.dtype();
 
-  // The CPU backend's ranks exchange host tensors; the CUDA backend's ranks run on one GPU, each with
-  // its own streams, their collectives on the device (latentmoe/gpu_group.h).
+  // The CPU backend's ranks exchange host tensors; the CUDA backend's ranks run on one GPU each (NCCL) or
+  // simulated on one GPU, each with its own streams, their collectives on the device (latentmoe/gpu_group.h).
   std::vector<std::unique_ptr<Communicator>> group;
   int device_ordinal = -1;
+  bool rank_per_device = false;
   if (backend == BackendKind::cuda && options.tp_size > 1) {
     GpuGroupOptions group_options;
     group_options.dtype = dtype;
     // The largest message: [T, d] (the final all-reduce) or tier 0's [T, l + d/tp]; T (d + l) holds both.
     group_options.capacity_elements = std::max<int64_t>(num_tokens, 1) * (config.hidden_size + config.latent_size);
+    group_options.max_elements = group_options.capacity_elements;
     group_options.timeout = default_collective_timeout();
-    group = make_simulated_gpu_group(options.tp_size, group_options);
-    device_ordinal = group_options.device;
+    if (resolve_gpu_placement(options.placement, options.tp_size) == GpuPlacement::devices) {
+      group = make_nccl_gpu_group(options.tp_size, group_options);
+      rank_per_device = true;
+    } else {
+      group = make_simulated_gpu_group(options.tp_size, group_options);
+      device_ordinal = group_options.device;
+    }
   } else {
     group = make_in_process_group(options.tp_size);
   }
@@ -71,7 +78,7 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
     runner_options.backend = backend;
     runner_options.policy = options.policy;
     runner_options.max_tokens = std::max<int64_t>(num_tokens, 1);
-    runner_options.device_ordinal = device_ordinal;
+    runner_options.device_ordinal = rank_per_device ? rank : device_ordinal;
     runner_options.host_staging = true;
     // A rank that fails leaves both rendezvous, so its peers never wait for it here (run_ranks aborts
     // the group and reports the failure).

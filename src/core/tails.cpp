@@ -31,14 +31,6 @@ MlpWeights shared_expert_weights(const RunnerState& state) {
   return {state.shared_gate.view, state.shared_up.view, state.shared_down.view, ExpertWeightFormat::dense, {}, {}, {}};
 }
 
-struct TailTensors {
-  TensorView latent_partial;  // L_r [T, l]
-  TensorView shared_partial;  // S_r [T, d]; undefined without a shared expert (native only)
-  TensorView latent_reduced;  // [T, l] workspace for Lhat
-  TensorView hidden_shard;    // [T, d/tp] workspace
-  TensorView out;             // [T, d]
-};
-
 void native_tail(RunnerState& state, const TailTensors& t) {
   Backend& backend = *state.backend;
   Communicator& comm = state.comm;
@@ -94,6 +86,35 @@ void column_parallel_tail(RunnerState& state, const TailTensors& t) {
 
 }  // namespace
 
+TailTensors tail_tensors(RunnerState& state, TailTier tier, const TensorView& out, int64_t num_tokens) {
+  TailTensors t;
+  t.latent_partial = rows_of(state.latent_partial, num_tokens);
+  t.out = out;
+  t.latent_reduced = rows_of(state.latent_reduced, num_tokens);
+  t.hidden_shard = rows_of(state.hidden_shard, num_tokens);
+  if (state.config.has_shared_expert()) {
+    t.shared_partial = tier == TailTier::column_parallel ? out : rows_of(state.shared_partial, num_tokens);
+  }
+  return t;
+}
+
+void run_tail(RunnerState& state, TailTier tier, const TailTensors& t) {
+  switch (tier) {
+    case TailTier::native:
+      native_tail(state, t);
+      break;
+    case TailTier::tail_fusion:
+      tail_fusion_tail(state, t);
+      break;
+    case TailTier::allreduce_overlap:
+      allreduce_overlap_tail(state, t);
+      break;
+    case TailTier::column_parallel:
+      column_parallel_tail(state, t);
+      break;
+  }
+}
+
 void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOutputs& outputs, TailTier tier,
                int64_t num_tokens) {
   Backend& backend = *state.backend;
@@ -125,17 +146,12 @@ void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOut
   // 3-4. This rank's routed experts: the un-reduced latent partial L_r; beside them (6.) this rank's
   // shared-expert shard: the un-reduced partial S_r, which needs only x. Tier column_parallel writes
   // S_r straight into the output, which its tail then accumulates into and reduces in place.
-  TailTensors t;
-  t.latent_partial = rows_of(state.latent_partial, num_tokens);
-  t.out = outputs.output;
-  t.latent_reduced = rows_of(state.latent_reduced, num_tokens);
-  t.hidden_shard = rows_of(state.hidden_shard, num_tokens);
+  const TailTensors t = tail_tensors(state, tier, outputs.output, num_tokens);
   auto routed = [&] {
     backend.routed_experts(state.activation, latent_in, topk_ids, topk_weights, routed_expert_weights(state),
                            t.latent_partial);
   };
   if (state.config.has_shared_expert()) {
-    t.shared_partial = tier == TailTier::column_parallel ? t.out : rows_of(state.shared_partial, num_tokens);
     backend.run_overlapped(
         routed, [&] { backend.dense_mlp(state.activation, x, shared_expert_weights(state), t.shared_partial); });
   } else {
@@ -143,20 +159,7 @@ void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOut
   }
 
   // 5 + 8. The tail.
-  switch (tier) {
-    case TailTier::native:
-      native_tail(state, t);
-      break;
-    case TailTier::tail_fusion:
-      tail_fusion_tail(state, t);
-      break;
-    case TailTier::allreduce_overlap:
-      allreduce_overlap_tail(state, t);
-      break;
-    case TailTier::column_parallel:
-      column_parallel_tail(state, t);
-      break;
-  }
+  run_tail(state, tier, t);
 
   // 7. Zero experts: identity experts weighted by their routing weights, on the replicated output.
   if (state.config.zero_expert_num > 0) backend.add_scaled_rows(x, zero_weight_sum, t.out);

@@ -275,6 +275,7 @@ void expect_every_tier_matches_the_cpu_runner(const LayerConfig& config, int tp,
       options.backend = BackendKind::cpu;
       const auto ref = run_local_group(config, shard, inputs, options);
       options.backend = BackendKind::cuda;
+      options.placement = GpuPlacement::simulated;  // this file tests simulated ranks, also on several GPUs
       const auto got = run_local_group(config, shard, inputs, options);
       ASSERT_EQ(got.size(), static_cast<size_t>(tp));
       for (int r = 0; r < tp; ++r) {

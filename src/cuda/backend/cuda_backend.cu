@@ -629,10 +629,18 @@ void CudaBackend::add_scaled_rows(const TensorView& x, const TensorView& scale, 
 
 namespace {
 
-// The GPU group behind `comm` when its Lamport kernels can carry `dtype`, else nullptr.
+// The GPU group behind `comm` when its one-shot Lamport kernels run and can carry `dtype`, else nullptr.
 LamportCommunicator* lamport_group(Communicator& comm, DType dtype) {
   auto* group = dynamic_cast<LamportCommunicator*>(&comm);
-  return group != nullptr && group->lamport_dtype() == dtype ? group : nullptr;
+  return group != nullptr && group->one_shot() && group->lamport_dtype() == dtype ? group : nullptr;
+}
+
+// Whether `call` fits the group's one-shot capacity; a group with another path (NCCL above the capacity)
+// composes the step from its collectives otherwise. A group without one launches anyway and fails with
+// the capacity Error (tier support keeps the runner inside the capacity).
+bool one_shot_fits(const LamportCommunicator& group, const LamportCall& call) {
+  const LamportPeers& peers = group.lamport_peers();
+  return group.fallback_elements() == 0 || lamport_message_bytes(call, peers.size) <= peers.capacity_bytes;
 }
 
 LamportCall all_reduce_call(const TensorView& partial, const TensorView& gamma, float eps, const TensorView& out) {
@@ -662,9 +670,14 @@ void CudaBackend::all_reduce_rms_norm(Communicator& comm, const TensorView& part
     Backend::all_reduce_rms_norm(comm, partial, gamma, eps, out);
     return;
   }
+  const LamportCall call = all_reduce_call(partial, gamma, eps, out);
+  if (!one_shot_fits(*group, call)) {
+    Backend::all_reduce_rms_norm(comm, partial, gamma, eps, out);
+    return;
+  }
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
-  launch_lamport(group->lamport_peers(), all_reduce_call(partial, gamma, eps, out), s.current);
+  launch_lamport(group->lamport_peers(), call, s.current);
 }
 
 void CudaBackend::tail_fusion_collective(Communicator& comm, const TensorView& latent_partial,
@@ -676,14 +689,18 @@ void CudaBackend::tail_fusion_collective(Communicator& comm, const TensorView& l
     Backend::tail_fusion_collective(comm, latent_partial, shared_partial, gamma, eps, latent_out, shared_shard_out);
     return;
   }
-  State& s = *state_;
-  DeviceGuard guard(s.ordinal);
   LamportCall call = all_reduce_call(latent_partial, gamma, eps, latent_out);
   call.scatter_in = shared_partial.data();
   call.ld_scatter_in = shared_partial.stride(0);
   call.scatter_out = shared_shard_out.data();
   call.ld_scatter_out = shared_shard_out.stride(0);
   call.scatter_cols = shared_partial.size(1);
+  if (!one_shot_fits(*group, call)) {
+    Backend::tail_fusion_collective(comm, latent_partial, shared_partial, gamma, eps, latent_out, shared_shard_out);
+    return;
+  }
+  State& s = *state_;
+  DeviceGuard guard(s.ordinal);
   launch_lamport(group->lamport_peers(), call, s.current);
 }
 

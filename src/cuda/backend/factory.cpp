@@ -1,5 +1,7 @@
 // The CUDA backend's entry points for src/core (declared in core/backend.h), so that the core
 // includes no CUDA header.
+#include <cuda_runtime_api.h>
+
 #include "core/backend.h"
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/common/device.h"
@@ -11,5 +13,19 @@ std::unique_ptr<Backend> make_cuda_backend(int device_ordinal) {
 }
 
 int cuda_device_count() noexcept { return cuda::cuda_device_count(); }
+
+bool cuda_peer_access_between(int num_devices) noexcept {
+  if (num_devices > cuda::cuda_device_count()) return false;
+  for (int a = 0; a < num_devices; ++a) {
+    for (int b = 0; b < num_devices; ++b) {
+      int can_access = 0;
+      if (a != b && (cudaDeviceCanAccessPeer(&can_access, a, b) != cudaSuccess || can_access == 0)) {
+        (void)cudaGetLastError();
+        return false;
+      }
+    }
+  }
+  return true;
+}
 
 }  // namespace latentmoe::detail

@@ -1,6 +1,7 @@
-// A communicator whose ranks can load and store each other's receive areas (the GPU groups): the
-// CUDA backend's fused collective steps launch their own kernels through its plain peer parameters,
-// so the kernels depend on no communication library. Host-only; includable from C++.
+// A communicator whose ranks can load and store each other's receive areas (the GPU groups: simulated
+// ranks, and NCCL groups whose ranks are all load/store reachable): the CUDA backend's fused collective
+// steps launch their own kernels through its plain peer parameters, so the kernels depend on no
+// communication library. Host-only; includable from C++.
 #pragma once
 
 #include "cuda/comm/lamport.h"
@@ -14,6 +15,13 @@ class LamportCommunicator : public Communicator {
   virtual const LamportPeers& lamport_peers() const = 0;
   // The dtype every collective of the group carries.
   virtual DType lamport_dtype() const = 0;
+  // Whether the one-shot kernels run at all: false when not every rank can load and store its peers'
+  // buffers (or the group was built without them); its collectives then go through another library
+  // (NCCL) and the fused collective steps are composed.
+  virtual bool one_shot() const { return true; }
+  // The largest tensor (rows x cols elements) a collective carries when its one-shot message exceeds the
+  // capacity or one_shot() is false (through NCCL); 0: none, such a collective is an Error.
+  virtual int64_t fallback_elements() const { return 0; }
 };
 
 }  // namespace latentmoe::cuda

@@ -1,0 +1,28 @@
+// The group timing loop (group_timing.h).
+#include "harness/group_timing.h"
+
+#include "latentmoe/error.h"
+
+namespace latentmoe::bench {
+
+std::vector<double> time_group_runs(RunClock& clock, Rendezvous::Seat& seat, const Runs& runs,
+                                    const std::function<void()>& prepare, const std::function<void()>& body) {
+  LATENTMOE_CHECK(runs.warmup >= 0 && runs.iterations >= 1, "bench: ", runs.warmup, " warm-up and ", runs.iterations,
+                  " timed runs (need at least one timed run)");
+  std::vector<double> times;
+  times.reserve(static_cast<size_t>(runs.iterations));
+  for (int run = 0; run < runs.warmup + runs.iterations; ++run) {
+    if (runs.flush_l2) clock.flush();
+    if (prepare) prepare();
+    clock.wait();
+    seat.wait();  // every rank starts its timed run together
+    clock.start();
+    body();
+    clock.stop();
+    const double us = clock.elapsed_us();
+    if (run >= runs.warmup) times.push_back(us);
+  }
+  return times;
+}
+
+}  // namespace latentmoe::bench
