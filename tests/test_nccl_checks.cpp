@@ -14,6 +14,7 @@
 #include "core/gpu_tier_support.h"
 #include "core/nccl_checks.h"
 #include "core/shard_layout.h"
+#include "error_test_util.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
 #include "layer_test_util.h"
@@ -23,14 +24,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string message_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "(no error)";
-}
+using testing::message_of;
 
 TEST(NcclVersion, codes_read_as_major_minor_patch) {
   EXPECT_EQ(nccl_version_text(22809), "2.28.9");

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "error_test_util.h"
 #include "latentmoe/error.h"
 #include "latentmoe/in_process_group.h"
 #include "latentmoe/local_group.h"
@@ -23,14 +24,7 @@ using ::testing::HasSubstr;
 constexpr TailTier kAllTiers[] = {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
                                   TailTier::column_parallel};
 
-std::string message_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "(no error)";
-}
+using testing::message_of;
 
 // Rank 0's runner of a tp group on the CPU backend (built only: no forward, so no peer is needed).
 struct RankZero {

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "error_test_util.h"
 #include "latentmoe/error.h"
 #include "latentmoe/tune.h"
 #include "scratch_dir.h"
@@ -22,14 +23,7 @@ constexpr const char* kTable = R"({
     {"tp": 4, "dtype": "f16", "tail_fusion_max_tokens": 0, "shared_stream_token_threshold": 128}
   ]})";
 
-std::string message_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "(no error)";
-}
+using testing::message_of;
 
 TEST(TuneTable, picks_the_most_specific_entry_of_the_layers_tp) {
   const TuneTable table = TuneTable::from_json(kTable, "t.json");
@@ -92,7 +86,10 @@ TEST(TuneTable, rejects_malformed_tables_naming_the_problem) {
 
 TEST(TuneTable, a_missing_file_or_a_folder_is_a_clear_error) {
   testing::ScratchDir dir("tune_files");
-  EXPECT_NE(message_of([&] { TuneTable::from_file(dir.file("absent.json")); }).find("cannot read tune table: No such file or directory"), std::string::npos);
+  EXPECT_NE(message_of([&] {
+              TuneTable::from_file(dir.file("absent.json"));
+            }).find("cannot read tune table: No such file or directory"),
+            std::string::npos);
   EXPECT_NE(message_of([&] { TuneTable::from_file(dir.path().string()); }).find("not a regular file"),
             std::string::npos);
 }

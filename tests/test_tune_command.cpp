@@ -15,12 +15,13 @@
 #include <string>
 #include <vector>
 
+#include "cli_test_util.h"
+#include "error_test_util.h"
 #include "latentmoe/error.h"
 #include "latentmoe/safetensors.h"
 #include "latentmoe/tune.h"
 #include "latentmoe/weights.h"
 #include "layer_test_util.h"
-#include "cli_test_util.h"
 #include "scratch_dir.h"
 
 namespace latentmoe {
@@ -28,14 +29,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string message_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "(no error)";
-}
+using testing::message_of;
 
 // One row of a hand-made time table: native, tail_fusion, allreduce_overlap, column_parallel (ms;
 // a negative value stands for "not run").

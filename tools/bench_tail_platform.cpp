@@ -11,6 +11,7 @@
 #include "latentmoe/gpu_group.h"
 #include "latentmoe/in_process_group.h"
 #include "latentmoe/random.h"
+#include "tool_common.h"
 
 #ifdef LATENTMOE_WITH_CUDA
 #include "harness/timing.h"  // EventClock, copy_bandwidth: the CUDA half of the harness
@@ -20,18 +21,6 @@ namespace latentmoe::tools {
 namespace {
 
 [[noreturn]] void no_cuda() { detail::throw_error("bench tail --backend cuda: latentmoe was built without CUDA"); }
-
-std::string cpu_model() {
-  std::string model;
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  for (std::string line; model.empty() && std::getline(cpuinfo, line);) {
-    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
-      model = line.substr(line.find(':') + 1);
-      model.erase(0, model.find_first_not_of(" \t"));
-    }
-  }
-  return model.empty() ? "CPU" : model;
-}
 
 }  // namespace
 

@@ -8,6 +8,7 @@
 
 #include "latentmoe/error.h"
 #include "latentmoe/presets.h"
+#include "tool_common.h"
 
 namespace latentmoe::tools {
 namespace {
@@ -208,21 +209,7 @@ nlohmann::json to_json(const TailRunInfo& info, const std::vector<TailPoint>& po
 }
 
 LayerConfig scaled_preset(const std::string& preset, int scale) {
-  const LayerConfig config = preset_config(preset);
-  LATENTMOE_CHECK(scale >= 1, "--scale ", scale, " is not a positive integer");
-  if (scale == 1) return config;
-  const std::pair<const char*, int64_t> sizes[] = {{"hidden_size", config.hidden_size},
-                                                   {"latent_size", config.latent_size},
-                                                   {"num_experts", config.num_experts},
-                                                   {"intermediate_size", config.intermediate_size},
-                                                   {"shared_intermediate_size", config.shared_intermediate_size}};
-  for (const auto& [name, size] : sizes) {
-    LATENTMOE_CHECK(size % scale == 0, "--scale ", scale, " does not divide ", name, " ", size, " of ", preset);
-  }
-  const int64_t experts = config.num_experts / scale;
-  return resized(config,
-                 {config.hidden_size / scale, config.latent_size / scale, experts, std::min(config.top_k, experts),
-                  config.intermediate_size / scale, config.shared_intermediate_size / scale});
+  return scaled_down(preset_config(preset), scale, preset);
 }
 
 }  // namespace latentmoe::tools

@@ -29,6 +29,7 @@
 #include "latentmoe/random.h"
 #include "latentmoe/tune.h"
 #include "latentmoe/weights.h"
+#include "tool_common.h"
 
 #ifdef LATENTMOE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -72,23 +73,10 @@ DType parse_tune_dtype(const std::string& name) {
 LayerConfig tune_layer(const TuneArguments& args, int scale, std::string& label) {
   LayerConfig config = args.config_path.empty() ? preset_config(args.preset) : LayerConfig::from_file(args.config_path);
   label = args.config_path.empty() ? args.preset : args.config_path;
-  if (scale == 1) {
-    config.validate();
-    return config;
-  }
-  const std::pair<const char*, int64_t> sizes[] = {{"hidden_size", config.hidden_size},
-                                                   {"latent_size", config.latent_size},
-                                                   {"num_experts", config.num_experts},
-                                                   {"intermediate_size", config.intermediate_size},
-                                                   {"shared_intermediate_size", config.shared_intermediate_size}};
-  for (const auto& [name, size] : sizes) {
-    LATENTMOE_CHECK(size % scale == 0, "--scale ", scale, " does not divide ", name, " ", size, " of ", label);
-  }
-  label += " / " + std::to_string(scale);
-  const int64_t experts = config.num_experts / scale;
-  return resized(config,
-                 {config.hidden_size / scale, config.latent_size / scale, experts, std::min(config.top_k, experts),
-                  config.intermediate_size / scale, config.shared_intermediate_size / scale});
+  if (scale != 1) label += " / " + std::to_string(scale);
+  const LayerConfig scaled = scaled_down(config, scale, args.config_path.empty() ? args.preset : args.config_path);
+  scaled.validate();
+  return scaled;
 }
 
 // Refuses, before anything is measured, an output that could not be written at the end.
@@ -118,15 +106,7 @@ std::string describe_machine(BackendKind backend) {
 #endif
     return "CUDA GPU, tp ranks simulated on one GPU (no NVLink cost)";
   }
-  std::string model;
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  for (std::string line; model.empty() && std::getline(cpuinfo, line);) {
-    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
-      model = line.substr(line.find(':') + 1);
-      model.erase(0, model.find_first_not_of(" \t"));
-    }
-  }
-  if (model.empty()) model = "CPU";
+  const std::string model = cpu_model();
   return model + ", " + std::to_string(std::thread::hardware_concurrency()) +
          " hardware threads, CPU reference backend (tp ranks as threads)";
 }

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda_test_util.h"
+#include "error_test_util.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
 #include "latentmoe/runner.h"
@@ -16,14 +17,7 @@
 namespace latentmoe::cuda::testing {
 namespace {
 
-std::string message_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "(no error)";
-}
+using ::latentmoe::testing::message_of;
 
 struct RankZeroOnGpu {
   RankZeroOnGpu(const LayerConfig& config, DType layer_dtype, DType group_dtype, int64_t capacity_elements) {

@@ -37,6 +37,10 @@ enum class LamportOp : int { all_reduce = 1, reduce_scatter = 2, all_gather = 3,
 
 // The error word a failed call leaves in LamportPeers::status.
 enum class LamportFailure : int { timeout = 1, aborted = 2 };
+
+// Throws the Error a rank's status word reports (failure | op << 8; nothing when 0), naming the
+// rank, the collective and, for a timeout, how long it waited (lamport_status.cpp).
+void throw_lamport_failure(int status, int rank, int64_t timeout_ms);
 inline constexpr int lamport_status(LamportFailure failure, LamportOp op) {
   return (static_cast<int>(op) << 8) | static_cast<int>(failure);
 }

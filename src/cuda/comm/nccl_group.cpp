@@ -66,20 +66,6 @@ ncclDataType_t nccl_type(DType dtype) {
   }
 }
 
-std::string_view op_name(int op) {
-  switch (static_cast<LamportOp>(op)) {
-    case LamportOp::all_reduce:
-      return "all-reduce";
-    case LamportOp::reduce_scatter:
-      return "reduce-scatter";
-    case LamportOp::all_gather:
-      return "all-gather";
-    case LamportOp::barrier:
-      return "barrier";
-  }
-  return "collective";
-}
-
 // The start-up checks every NCCL group makes before its first NCCL call that could start NCCL.
 void check_environment(bool library_initialises) {
   const detail::NvlsDecision nvls = detail::nvls_decision(std::getenv("NCCL_NVLS_ENABLE"), library_initialises);
@@ -437,15 +423,7 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     const GroupState& g = *group_;
     const RankResources& r = resources();
     const int status = reinterpret_cast<volatile int*>(g.host_flags)[1 + index_];
-    if (status != 0) {
-      const int failure = status & 0xff, op = status >> 8;
-      if (failure == static_cast<int>(cuda::LamportFailure::aborted)) {
-        detail::throw_error("rank ", r.rank, ": the GPU ", op_name(op),
-                            " was aborted: another rank of the group failed");
-      }
-      detail::throw_error("rank ", r.rank, ": the GPU ", op_name(op), " timed out after ", g.timeout_ns / 1000000,
-                          " ms waiting for its peers (a rank never arrived)");
-    }
+    cuda::throw_lamport_failure(status, r.rank, g.timeout_ns / 1000000);
     if (g.revoked.load()) {
       detail::throw_error("rank ", r.rank,
                           ": the NCCL group was aborted (another rank failed); its collectives' "

@@ -49,20 +49,6 @@ struct GroupMemory {
   }
 };
 
-std::string_view op_name(int op) {
-  switch (static_cast<LamportOp>(op)) {
-    case LamportOp::all_reduce:
-      return "all-reduce";
-    case LamportOp::reduce_scatter:
-      return "reduce-scatter";
-    case LamportOp::all_gather:
-      return "all-gather";
-    case LamportOp::barrier:
-      return "barrier";
-  }
-  return "collective";
-}
-
 class SimulatedGpuCommunicator final : public cuda::LamportCommunicator {
  public:
   SimulatedGpuCommunicator(std::shared_ptr<GroupMemory> memory, int rank) : memory_(std::move(memory)), rank_(rank) {
@@ -127,13 +113,7 @@ class SimulatedGpuCommunicator final : public cuda::LamportCommunicator {
 
   void check() override {
     const int status = reinterpret_cast<volatile int*>(memory_->host_flags)[1 + rank_];
-    if (status == 0) return;
-    const int failure = status & 0xff, op = status >> 8;
-    if (failure == static_cast<int>(cuda::LamportFailure::aborted)) {
-      detail::throw_error("rank ", rank_, ": the GPU ", op_name(op), " was aborted: another rank of the group failed");
-    }
-    detail::throw_error("rank ", rank_, ": the GPU ", op_name(op), " timed out after ", memory_->timeout_ns / 1000000,
-                        " ms waiting for its peers (a rank never arrived)");
+    cuda::throw_lamport_failure(status, rank_, memory_->timeout_ns / 1000000);
   }
 
   const LamportPeers& lamport_peers() const override { return peers_; }
