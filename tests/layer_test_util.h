@@ -2,8 +2,10 @@
 // seeded inputs, and an independent double-precision evaluation of DESIGN section 1 on full weights.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "latentmoe/config.h"
@@ -11,6 +13,7 @@
 #include "latentmoe/presets.h"
 #include "latentmoe/random.h"
 #include "latentmoe/tensor.h"
+#include "latentmoe/tier.h"
 #include "latentmoe/weights.h"
 
 namespace latentmoe::testing {
@@ -133,6 +136,30 @@ inline double max_relative_error_vs(const HostTensor& out, const std::vector<dou
     max_ref = std::max(max_ref, std::fabs(ref[i]));
   }
   return max_ref > 0 ? max_diff / max_ref : max_diff;
+}
+
+// One forward of the schedule that alternates two layers sharing a rank context (layer 0: the
+// kimi-like layer, computing its router logits from its gate; layer 1: the nemotron-like layer,
+// given them): every tier forced on each layer, then the policy's choice.
+struct AlternatingStep {
+  int layer;
+  int64_t num_tokens;
+  std::optional<TailTier> tier;  // nullopt: the policy picks
+};
+
+// The schedule, with token counts up to `max_tokens`.
+inline std::vector<AlternatingStep> alternating_schedule(int64_t max_tokens) {
+  const auto tokens = [max_tokens](int64_t t) { return std::min(t, max_tokens); };
+  return {{0, tokens(3), TailTier::native},
+          {1, tokens(5), TailTier::tail_fusion},
+          {0, tokens(17), TailTier::allreduce_overlap},
+          {1, 1, TailTier::column_parallel},
+          {0, 1, TailTier::tail_fusion},
+          {1, tokens(33), TailTier::native},
+          {0, max_tokens, TailTier::column_parallel},
+          {1, tokens(7), TailTier::allreduce_overlap},
+          {0, 2, std::nullopt},
+          {1, max_tokens, std::nullopt}};
 }
 
 }  // namespace latentmoe::testing

@@ -50,7 +50,7 @@ using cuda::read_through;
 
 // The runner's backend as the CUDA backend; throws Error when the runner runs on another backend.
 inline cuda::CudaBackend& cuda_backend_of(Runner& runner) {
-  auto* backend = dynamic_cast<cuda::CudaBackend*>(state_of(runner).backend.get());
+  auto* backend = dynamic_cast<cuda::CudaBackend*>(state_of(runner).backend);
   LATENTMOE_CHECK(backend != nullptr, "bench: the runner does not run on the CUDA backend");
   return *backend;
 }

@@ -4,6 +4,8 @@
 //
 // Life cycle: construct once (weights are placed on the backend's device and every workspace is
 // sized for `max_tokens`), then call forward() any number of times. forward() allocates nothing.
+// The layers of one rank share a RankContext (latentmoe/rank_context.h: backend, scratch,
+// communicator); a Runner built from a communicator makes a private context of its own.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include "latentmoe/communicator.h"
 #include "latentmoe/config.h"
 #include "latentmoe/parallel.h"
+#include "latentmoe/rank_context.h"
 #include "latentmoe/tensor.h"
 #include "latentmoe/tier.h"
 #include "latentmoe/weights.h"
@@ -26,11 +29,6 @@ struct RunnerState;
 RunnerState& state_of(Runner& runner);
 }  // namespace detail
 
-enum class BackendKind { automatic, cpu, cuda };
-std::string_view to_string(BackendKind kind);
-// "auto", "cpu", "cuda"; throws on anything else.
-BackendKind parse_backend_kind(std::string_view name);
-
 struct RunnerOptions {
   BackendKind backend = BackendKind::cpu;
   TierPolicy policy = {};
@@ -43,10 +41,6 @@ struct RunnerOptions {
   // construction. Off by default: an engine calls forward() on its own device tensors.
   bool host_staging = false;
 };
-
-// The backend `auto` resolves to here (cuda when built with CUDA and a GPU is present, else cpu);
-// throws Error when an explicitly requested backend is not available.
-BackendKind resolve_backend_kind(BackendKind kind);
 
 struct ForwardInputs {
   TensorView hidden_states;      // [T, d], the compute dtype
@@ -72,6 +66,15 @@ class Runner {
   // are used in place (LayerWeightViews says what the caller then keeps alive).
   Runner(const LayerConfig& config, const ParallelConfig& parallel, const LayerWeightViews& weights,
          Communicator& communicator, const RunnerOptions& options = {});
+  // One layer of a rank on the rank's shared context: the layer places its weights (as above) and
+  // registers its scratch needs with the context, which grows to the largest layer; construct every
+  // layer of the rank before the first forward through the context (a layer that needs more after it
+  // is refused). `parallel` is the rank the weights were sharded for and must be the context's.
+  // forward() accepts up to the context's max_tokens; `policy` selects this layer's tiers.
+  Runner(RankContext& context, const LayerConfig& config, const ParallelConfig& parallel, const LayerWeights& weights,
+         const TierPolicy& policy = {});
+  Runner(RankContext& context, const LayerConfig& config, const ParallelConfig& parallel,
+         const LayerWeightViews& weights, const TierPolicy& policy = {});
   ~Runner();
   Runner(const Runner&) = delete;
   Runner& operator=(const Runner&) = delete;
@@ -102,6 +105,9 @@ class Runner {
 
  private:
   friend detail::RunnerState& detail::state_of(Runner& runner);
+  // `owned`: the private context of the constructors that take a communicator (null otherwise).
+  void construct(RankContext& context, const LayerConfig& config, const ParallelConfig& parallel,
+                 const LayerWeightViews& weights, const TierPolicy& policy, std::unique_ptr<RankContext> owned);
   std::unique_ptr<detail::RunnerState> impl_;
 };
 

@@ -2,6 +2,8 @@
 // backend's own operations) and the parameter structs derived from the config.
 #include "core/backend.h"
 
+#include <algorithm>
+
 #include "latentmoe/error.h"
 
 namespace latentmoe::detail {
@@ -25,6 +27,39 @@ ActivationParams ActivationParams::from_config(const LayerConfig& config) {
   params.situ_beta = static_cast<float>(config.situ_beta);
   params.situ_linear_beta = static_cast<float>(config.situ_linear_beta);
   return params;
+}
+
+WorkspaceSpec WorkspaceSpec::for_layer(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) {
+  LATENTMOE_CHECK(tp_size >= 1, "workspace spec: tp_size ", tp_size, " must be positive");
+  WorkspaceSpec spec;
+  spec.max_tokens = max_tokens;
+  spec.element_size = dtype_size(dtype);
+  spec.hidden_size = config.hidden_size;
+  spec.num_experts = config.num_experts;
+  spec.top_k = config.top_k;
+  spec.latent_size = config.latent_size;
+  spec.expert_intermediate = config.intermediate_size / tp_size;
+  spec.dense_intermediate = config.has_shared_expert() ? config.shared_intermediate_size / tp_size : 0;
+  return spec;
+}
+
+WorkspaceSpec WorkspaceSpec::max(const WorkspaceSpec& a, const WorkspaceSpec& b) {
+  WorkspaceSpec spec;
+  spec.max_tokens = std::max(a.max_tokens, b.max_tokens);
+  spec.element_size = std::max(a.element_size, b.element_size);
+  spec.hidden_size = std::max(a.hidden_size, b.hidden_size);
+  spec.num_experts = std::max(a.num_experts, b.num_experts);
+  spec.top_k = std::max(a.top_k, b.top_k);
+  spec.latent_size = std::max(a.latent_size, b.latent_size);
+  spec.expert_intermediate = std::max(a.expert_intermediate, b.expert_intermediate);
+  spec.dense_intermediate = std::max(a.dense_intermediate, b.dense_intermediate);
+  return spec;
+}
+
+bool WorkspaceSpec::covers(const WorkspaceSpec& other) const {
+  return max_tokens >= other.max_tokens && element_size >= other.element_size && hidden_size >= other.hidden_size &&
+         num_experts >= other.num_experts && top_k >= other.top_k && latent_size >= other.latent_size &&
+         expert_intermediate >= other.expert_intermediate && dense_intermediate >= other.dense_intermediate;
 }
 
 void Backend::all_reduce_rms_norm(Communicator& comm, const TensorView& partial, const TensorView& gamma, float eps,

@@ -85,6 +85,27 @@ struct MlpWeights {
   TensorView gate_scale, up_scale, down_scale;  // mxfp4 only
 };
 
+// The shapes a backend's internal workspaces are sized for (Backend::prepare). Several layers that
+// share one backend (a RankContext) prepare it once with the element-wise maximum of their specs:
+// every workspace size grows monotonically with each field, so the maximum fits each layer.
+struct WorkspaceSpec {
+  int64_t max_tokens = 0;
+  size_t element_size = 4;          // bytes per element of the compute dtype (4 fits every dtype)
+  int64_t hidden_size = 0;          // d; > 0: room to widen x to f32 for an f32 router gate
+  int64_t num_experts = 0;          // E; 0: no routed experts
+  int64_t top_k = 0;                // k
+  int64_t latent_size = 0;          // l
+  int64_t expert_intermediate = 0;  // I / tp
+  int64_t dense_intermediate = 0;   // Is / tp; 0: no dense MLP
+
+  // The spec of one layer of `config` in `dtype` at `tp_size` ranks for up to max_tokens tokens.
+  static WorkspaceSpec for_layer(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size);
+  // The element-wise maximum of two specs.
+  static WorkspaceSpec max(const WorkspaceSpec& a, const WorkspaceSpec& b);
+  // Whether every field of this spec is at least `other`'s.
+  bool covers(const WorkspaceSpec& other) const;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -102,11 +123,19 @@ class Backend {
   virtual void bind_stream(StreamHandle stream) {}
   // Waits until everything the backend enqueued on its own streams has completed (construction).
   virtual void synchronize() {}
-  // Called once by the runner at construction, before any weight is placed: a backend refuses a layer
-  // it cannot run (its kernel limits, a weight format it has no kernels for) before the weights cost
-  // device memory, and sizes its internal workspaces (e.g. the grouped-GEMM layout) for up to
-  // `max_tokens` tokens, so that no operation allocates during forward.
-  virtual void prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) {}
+  // Called by the runner at construction, before any weight is placed: a backend refuses a layer it
+  // cannot run (its kernel limits, a weight format it has no kernels for) before the weights cost
+  // device memory.
+  virtual void check_layer(const LayerConfig& config, DType dtype, int tp_size) {}
+  // Sizes the internal workspaces (e.g. the grouped-GEMM layout) for `spec`, so that no operation
+  // allocates during forward. Called by the rank context when a layer needs more than the spec it last
+  // prepared (never after a forward); replaces the previous workspaces.
+  virtual void prepare(const WorkspaceSpec& spec) {}
+  // check_layer, then prepare for that one layer (a backend serving a single layer; tests).
+  void prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) {
+    check_layer(config, dtype, tp_size);
+    prepare(WorkspaceSpec::for_layer(config, dtype, max_tokens, tp_size));
+  }
   // What each tier can run on this backend for a layer of `config` in `dtype` over `comm` (tp_size
   // ranks): dtype limits, token capacities of fused collectives, whether the ranks reach each other.
   // Only the backend's own limits: the runner adds the structural ones (structural_tier_support).

@@ -11,61 +11,9 @@
 
 namespace latentmoe {
 
-std::string_view to_string(BackendKind kind) {
-  switch (kind) {
-    case BackendKind::automatic:
-      return "auto";
-    case BackendKind::cpu:
-      return "cpu";
-    case BackendKind::cuda:
-      return "cuda";
-  }
-  return "?";
-}
-
-BackendKind parse_backend_kind(std::string_view name) {
-  if (name == "auto") return BackendKind::automatic;
-  if (name == "cpu") return BackendKind::cpu;
-  if (name == "cuda") return BackendKind::cuda;
-  detail::throw_error("unknown backend '", name, "' (expected auto, cpu or cuda)");
-}
-
-namespace {
-
-bool cuda_backend_available() { return detail::cuda_device_count() > 0; }
-
-}  // namespace
-
-BackendKind resolve_backend_kind(BackendKind kind) {
-  if (kind == BackendKind::automatic) return cuda_backend_available() ? BackendKind::cuda : BackendKind::cpu;
-#ifndef LATENTMOE_WITH_CUDA
-  LATENTMOE_CHECK(kind != BackendKind::cuda, "the CUDA backend is not available: latentmoe was built without CUDA");
-#else
-  LATENTMOE_CHECK(kind != BackendKind::cuda || detail::cuda_device_count() > 0,
-                  "the CUDA backend is not available: no CUDA device was found");
-#endif
-  return kind;
-}
-
 namespace detail {
 
 namespace {
-
-std::unique_ptr<Backend> make_backend(BackendKind kind, const ParallelConfig& parallel, int device_ordinal) {
-  switch (resolve_backend_kind(kind)) {
-    case BackendKind::cpu:
-      return make_cpu_backend();
-    case BackendKind::cuda: {
-      const int num_devices = cuda_device_count();
-      const int device = device_ordinal >= 0 ? device_ordinal : parallel.rank % num_devices;
-      LATENTMOE_CHECK(device < num_devices, "CUDA device ", device, " does not exist (", num_devices, " found)");
-      return make_cuda_backend(device);
-    }
-    case BackendKind::automatic:
-      break;
-  }
-  throw_error("internal: unresolved backend kind");
-}
 
 // One weight on the backend's device: a host view is copied there, a view already on the device is
 // used in place; undefined views stay undefined.
@@ -82,15 +30,6 @@ DeviceTensor place(Backend& backend, const TensorView& weight, const char* name)
   placed.view = TensorView(placed.buffer.get(), weight.dtype(), weight.shape(), backend.device());
   backend.copy(weight, placed.view);
   return placed;
-}
-
-DeviceTensor workspace(Backend& backend, DType dtype, std::vector<int64_t> shape) {
-  DeviceTensor tensor;
-  int64_t count = 1;
-  for (int64_t extent : shape) count *= extent;
-  tensor.buffer = backend.allocate(static_cast<size_t>(std::max<int64_t>(count, 1)) * dtype_size(dtype));
-  tensor.view = TensorView(tensor.buffer.get(), dtype, shape, backend.device());
-  return tensor;
 }
 
 void check_tensor(const TensorView& tensor, const char* name, DType dtype, std::initializer_list<int64_t> shape,
@@ -115,33 +54,64 @@ void check_tensor(const TensorView& tensor, const char* name, DType dtype, std::
 }  // namespace detail
 
 using detail::check_tensor;
+using detail::Scratch;
 
 Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const LayerWeights& weights,
                Communicator& communicator, const RunnerOptions& options)
     : Runner(config, parallel, views_of(weights), communicator, options) {}
 
 Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const LayerWeightViews& weights,
-               Communicator& communicator, const RunnerOptions& options)
-    : impl_(std::make_unique<detail::RunnerState>(config, parallel, communicator, options)) {
+               Communicator& communicator, const RunnerOptions& options) {
+  // The layer's own checks first, as before the context existed (the first error a caller sees).
   config.validate();
   validate_parallel(config, parallel);
-  LATENTMOE_CHECK(communicator.size() == parallel.tp_size && communicator.rank() == parallel.rank,
-                  "the communicator is rank ", communicator.rank(), " of ", communicator.size(),
-                  " but the parallel config is rank ", parallel.rank, " of ", parallel.tp_size);
-  LATENTMOE_CHECK(options.max_tokens >= 1, "max_tokens must be at least 1, got ", options.max_tokens);
+  RankContextOptions context_options;
+  context_options.backend = options.backend;
+  context_options.device_ordinal = options.device_ordinal;
+  context_options.max_tokens = options.max_tokens;
+  context_options.host_staging = options.host_staging;
+  auto context = std::make_unique<RankContext>(parallel, communicator, context_options);
+  RankContext& own = *context;
+  construct(own, config, parallel, weights, options.policy, std::move(context));
+}
+
+Runner::Runner(RankContext& context, const LayerConfig& config, const ParallelConfig& parallel,
+               const LayerWeights& weights, const TierPolicy& policy)
+    : Runner(context, config, parallel, views_of(weights), policy) {}
+
+Runner::Runner(RankContext& context, const LayerConfig& config, const ParallelConfig& parallel,
+               const LayerWeightViews& weights, const TierPolicy& policy) {
+  construct(context, config, parallel, weights, policy, nullptr);
+}
+
+void Runner::construct(RankContext& context, const LayerConfig& config, const ParallelConfig& parallel,
+                       const LayerWeightViews& weights, const TierPolicy& policy, std::unique_ptr<RankContext> owned) {
+  config.validate();
+  validate_parallel(config, parallel);
+  const ParallelConfig& own = context.parallel();
+  LATENTMOE_CHECK(parallel.tp_size == own.tp_size && parallel.rank == own.rank &&
+                      parallel.sequence_parallel == own.sequence_parallel,
+                  "the layer is sharded for rank ", parallel.rank, " of tp ", parallel.tp_size,
+                  parallel.sequence_parallel ? " (sequence parallel)" : "", " but its rank context is rank ", own.rank,
+                  " of tp ", own.tp_size, own.sequence_parallel ? " (sequence parallel)" : "");
   LATENTMOE_CHECK(is_compute_dtype(weights.dtype), "weights dtype ", dtype_name(weights.dtype),
                   " is not a compute dtype (F32, BF16, F16)");
   validate_layer_weights(weights, config, parallel.tp_size);
 
+  impl_ = std::make_unique<detail::RunnerState>(config, parallel, context, policy);
   detail::RunnerState& state = *impl_;
+  // Held from here on, so that whatever is placed on its backend is released before it, even when a
+  // later step throws.
+  state.owned_context = std::move(owned);
   state.dtype = weights.dtype;
-  state.backend = detail::make_backend(options.backend, parallel, options.device_ordinal);
   detail::Backend& backend = *state.backend;
   state.routing = detail::RoutingParams::from_config(config);
   state.activation = detail::ActivationParams::from_config(config);
-  // The backend's own limits (kernel limits, weight formats it cannot run) before any weight is
-  // copied to its device: a layer it refuses costs no device memory.
-  backend.prepare(config, state.dtype, options.max_tokens, parallel.tp_size);
+  // The backend's own limits (kernel limits, weight formats it cannot run) and the context's scratch
+  // before any weight is copied to the device: a layer refused costs no device memory.
+  backend.check_layer(config, state.dtype, parallel.tp_size);
+  state.shared->reserve(config, state.dtype);
+  state.scratch_shapes = detail::scratch_shapes(config, state.dtype, state.options.max_tokens, parallel.tp_size);
 
   state.gate = detail::place(backend, weights.gate, "gate");
   state.score_bias = detail::place(backend, weights.score_bias, "score_bias");
@@ -158,37 +128,44 @@ Runner::Runner(const LayerConfig& config, const ParallelConfig& parallel, const 
   state.shared_up = detail::place(backend, weights.shared_up, "shared_up");
   state.shared_down = detail::place(backend, weights.shared_down, "shared_down");
 
-  const int64_t max_tokens = options.max_tokens;
-  const int64_t d = config.hidden_size, l = config.latent_size, k = config.top_k;
-  const int64_t shard = d / parallel.tp_size;
-  state.logits = detail::workspace(backend, DType::f32, {max_tokens, config.num_router_outputs()});
-  state.topk_ids = detail::workspace(backend, DType::i32, {max_tokens, k});
-  state.topk_weights = detail::workspace(backend, DType::f32, {max_tokens, k});
-  state.zero_weight_sum = detail::workspace(backend, DType::f32, {max_tokens});
-  state.latent_in = detail::workspace(backend, state.dtype, {max_tokens, l});
-  state.latent_partial = detail::workspace(backend, state.dtype, {max_tokens, l});
-  state.latent_reduced = detail::workspace(backend, state.dtype, {max_tokens, l});
-  state.shared_partial = detail::workspace(backend, state.dtype, {max_tokens, d});
-  state.hidden_shard = detail::workspace(backend, state.dtype, {max_tokens, shard});
   state.support = structural_tier_support(state.fused_path_conditions());
-  state.support.restrict_to(backend.tier_support(config, state.dtype, parallel.tp_size, communicator));
-  if (options.host_staging && backend.device() != Device::cpu) {
-    // forward_host's staging, allocated here so that no rank allocates (cudaMalloc may synchronise the
-    // device) while a peer's collective is waiting for it.
-    auto staging = std::make_unique<detail::RunnerState::Staging>();
-    staging->hidden_states = detail::workspace(backend, state.dtype, {max_tokens, config.hidden_size});
-    staging->router_logits = detail::workspace(backend, DType::f32, {max_tokens, config.num_router_outputs()});
-    staging->latent_states = detail::workspace(backend, state.dtype, {max_tokens, config.latent_size});
-    staging->output = detail::workspace(backend, state.dtype, {max_tokens, config.hidden_size});
-    staging->topk_ids = detail::workspace(backend, DType::i32, {max_tokens, config.top_k});
-    staging->topk_weights = detail::workspace(backend, DType::f32, {max_tokens, config.top_k});
-    state.staging = std::move(staging);
-  }
-  // forward may run on any stream of the caller's: the weights and zeroed workspaces must be in place.
+  state.support.restrict_to(backend.tier_support(config, state.dtype, parallel.tp_size, state.comm));
+  if (state.shared->has_staging()) state.staging = std::make_unique<detail::RunnerState::Staging>();
+  state.bind_scratch();
+  // forward may run on any stream of the caller's: the weights must be in place.
   backend.synchronize();
+  ++state.shared->num_layers;
 }
 
-Runner::~Runner() = default;
+Runner::~Runner() {
+  if (impl_ != nullptr) --impl_->shared->num_layers;
+}
+
+void detail::RunnerState::bind_scratch() {
+  if (bound && bound_generation == shared->generation) return;
+  auto bind = [this](DeviceTensor& tensor, Scratch which) {
+    tensor.view = shared->view(which, scratch_shapes[static_cast<int>(which)]);
+  };
+  bind(logits, Scratch::logits);
+  bind(topk_ids, Scratch::topk_ids);
+  bind(topk_weights, Scratch::topk_weights);
+  bind(zero_weight_sum, Scratch::zero_weight_sum);
+  bind(latent_in, Scratch::latent_in);
+  bind(latent_partial, Scratch::latent_partial);
+  bind(latent_reduced, Scratch::latent_reduced);
+  bind(shared_partial, Scratch::shared_partial);
+  bind(hidden_shard, Scratch::hidden_shard);
+  if (staging != nullptr) {
+    bind(staging->hidden_states, Scratch::staging_hidden_states);
+    bind(staging->router_logits, Scratch::staging_router_logits);
+    bind(staging->latent_states, Scratch::staging_latent_states);
+    bind(staging->output, Scratch::staging_output);
+    bind(staging->topk_ids, Scratch::staging_topk_ids);
+    bind(staging->topk_weights, Scratch::staging_topk_weights);
+  }
+  bound_generation = shared->generation;
+  bound = true;
+}
 
 detail::RunnerState& detail::state_of(Runner& runner) { return *runner.impl_; }
 
@@ -235,6 +212,10 @@ TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outp
   state.support.check(tier, num_tokens);
   if (num_tokens == 0) return tier;  // every rank sees the same T, so all skip the collectives together
 
+  // From the first forward on, the context's buffers never move (graphs captured from it hold them).
+  state.shared->frozen = true;
+  state.bind_scratch();
+
   // The caller's stream for this call only; the backend's own again afterwards, even on an error.
   struct StreamBinding {
     detail::Backend& backend;
@@ -258,6 +239,8 @@ TailTier Runner::forward_host(const ForwardInputs& inputs, const ForwardOutputs&
   LATENTMOE_CHECK(
       state.staging != nullptr,
       "forward_host on a GPU runner needs RunnerOptions::host_staging (its buffers are made at construction)");
+  state.shared->frozen = true;
+  state.bind_scratch();
   detail::RunnerState::Staging& staging = *state.staging;
   // Shapes and dtypes are checked by forward(); here only what staging needs.
   auto stage = [&](const TensorView& host, const detail::DeviceTensor& buffer, bool copy_in) -> TensorView {

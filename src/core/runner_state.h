@@ -1,10 +1,16 @@
 // The runner's private state, shared by runner.cpp (construction, validation) and tails.cpp (the
-// forward pass). Everything here is sized at construction; forward() only reads and writes it.
+// forward pass). The layer's own part (weights, parameters, tier support) is made at construction; the
+// backend, the communicator and the scratch belong to the rank context (core/rank_context_state.h),
+// whose buffers the layer views with its own shapes. forward() only reads and writes them.
 #pragma once
 
+#include <array>
+#include <cstdint>
 #include <memory>
 
 #include "core/backend.h"
+#include "core/rank_context_state.h"
+#include "latentmoe/rank_context.h"
 #include "latentmoe/runner.h"
 
 namespace latentmoe {
@@ -18,9 +24,24 @@ struct DeviceTensor {
 };
 
 struct RunnerState {
-  RunnerState(const LayerConfig& config, const ParallelConfig& parallel, Communicator& comm,
-              const RunnerOptions& options)
-      : config(config), parallel(parallel), comm(comm), options(options) {}
+  RunnerState(const LayerConfig& config, const ParallelConfig& parallel, RankContext& context, const TierPolicy& policy)
+      : config(config),
+        parallel(parallel),
+        context(&context),
+        shared(&state_of(context)),
+        comm(context.communicator()),
+        backend(shared->backend.get()) {
+    const RankContextOptions& context_options = context.options();
+    options.backend = context_options.backend;
+    options.policy = policy;
+    options.max_tokens = context_options.max_tokens;
+    options.device_ordinal = context_options.device_ordinal;
+    options.host_staging = context_options.host_staging;
+  }
+
+  // Points the scratch views below at the context's buffers when they moved since the last binding
+  // (another layer registered with the context). Makes views only: no allocation.
+  void bind_scratch();
 
   FusedPathConditions fused_path_conditions() const {
     FusedPathConditions conditions;
@@ -32,14 +53,20 @@ struct RunnerState {
     return conditions;
   }
 
+  // The private context of the constructors that take a communicator (null on a shared one). First,
+  // so that it outlives the weights placed on its backend.
+  std::unique_ptr<RankContext> owned_context;
   LayerConfig config;
   ParallelConfig parallel;
+  RankContext* context;
+  RankContextState* shared;
   Communicator& comm;
+  // The context's options and this layer's policy.
   RunnerOptions options;
   // The structural requirements and the backend's report, made at construction (Runner::tier_support()).
   TierSupport support;
   DType dtype = DType::f32;
-  std::unique_ptr<Backend> backend;
+  Backend* backend;  // the context's
   RoutingParams routing;
   ActivationParams activation;
 
@@ -49,7 +76,8 @@ struct RunnerState {
   DeviceTensor expert_gate_scale, expert_up_scale, expert_down_scale;  // MXFP4 experts only
   DeviceTensor shared_gate, shared_up, shared_down;
 
-  // Workspaces sized for max_tokens rows; forward uses their first T rows.
+  // Views of the context's scratch with this layer's shapes, [max_tokens, ...] (buffer empty: the
+  // context owns the memory); forward uses their first T rows. Bound by bind_scratch().
   DeviceTensor logits;           // [max_T, E+Z] f32
   DeviceTensor topk_ids;         // [max_T, k] i32
   DeviceTensor topk_weights;     // [max_T, k] f32
@@ -60,11 +88,16 @@ struct RunnerState {
   DeviceTensor shared_partial;   // [max_T, d]   S_r
   DeviceTensor hidden_shard;     // [max_T, d/tp] tier 0's reduce-scattered shared shard
 
-  // forward_host's staging buffers (device backends with RunnerOptions::host_staging; made at construction).
+  // forward_host's staging views (device backends with host_staging; the context's buffers).
   struct Staging {
     DeviceTensor hidden_states, router_logits, latent_states, output, topk_ids, topk_weights;
   };
   std::unique_ptr<Staging> staging;
+
+  // This layer's view of each scratch buffer, and the context generation the views were bound at.
+  std::array<ScratchShape, kNumScratch> scratch_shapes{};
+  uint64_t bound_generation = 0;
+  bool bound = false;
 };
 
 }  // namespace detail

@@ -8,8 +8,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/backend.h"
@@ -131,6 +134,24 @@ inline void check_dense_mlp(CudaBackend& gpu, Backend& cpu, Activation act, DTyp
   const HostTensor out = download(gpu, dout.view);
   EXPECT_EQ(count_non_finite(out), 0);
   EXPECT_LT(relative_error(out, ref), tolerance(dtype));
+}
+
+// Runs `body(rank)` on one thread per rank (the ranks' launches interleave as they would in a
+// process with one thread per GPU); an exception on a rank's thread becomes a test failure. The
+// bodies must not allocate or free device memory: cudaMalloc and cudaFree may wait for the device,
+// where a peer's collective is waiting for this rank.
+inline void on_rank_threads(int tp, const std::function<void(int)>& body) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < tp; ++r) {
+    threads.emplace_back([&body, r] {
+      try {
+        body(r);
+      } catch (const std::exception& error) {
+        ADD_FAILURE() << "rank " << r << ": " << error.what();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
 }
 
 }  // namespace latentmoe::cuda::testing

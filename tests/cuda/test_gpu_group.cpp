@@ -40,24 +40,6 @@ float rounded(float value, DType dtype) {
   return load_as_float(one.data(), dtype, 0);
 }
 
-// Runs `body(rank)` on one thread per rank (the ranks' launches interleave as they would in a
-// process with one thread per GPU); an exception on a rank's thread becomes a test failure. The
-// bodies must not allocate or free device memory: cudaMalloc and cudaFree may wait for the device,
-// where a peer's collective is waiting for this rank.
-void on_rank_threads(int tp, const std::function<void(int)>& body) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < tp; ++r) {
-    threads.emplace_back([&body, r] {
-      try {
-        body(r);
-      } catch (const std::exception& error) {
-        ADD_FAILURE() << "rank " << r << ": " << error.what();
-      }
-    });
-  }
-  for (auto& thread : threads) thread.join();
-}
-
 // One rank's device buffers for up to `rows` x `cols` (made before any rank's thread runs).
 struct RankBuffers {
   DeviceTensor in, sum, shard, all;

@@ -72,20 +72,6 @@ struct Rank {
   }
 };
 
-void on_rank_threads(int tp, const std::function<void(int)>& body) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < tp; ++r) {
-    threads.emplace_back([&body, r] {
-      try {
-        body(r);
-      } catch (const std::exception& error) {
-        ADD_FAILURE() << "rank " << r << ": " << error.what();
-      }
-    });
-  }
-  for (auto& thread : threads) thread.join();
-}
-
 HostTensor rank_order_sum(const std::vector<HostTensor>& inputs) {
   const HostTensor& first = inputs.front();
   HostTensor sum(first.dtype(), first.shape());

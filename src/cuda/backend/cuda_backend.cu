@@ -249,7 +249,7 @@ void CudaBackend::copy(const TensorView& src, const TensorView& dst) {
   if (touches_host) LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(s.current));
 }
 
-void CudaBackend::prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) {
+void CudaBackend::check_layer(const LayerConfig& config, DType dtype, int tp_size) {
   // No silent fallback: the MXFP4 kernels are not written yet, and dequantising to a dense copy would
   // need four times the experts' memory.
   LATENTMOE_CHECK(!config.has_mxfp4_experts(),
@@ -261,16 +261,6 @@ void CudaBackend::prepare(const LayerConfig& config, DType dtype, int64_t max_to
                   " experts per token; num_experts_per_tok is ", config.top_k);
   LATENTMOE_CHECK(config.num_experts <= kMaxLayoutExperts, "the CUDA backend takes at most ", kMaxLayoutExperts,
                   " routed experts; n_routed_experts is ", config.num_experts);
-  WorkspaceSpec spec;
-  spec.max_tokens = max_tokens;
-  spec.element_size = dtype_size(dtype);
-  spec.hidden_size = config.hidden_size;
-  spec.num_experts = config.num_experts;
-  spec.top_k = config.top_k;
-  spec.latent_size = config.latent_size;
-  spec.expert_intermediate = config.intermediate_size / tp_size;
-  spec.dense_intermediate = config.has_shared_expert() ? config.shared_intermediate_size / tp_size : 0;
-  prepare(spec);
 }
 
 void CudaBackend::prepare(const WorkspaceSpec& spec) {

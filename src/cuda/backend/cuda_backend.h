@@ -5,7 +5,8 @@
 //   streams (main and aux),
 //      its events, the cuBLASLt handle and 2 x 32 MiB of cuBLASLt workspace (one per stream).
 //   2. allocate()/copy(): the runner places the weights.
-//   3. prepare(config, dtype, max_tokens, tp_size): called once by the runner, after the weights are placed;
+//   3. prepare(spec): called by the rank context (core/rank_context_state.h) before the first forward, with
+//      the element-wise maximum of its layers' WorkspaceSpec;
 //      sizes the internal workspaces of routed_experts (MoE layout, grouped-GEMM rows), dense_mlp
 //      (the shared expert's intermediate) and router_logits (x widened to f32 for an f32 gate) for
 //      up to max_tokens tokens. linear, route, rms_norm, add and add_scaled_rows need no prepare;
@@ -31,17 +32,8 @@
 
 namespace latentmoe::cuda {
 
-// The shapes the internal workspaces are sized for.
-struct WorkspaceSpec {
-  int64_t max_tokens = 0;
-  size_t element_size = 4;          // bytes per element of the compute dtype (4 fits every dtype)
-  int64_t hidden_size = 0;          // d; > 0: room to widen x to f32 for an f32 router gate
-  int64_t num_experts = 0;          // E; 0: no routed experts
-  int64_t top_k = 0;                // k
-  int64_t latent_size = 0;          // l
-  int64_t expert_intermediate = 0;  // I / tp
-  int64_t dense_intermediate = 0;   // Is / tp; 0: no dense MLP
-};
+// The shapes the internal workspaces are sized for (core/backend.h).
+using WorkspaceSpec = ::latentmoe::detail::WorkspaceSpec;
 
 class CudaBackend final : public ::latentmoe::detail::Backend {
  public:
@@ -65,11 +57,12 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   void bind_stream(StreamHandle stream) override;
   void synchronize() override;
 
-  // Sizes the workspaces from the config: E, k, l, I/tp and Is/tp, in `dtype`, for up to max_tokens
-  // tokens.
-  void prepare(const LayerConfig& config, DType dtype, int64_t max_tokens, int tp_size) override;
-  // Sizes the workspaces for `spec` exactly (tests; engines that know their shapes).
-  void prepare(const WorkspaceSpec& spec);
+  // Refuses what the kernels cannot run (MXFP4 experts, top_k and E beyond their limits).
+  void check_layer(const LayerConfig& config, DType dtype, int tp_size) override;
+  // Sizes the workspaces for `spec` exactly (the rank context: the maximum over its layers; tests).
+  void prepare(const WorkspaceSpec& spec) override;
+  // check_layer + prepare(WorkspaceSpec::for_layer(...)): E, k, l, I/tp and Is/tp, in `dtype`.
+  using ::latentmoe::detail::Backend::prepare;
   const WorkspaceSpec& workspace_spec() const;
 
   void router_logits(const TensorView& x, const TensorView& gate, const TensorView& logits) override;
