@@ -2,10 +2,14 @@
 // seeded inputs, and an independent double-precision evaluation of DESIGN section 1 on full weights.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "latentmoe/config.h"
@@ -136,6 +140,43 @@ inline double max_relative_error_vs(const HostTensor& out, const std::vector<dou
     max_ref = std::max(max_ref, std::fabs(ref[i]));
   }
   return max_ref > 0 ? max_diff / max_ref : max_diff;
+}
+
+// Every tensor field of LayerWeights, by name.
+struct LayerWeightsField {
+  const char* name;
+  HostTensor LayerWeights::*member;
+};
+inline constexpr LayerWeightsField kLayerWeightsFields[] = {
+    {"gate", &LayerWeights::gate},
+    {"score_bias", &LayerWeights::score_bias},
+    {"down_proj", &LayerWeights::down_proj},
+    {"latent_norm", &LayerWeights::latent_norm},
+    {"up_proj", &LayerWeights::up_proj},
+    {"expert_gate", &LayerWeights::expert_gate},
+    {"expert_up", &LayerWeights::expert_up},
+    {"expert_down", &LayerWeights::expert_down},
+    {"expert_gate_scale", &LayerWeights::expert_gate_scale},
+    {"expert_up_scale", &LayerWeights::expert_up_scale},
+    {"expert_down_scale", &LayerWeights::expert_down_scale},
+    {"shared_gate", &LayerWeights::shared_gate},
+    {"shared_up", &LayerWeights::shared_up},
+    {"shared_down", &LayerWeights::shared_down},
+};
+
+// Same dtype, expert format, and in every field the same presence, dtype, shape and bytes.
+inline void expect_identical(const LayerWeights& actual, const LayerWeights& expected, const std::string& context) {
+  EXPECT_EQ(actual.dtype, expected.dtype) << context;
+  EXPECT_EQ(actual.experts_format, expected.experts_format) << context;
+  for (const LayerWeightsField& field : kLayerWeightsFields) {
+    const HostTensor& a = actual.*field.member;
+    const HostTensor& b = expected.*field.member;
+    ASSERT_EQ(a.defined(), b.defined()) << context << " " << field.name;
+    if (!a.defined()) continue;
+    ASSERT_EQ(a.dtype(), b.dtype()) << context << " " << field.name;
+    ASSERT_EQ(a.shape(), b.shape()) << context << " " << field.name;
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << context << " " << field.name;
+  }
 }
 
 // One forward of the schedule that alternates two layers sharing a rank context (layer 0: the

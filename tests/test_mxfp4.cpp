@@ -369,35 +369,7 @@ class Mxfp4Weights : public ::testing::Test {
   testing::ScratchDir scratch_{"mxfp4"};
 };
 
-struct ExpertField {
-  const char* name;
-  HostTensor LayerWeights::*member;
-};
-constexpr ExpertField kExpertFields[] = {
-    {"expert_gate", &LayerWeights::expert_gate},
-    {"expert_up", &LayerWeights::expert_up},
-    {"expert_down", &LayerWeights::expert_down},
-    {"expert_gate_scale", &LayerWeights::expert_gate_scale},
-    {"expert_up_scale", &LayerWeights::expert_up_scale},
-    {"expert_down_scale", &LayerWeights::expert_down_scale},
-    {"down_proj", &LayerWeights::down_proj},
-    {"up_proj", &LayerWeights::up_proj},
-    {"shared_up", &LayerWeights::shared_up},
-    {"shared_down", &LayerWeights::shared_down},
-};
-
-void expect_identical(const LayerWeights& a, const LayerWeights& b, const std::string& context) {
-  EXPECT_EQ(a.experts_format, b.experts_format) << context;
-  for (const ExpertField& field : kExpertFields) {
-    const HostTensor& x = a.*field.member;
-    const HostTensor& y = b.*field.member;
-    ASSERT_EQ(x.defined(), y.defined()) << context << " " << field.name;
-    if (!x.defined()) continue;
-    ASSERT_EQ(x.dtype(), y.dtype()) << context << " " << field.name;
-    ASSERT_EQ(x.shape(), y.shape()) << context << " " << field.name;
-    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.nbytes()), 0) << context << " " << field.name;
-  }
-}
+using testing::expect_identical;
 
 TEST(Mxfp4RandomWeights, are_u8_of_the_right_shapes_with_sensible_scales) {
   const LayerConfig config = kimi_mxfp4_config();

@@ -13,6 +13,7 @@
 #include "latentmoe/error.h"
 #include "latentmoe/safetensors.h"
 #include "latentmoe/weights.h"
+#include "layer_test_util.h"
 #include "scratch_dir.h"
 
 namespace latentmoe {
@@ -54,37 +55,7 @@ class WeightsTest : public ::testing::Test {
   const fs::path& dir_ = scratch_.path();
 };
 
-struct Field {
-  const char* name;
-  HostTensor LayerWeights::*member;
-};
-const Field kFields[] = {
-    {"gate", &LayerWeights::gate},
-    {"score_bias", &LayerWeights::score_bias},
-    {"down_proj", &LayerWeights::down_proj},
-    {"latent_norm", &LayerWeights::latent_norm},
-    {"up_proj", &LayerWeights::up_proj},
-    {"expert_gate", &LayerWeights::expert_gate},
-    {"expert_up", &LayerWeights::expert_up},
-    {"expert_down", &LayerWeights::expert_down},
-    {"shared_gate", &LayerWeights::shared_gate},
-    {"shared_up", &LayerWeights::shared_up},
-    {"shared_down", &LayerWeights::shared_down},
-};
-
-// Same presence, dtype, shape and bytes in every field.
-void expect_identical(const LayerWeights& actual, const LayerWeights& expected, const std::string& context) {
-  EXPECT_EQ(actual.dtype, expected.dtype) << context;
-  for (const Field& field : kFields) {
-    const HostTensor& a = actual.*field.member;
-    const HostTensor& b = expected.*field.member;
-    ASSERT_EQ(a.defined(), b.defined()) << context << " " << field.name;
-    if (!a.defined()) continue;
-    ASSERT_EQ(a.dtype(), b.dtype()) << context << " " << field.name;
-    ASSERT_EQ(a.shape(), b.shape()) << context << " " << field.name;
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << context << " " << field.name;
-  }
-}
+using testing::expect_identical;
 
 // Error thrown by `action`, whose message must contain every string of `expected`.
 void expect_error(const std::function<void()>& action, const std::vector<std::string>& expected) {
