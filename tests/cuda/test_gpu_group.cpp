@@ -258,7 +258,12 @@ void expect_every_tier_matches_the_cpu_runner(const LayerConfig& config, int tp,
       const auto ref = run_local_group(config, shard, inputs, options);
       options.backend = BackendKind::cuda;
       options.placement = GpuPlacement::simulated;  // this file tests simulated ranks, also on several GPUs
-      const auto got = run_local_group(config, shard, inputs, options);
+      std::vector<RankResult> got;
+      try {
+        got = run_local_group(config, shard, inputs, options);
+      } catch (const Error& error) {  // reported with the trace: which tier and token count
+        FAIL() << error.what();
+      }
       ASSERT_EQ(got.size(), static_cast<size_t>(tp));
       for (int r = 0; r < tp; ++r) {
         EXPECT_TRUE(bitwise_equal(got[r].output.view(), got[0].output.view())) << "rank " << r << " differs";
