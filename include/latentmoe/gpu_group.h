@@ -66,6 +66,16 @@ struct GpuGroupOptions {
   // NCCL groups only. false: every collective through NCCL, no one-shot kernels and no fused tiers (the
   // unfused baseline; also what a group whose ranks cannot all load/store each other gets).
   bool one_shot = true;
+  // Simulated groups only. true: every one-shot launch of a rank waits on the host, before and after
+  // it is enqueued, until every rank of the group has reached the same launch (bounded by `timeout`,
+  // released by abort()). Ranks that share a GPU share one CUDA context, and a host thread inside a
+  // driver call that waits for the whole context (a library loading its kernels on first use, as
+  // cuBLASLt does) would otherwise wait for a peer's spinning collective that waits for that very
+  // rank: a hang until the timeout, seen on the H200 at tp 8. With the rendezvous no collective
+  // spins while a rank is between launches. Skipped while the stream is being captured (a graph's
+  // replay has no host step). false: the device-side protocol alone, for tests that drive several
+  // ranks from one thread.
+  bool host_rendezvous = true;
 };
 
 // The default timeout, or LATENTMOE_COLLECTIVE_TIMEOUT_MS when set (a positive integer).

@@ -179,6 +179,7 @@ TEST(GpuGroup, a_rank_that_never_arrives_times_out_its_peers_within_a_second) {
   options.dtype = DType::bf16;
   options.capacity_elements = 1024;
   options.timeout = std::chrono::milliseconds(200);
+  options.host_rendezvous = false;  // the device-side deadline alone; one thread drives three ranks
   auto group = make_simulated_gpu_group(4, options);
   Rank ranks[3];
   std::vector<DeviceTensor> buffers;
@@ -207,6 +208,7 @@ TEST(GpuGroup, abort_releases_a_waiting_rank) {
   options.dtype = DType::f32;
   options.capacity_elements = 1024;
   options.timeout = std::chrono::milliseconds(20000);
+  options.host_rendezvous = false;  // the device-side abort; rank 1 never launches
   auto group = make_simulated_gpu_group(2, options);
   Rank rank;
   DeviceTensor buffer = device_empty(*rank.device, DType::f32, {1, 32});
@@ -217,6 +219,70 @@ TEST(GpuGroup, abort_releases_a_waiting_rank) {
   ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
   EXPECT_THROW(group[0]->check(), Error);
+}
+
+// The host rendezvous (GpuGroupOptions::host_rendezvous): ranks 0 and 1 reach an all-reduce on
+// threads of their own, rank 2 never does; both get the host-side timeout Error from the call itself
+// within a second, nothing is enqueued, and the group stays failed. Then, in a second group, a rank
+// waiting at the rendezvous is released by a peer's abort().
+TEST(GpuGroup, the_host_rendezvous_times_out_and_is_released_by_abort) {
+  LATENTMOE_REQUIRE_GPU();
+  GpuGroupOptions options;
+  options.dtype = DType::bf16;
+  options.capacity_elements = 1024;
+  options.timeout = std::chrono::milliseconds(200);
+  auto group = make_simulated_gpu_group(3, options);
+  Rank ranks[2];
+  std::vector<DeviceTensor> buffers;
+  for (Rank& rank : ranks) buffers.push_back(device_empty(*rank.device, DType::bf16, {2, 64}));
+  std::string errors[2];
+  const auto start = std::chrono::steady_clock::now();
+  on_rank_threads(2, [&](int r) {
+    try {
+      group[r]->all_reduce_sum(buffers[r].view, ranks[r].stream);
+    } catch (const Error& error) {
+      errors[r] = error.what();
+    }
+  });
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 1.0);
+  // The first rank past its deadline reports the timeout and breaks the group; the other reports
+  // either the timeout too or, if it looked after that, the broken group.
+  int timed_out = 0;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank " + std::to_string(r) + ": the GPU group's all-reduce "), std::string::npos)
+        << errors[r];
+    const bool timeout = errors[r].find("timed out after 200 ms on the host") != std::string::npos;
+    timed_out += timeout ? 1 : 0;
+    EXPECT_TRUE(timeout || errors[r].find("an earlier collective of the group timed out") != std::string::npos)
+        << errors[r];
+    ASSERT_EQ(cudaStreamSynchronize(ranks[r].stream), cudaSuccess);
+    EXPECT_NO_THROW(group[r]->check());  // nothing reached the device
+  }
+  EXPECT_GE(timed_out, 1);
+  try {  // broken for good
+    group[2]->all_reduce_sum(buffers[0].view, ranks[0].stream);
+    ADD_FAILURE() << "a failed group ran a collective";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("an earlier collective of the group timed out"), std::string::npos)
+        << error.what();
+  }
+
+  options.timeout = std::chrono::milliseconds(20000);
+  auto second = make_simulated_gpu_group(2, options);
+  std::string aborted;
+  std::thread waiter([&] {
+    try {
+      second[0]->all_reduce_sum(buffers[0].view, ranks[0].stream);
+    } catch (const Error& error) {
+      aborted = error.what();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto abort_start = std::chrono::steady_clock::now();
+  second[1]->abort();
+  waiter.join();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - abort_start).count(), 1.0);
+  EXPECT_NE(aborted.find("rank 0: the GPU group's all-reduce was aborted"), std::string::npos) << aborted;
 }
 
 TEST(GpuGroup, rejects_what_it_cannot_carry) {

@@ -667,7 +667,7 @@ void CudaBackend::all_reduce_rms_norm(Communicator& comm, const TensorView& part
   }
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
-  launch_lamport(group->lamport_peers(), call, s.current);
+  group->launch(call, s.current);
 }
 
 void CudaBackend::tail_fusion_collective(Communicator& comm, const TensorView& latent_partial,
@@ -691,7 +691,7 @@ void CudaBackend::tail_fusion_collective(Communicator& comm, const TensorView& l
   }
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
-  launch_lamport(group->lamport_peers(), call, s.current);
+  group->launch(call, s.current);
 }
 
 void CudaBackend::run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) {

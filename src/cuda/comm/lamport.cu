@@ -260,7 +260,7 @@ int64_t lamport_message_bytes(const LamportCall& call, int size) {
   return (bytes + 15) / 16 * 16;
 }
 
-void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStream_t stream) {
+void check_lamport_call(const LamportPeers& peers, const LamportCall& call) {
   LATENTMOE_CHECK(peers.size >= 1 && peers.size <= kMaxLamportRanks, "Lamport collective: group size ", peers.size,
                   " is outside 1..", kMaxLamportRanks);
   const bool whole = call.op == LamportOp::all_reduce || call.op == LamportOp::barrier;
@@ -277,6 +277,11 @@ void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStre
   LATENTMOE_CHECK(message <= peers.capacity_bytes, "Lamport collective: a message of ", message,
                   " bytes per rank exceeds the group's capacity of ", peers.capacity_bytes,
                   " bytes (build the group for more tokens)");
+}
+
+void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStream_t stream) {
+  check_lamport_call(peers, call);
+  const int64_t message = lamport_message_bytes(call, peers.size);
   if (call.rows == 0 || call.cols == 0) return;
   // Few CTAs per rank (co-residency with the peers' kernels on a shared GPU), at least one per row
   // up to that bound.

@@ -35,6 +35,9 @@ struct LamportPeers {
 
 enum class LamportOp : int { all_reduce = 1, reduce_scatter = 2, all_gather = 3, barrier = 4 };
 
+// "all-reduce", "reduce-scatter", "all-gather" or "barrier" (lamport_status.cpp).
+const char* lamport_op_name(LamportOp op);
+
 // The error word a failed call leaves in LamportPeers::status.
 enum class LamportFailure : int { timeout = 1, aborted = 2 };
 
@@ -74,9 +77,13 @@ struct LamportCall {
 // Bytes one source region must hold for `call` (the message a rank sends to one peer).
 int64_t lamport_message_bytes(const LamportCall& call, int size);
 
+// Throws Error for a group size outside 1..kMaxLamportRanks, a message larger than capacity_bytes, or
+// shapes the op cannot take (what launch_lamport checks before it enqueues anything).
+void check_lamport_call(const LamportPeers& peers, const LamportCall& call);
+
 // Enqueues `call` on `stream`; every rank of the group must enqueue the same sequence of calls.
-// Throws Error for a dtype other than f32/bf16/f16, a message larger than capacity_bytes, or shapes
-// the op cannot take; device failures (timeout, abort) surface in *status.
+// Throws Error as check_lamport_call does, and for a dtype other than f32/bf16/f16; device failures
+// (timeout, abort) surface in *status.
 void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStream_t stream);
 
 // Fills a receive area with the sentinel of `dtype` (-0.0), enqueued on `stream`.

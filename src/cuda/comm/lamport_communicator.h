@@ -22,6 +22,9 @@ class LamportCommunicator : public Communicator {
   // The largest tensor (rows x cols elements) a collective carries when its one-shot message exceeds the
   // capacity or one_shot() is false (through NCCL); 0: none, such a collective is an Error.
   virtual int64_t fallback_elements() const { return 0; }
+  // Enqueues one one-shot kernel of this rank on `stream` (the group's collectives and the backend's
+  // fused steps alike). A group whose ranks share a GPU keeps them in step around it.
+  virtual void launch(const LamportCall& call, cudaStream_t stream) { launch_lamport(lamport_peers(), call, stream); }
 };
 
 }  // namespace latentmoe::cuda

@@ -6,9 +6,12 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "cuda/comm/lamport.h"
 #include "cuda/comm/lamport_communicator.h"
@@ -26,6 +29,48 @@ using cuda::LamportPeers;
 
 constexpr int kStateWords = 8;
 
+// The host side of keeping simulated ranks in step (GpuGroupOptions::host_rendezvous): a reusable
+// spinning barrier with a deadline. The last rank to arrive resets the count and then advances the
+// generation (release); a waiter leaves once it sees the generation change (acquire), so its next
+// arrival counts towards the next round. A timeout breaks it for good: the group is not reused.
+class HostRendezvous {
+ public:
+  // Returns once all `size` ranks have arrived; throws Error naming `rank` and `what` after `timeout`,
+  // when the group was aborted (*abort_flag) or broken by an earlier timeout.
+  void arrive_and_wait(int size, int rank, std::chrono::milliseconds timeout, const volatile int* abort_flag,
+                       const char* what) {
+    check_usable(rank, abort_flag, what);
+    const uint64_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == size) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (uint32_t spin = 1; generation_.load(std::memory_order_acquire) == generation; ++spin) {
+      if (spin % 64 != 0) continue;
+      check_usable(rank, abort_flag, what);
+      if (std::chrono::steady_clock::now() > deadline) {
+        broken_.store(true, std::memory_order_release);
+        latentmoe::detail::throw_error("rank ", rank, ": the GPU group's ", what, " timed out after ", timeout.count(),
+                                       " ms on the host waiting for its peers (a rank never arrived)");
+      }
+      std::this_thread::yield();
+    }
+  }
+
+ private:
+  void check_usable(int rank, const volatile int* abort_flag, const char* what) const {
+    LATENTMOE_CHECK(*abort_flag == 0, "rank ", rank, ": the GPU group's ", what, " was aborted (a peer failed)");
+    LATENTMOE_CHECK(!broken_.load(std::memory_order_acquire), "rank ", rank, ": the GPU group's ", what,
+                    " cannot run: an earlier collective of the group timed out");
+  }
+
+  std::atomic<int> arrived_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> broken_{false};
+};
+
 struct GroupMemory {
   int device = 0;
   int size = 0;
@@ -37,6 +82,8 @@ struct GroupMemory {
   void* barrier_data = nullptr;  // [size][16 bytes]: the payload of barrier()
   int* host_flags = nullptr;     // host-mapped: [0] abort, [1 + r] rank r's status
   int* device_flags = nullptr;   // the same memory as the device sees it
+  bool host_rendezvous = true;
+  HostRendezvous rendezvous;
 
   ~GroupMemory() {
     cuda::DeviceGuard guard(device);
@@ -155,7 +202,29 @@ class SimulatedGpuCommunicator final : public cuda::LamportCommunicator {
 
   void enqueue(const LamportCall& call, StreamHandle stream) {
     cuda::DeviceGuard guard(memory_->device);
-    cuda::launch_lamport(peers_, call, static_cast<cudaStream_t>(stream));
+    launch(call, static_cast<cudaStream_t>(stream));
+  }
+
+ public:
+  // Every rank enqueues its kernel between two rendezvous: when any rank's kernel starts spinning,
+  // every rank has finished the host work before it (no driver call of a peer can wait for it), and
+  // no rank goes on to such work before every rank's kernel is enqueued (so each will complete).
+  void launch(const LamportCall& call, cudaStream_t stream) override {
+    cuda::check_lamport_call(peers_, call);  // a call that cannot run fails here, not at the rendezvous
+    const bool rendezvous = memory_->host_rendezvous && memory_->size > 1 && !capturing(stream);
+    const char* what = cuda::lamport_op_name(call.op);
+    const auto timeout = std::chrono::milliseconds(memory_->timeout_ns / 1000000);
+    const volatile int* abort_flag = memory_->host_flags;
+    if (rendezvous) memory_->rendezvous.arrive_and_wait(memory_->size, rank_, timeout, abort_flag, what);
+    cuda::launch_lamport(peers_, call, stream);
+    if (rendezvous) memory_->rendezvous.arrive_and_wait(memory_->size, rank_, timeout, abort_flag, what);
+  }
+
+ private:
+  static bool capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    LATENTMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    return status != cudaStreamCaptureStatusNone;
   }
 
   std::shared_ptr<GroupMemory> memory_;
@@ -197,6 +266,7 @@ std::vector<std::unique_ptr<Communicator>> make_simulated_gpu_group(int tp_size,
   m.dtype = options.dtype;
   m.capacity_bytes = (options.capacity_elements * static_cast<int64_t>(dtype_size(options.dtype)) + 15) / 16 * 16;
   m.timeout_ns = static_cast<uint64_t>(options.timeout.count()) * 1000000ull;
+  m.host_rendezvous = options.host_rendezvous;
   cuda::DeviceGuard guard(options.device);
   const size_t area_bytes = static_cast<size_t>(cuda::kLamportSlots) * tp_size * m.capacity_bytes;
   for (int r = 0; r < tp_size; ++r) {
