@@ -59,6 +59,10 @@ inline cuda::CudaBackend& cuda_backend_of(Runner& runner) {
 // the benchmark compares; they size nothing, so they may change after construction).
 inline void set_skinny_max_tokens(Runner& runner, int tokens) { cuda_backend_of(runner).set_skinny_max_tokens(tokens); }
 inline void set_gemv_max_tokens(Runner& runner, int tokens) { cuda_backend_of(runner).set_gemv_max_tokens(tokens); }
+// CudaBackend::set_fused_up_projection_max_tokens (tier 0's fused up-projection; bench tail compares).
+inline void set_fused_up_projection_max_tokens(Runner& runner, int tokens) {
+  cuda_backend_of(runner).set_fused_up_projection_max_tokens(tokens);
+}
 
 // A CUDA backend of its own (no runner): the benchmark measures the dense GEMM ceiling through the
 // backend's linear(), the code path the layer's dense linears take.

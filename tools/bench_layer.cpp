@@ -199,8 +199,12 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   const auto phase_stream = static_cast<cudaStream_t>(backend.stream());
   const bench_access::RoutingParams& routing = state.routing;
   const bench_access::ActivationParams& activation = state.activation;
-  const bench_access::MlpWeights experts{state.expert_gate.view, state.expert_up.view, state.expert_down.view};
-  const bench_access::MlpWeights shared_mlp{state.shared_gate.view, state.shared_up.view, state.shared_down.view};
+  const bench_access::MlpWeights experts{state.expert_gate.view,       state.expert_up.view,
+                                         state.expert_down.view,       state.config.experts_format,
+                                         state.expert_gate_scale.view, state.expert_up_scale.view,
+                                         state.expert_down_scale.view};
+  const bench_access::MlpWeights shared_mlp{
+      state.shared_gate.view, state.shared_up.view, state.shared_down.view, ExpertWeightFormat::dense, {}, {}, {}};
   const float eps = static_cast<float>(config.rms_norm_eps);
 
   nlohmann::json rows = nlohmann::json::array();

@@ -64,6 +64,7 @@ struct Plan {
   bench::Runs runs;
   GroupRequest group;
   std::string collectives;  // "one_shot" or "nccl"
+  int fused_up_projection_max_tokens = 8;
 };
 
 DType parse_bench_dtype(const std::string& name) {
@@ -93,6 +94,9 @@ Plan plan_of(const BenchTailOptions& options) {
   LATENTMOE_CHECK(options.collectives == "one_shot" || options.collectives == "nccl", "--collectives '",
                   options.collectives, "' is not one_shot or nccl");
   plan.collectives = options.collectives;
+  LATENTMOE_CHECK(options.fused_up_projection_max_tokens >= 0 && options.fused_up_projection_max_tokens <= 8,
+                  "--fused-up-projection-max-tokens ", options.fused_up_projection_max_tokens, " is outside 0..8");
+  plan.fused_up_projection_max_tokens = options.fused_up_projection_max_tokens;
   plan.group.placement = options.placement;
   plan.group.one_shot = options.collectives == "one_shot";
   plan.group.device = options.device;
@@ -267,6 +271,7 @@ TailPoint make_point(const Block& block, const Plan& plan, int64_t tokens, int64
   point.tokens = tokens;
   point.dtype = plan.dtype_label;
   point.collectives = plan.collectives;
+  point.fused_up_projection_max_tokens = plan.backend == BackendKind::cpu ? 0 : plan.fused_up_projection_max_tokens;
   point.hidden_size = block.config.hidden_size;
   point.latent_size = block.config.latent_size;
   point.touched_experts = touched;
@@ -339,6 +344,11 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
     Runner runner(config, ParallelConfig{tp, rank, false}, buffers.weights, comm, runner_options);
     bench_access::RunnerState& state = bench_access::state_of(runner);
     bench_access::Backend& backend = *state.backend;
+#ifdef LATENTMOE_WITH_CUDA
+    if (plan.backend == BackendKind::cuda) {
+      bench_access::set_fused_up_projection_max_tokens(runner, plan.fused_up_projection_max_tokens);
+    }
+#endif
     const auto first_of_device = std::find(group.rank_device.begin(), group.rank_device.end(), device);
     const bool flushes = first_of_device - group.rank_device.begin() == rank;
     const std::unique_ptr<bench::RunClock> clock = make_clock(plan.backend, backend.stream(), flushes);
@@ -461,7 +471,8 @@ std::string repro_line(const Plan& plan, const BenchTailOptions& options) {
        << " --iterations " << plan.runs.iterations << " --seed " << options.seed;
   if (options.max_seconds > 0) line << " --max-seconds " << options.max_seconds;
   if (plan.backend != BackendKind::cpu) {
-    line << " --placement " << options.placement << " --collectives " << options.collectives;
+    line << " --placement " << options.placement << " --collectives " << options.collectives
+         << " --fused-up-projection-max-tokens " << options.fused_up_projection_max_tokens;
   }
   return line.str();
 }

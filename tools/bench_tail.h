@@ -22,6 +22,9 @@ struct BenchTailOptions {
   int device = 0;                  // CUDA: the GPU the simulated ranks share
   std::string placement = "auto";  // CUDA: auto|simulated|devices (latentmoe/gpu_group.h)
   std::string collectives = "one_shot";  // one_shot|nccl (devices only: every collective through NCCL)
+  // CUDA: up to how many tokens tier 0's up-projection pushes into the peers from its GEMM's epilogue
+  // (CudaBackend::set_fused_up_projection_max_tokens; 0: the composed GEMM + all-gather).
+  int fused_up_projection_max_tokens = 8;
   uint64_t seed = 2026;
   std::string json_path;  // empty: no JSON
   std::string commit;     // recorded in every row

@@ -79,6 +79,12 @@ void Backend::tail_fusion_collective(Communicator& comm, const TensorView& laten
   comm.reduce_scatter_sum(shared_partial, shared_shard_out, stream());
 }
 
+void Backend::up_projection_all_gather(Communicator& comm, const TensorView& x, const TensorView& w_shard,
+                                       const TensorView& shard, const TensorView& out) {
+  linear(x, w_shard, shard, /*accumulate=*/true);
+  comm.all_gather(shard, out, stream());
+}
+
 TierSupport Backend::tier_support(const LayerConfig& config, DType dtype, int tp_size, const Communicator& comm) const {
   TierSupport support;
   support.collectives = "the communicator's collectives, composed";

@@ -186,6 +186,13 @@ class Backend {
                                       const TensorView& shared_partial, const TensorView& gamma, float eps,
                                       const TensorView& latent_out, const TensorView& shared_shard_out);
 
+  // Tier 0's last steps: out [T, d] = the all-gather over the group of this rank's block
+  // shard [T, d/tp] + x [T, l] · w_shard [d/tp, l]^T, where `shard` holds this rank's shard of the
+  // reduced shared output (it may be overwritten). The default composes linear (accumulating into
+  // `shard`) and comm.all_gather; a backend delivers the GEMM's results straight into the peers.
+  virtual void up_projection_all_gather(Communicator& comm, const TensorView& x, const TensorView& w_shard,
+                                        const TensorView& shard, const TensorView& out);
+
   // Runs `main` and `aux` so that they may overlap (CUDA: aux on a second stream joined by events).
   // The default runs main, then aux.
   virtual void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux);

@@ -59,8 +59,7 @@ void tail_fusion_tail(RunnerState& state, const TailTensors& t) {
   Backend& backend = *state.backend;
   backend.tail_fusion_collective(state.comm, t.latent_partial, t.shared_partial, state.latent_norm.view,
                                  static_cast<float>(state.config.rms_norm_eps), t.latent_reduced, t.hidden_shard);
-  backend.linear(t.latent_reduced, up_proj_shard(state), t.hidden_shard, /*accumulate=*/true);
-  state.comm.all_gather(t.hidden_shard, t.out, backend.stream());
+  backend.up_projection_all_gather(state.comm, t.latent_reduced, up_proj_shard(state), t.hidden_shard, t.out);
 }
 
 void allreduce_overlap_tail(RunnerState& state, const TailTensors& t) {

@@ -125,6 +125,80 @@ INSTANTIATE_TEST_SUITE_P(TpAndDtype, GpuGroupCollectives,
                                   name_of(std::get<1>(info.param));
                          });
 
+// Tier 0's up-projection + all-gather (Backend::up_projection_all_gather) on simulated ranks: every
+// rank's out [T, d] = [block_0 | ... | block_{tp-1}], block_r = shard_r + x · W_r^T, against a host
+// sum, the same bits on every rank. With the fused path (T <= 8: the GEMM's epilogue pushes into the
+// peers, LamportCall::presend) `shard` is left as it was; with it off (set to 0 tokens, and at T 9,
+// above the skinny kernels) the composed path accumulates into it: which one ran is observable.
+void expect_tier0_up_projection_matches(int kTp) {
+  constexpr int64_t kLatent = 264, kShard = 40;  // the shard is not a multiple of 16 rows
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    GpuGroupOptions options;
+    options.dtype = dtype;
+    options.capacity_elements = 9 * (kShard * kTp + kLatent);
+    options.timeout = std::chrono::milliseconds(5000);
+    auto group = make_simulated_gpu_group(kTp, options);
+    std::vector<std::unique_ptr<Rank>> ranks;
+    for (int r = 0; r < kTp; ++r) ranks.push_back(std::make_unique<Rank>());
+    struct Case {
+      int64_t tokens;
+      bool fused_on;
+    };
+    // Calls alternate between the paths on one group: the epochs and slots stay in step either way.
+    for (const Case& c : {Case{1, true}, Case{5, false}, Case{8, true}, Case{3, true}, Case{9, true}}) {
+      const bool fused = c.fused_on && c.tokens <= 8;
+      SCOPED_TRACE(name_of(dtype) + ", T " + std::to_string(c.tokens) + (fused ? ", fused" : ", composed"));
+      const HostTensor x = random_tensor(dtype, {c.tokens, kLatent}, 11 + static_cast<uint32_t>(c.tokens));
+      std::vector<HostTensor> weights, shards;
+      for (int r = 0; r < kTp; ++r) {
+        weights.push_back(random_tensor(dtype, {kShard, kLatent}, 100 + r, -0.1f, 0.1f));
+        shards.push_back(random_tensor(dtype, {c.tokens, kShard}, 200 + r + static_cast<uint32_t>(c.tokens)));
+      }
+      std::vector<HostTensor> outs(kTp), shards_after(kTp);
+      on_rank_threads(kTp, [&](int r) {
+        auto& backend = dynamic_cast<CudaBackend&>(*ranks[r]->device);
+        backend.set_fused_up_projection_max_tokens(c.fused_on ? 8 : 0);
+        DeviceTensor dx = upload(backend, x), dw = upload(backend, weights[r]), dshard = upload(backend, shards[r]);
+        DeviceTensor dout = poisoned(backend, dtype, {c.tokens, kShard * kTp});
+        backend.up_projection_all_gather(*group[r], dx.view, dw.view, dshard.view, dout.view);
+        backend.synchronize();
+        group[r]->check();
+        outs[r] = download(backend, dout.view);
+        shards_after[r] = download(backend, dshard.view);
+      });
+      HostTensor expected(dtype, {c.tokens, kShard * kTp});
+      for (int r = 0; r < kTp; ++r) {
+        for (int64_t t = 0; t < c.tokens; ++t) {
+          for (int64_t n = 0; n < kShard; ++n) {
+            double sum = value_at(shards[r], t * kShard + n);
+            for (int64_t k = 0; k < kLatent; ++k)
+              sum += static_cast<double>(value_at(x, t * kLatent + k)) * value_at(weights[r], n * kLatent + k);
+            store_from_float(expected.data(), dtype, t * kShard * kTp + r * kShard + n, static_cast<float>(sum));
+          }
+        }
+      }
+      EXPECT_LT(relative_error(outs[0], expected), tolerance(dtype));
+      EXPECT_EQ(count_non_finite(outs[0]), 0);
+      for (int r = 0; r < kTp; ++r) {
+        EXPECT_TRUE(bitwise_equal(outs[r].view(), outs[0].view())) << "rank " << r << " differs";
+        EXPECT_EQ(bitwise_equal(shards_after[r].view(), shards[r].view()), fused)
+            << "rank " << r << ": the shard shows which path ran";
+      }
+    }
+  }
+}
+
+TEST(GpuGroup, tier0_up_projection_pushes_into_the_peers_and_matches_the_composed_path) {
+  LATENTMOE_REQUIRE_GPU();
+  expect_tier0_up_projection_matches(4);
+}
+
+// The same with one rank (the GEMM pushes into its own region): what compute-sanitizer runs.
+TEST(GpuGroup, a_one_rank_tier0_up_projection_pushes_into_its_own_region) {
+  LATENTMOE_REQUIRE_GPU();
+  expect_tier0_up_projection_matches(1);
+}
+
 // One rank exercises every op and the fused norm without waiting for a peer: the case that runs under
 // compute-sanitizer, which serialises kernels (simulated peers would then wait for each other).
 TEST(GpuGroup, a_one_rank_group_runs_every_op_and_the_fused_norm) {

@@ -108,6 +108,8 @@ struct CudaBackend::State {
   SkinnyShape skinny_shape;  // {}: each call chooses
   // Rows up to which linear takes the decode GEMV (0: never).
   int gemv_max_tokens = 0;  // off: slower than cuBLASLt as measured (cuda_backend.h)
+  // Rows up to which tier 0's up-projection pushes into the peers from its epilogue (0: never).
+  int fused_up_projection_max_tokens = kSkinnyMaxRows;
   // The measured decode dispatch of this device's architecture (decode_dispatch.h).
   const DecodeDispatch* dispatch = nullptr;
 
@@ -208,6 +210,12 @@ void CudaBackend::set_gemv_max_tokens(int tokens) {
   state_->gemv_max_tokens = tokens;
 }
 int CudaBackend::gemv_max_tokens() const { return state_->gemv_max_tokens; }
+
+void CudaBackend::set_fused_up_projection_max_tokens(int tokens) {
+  LATENTMOE_CHECK(tokens >= 0 && tokens <= kSkinnyMaxRows, "CUDA backend: fused_up_projection_max_tokens ", tokens,
+                  " is outside 0..", kSkinnyMaxRows);
+  state_->fused_up_projection_max_tokens = tokens;
+}
 
 DeviceBuffer CudaBackend::allocate(size_t bytes) {
   State& s = *state_;
@@ -692,6 +700,47 @@ void CudaBackend::tail_fusion_collective(Communicator& comm, const TensorView& l
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
   group->launch(call, s.current);
+}
+
+void CudaBackend::up_projection_all_gather(Communicator& comm, const TensorView& x, const TensorView& w_shard,
+                                           const TensorView& shard, const TensorView& out) {
+  State& s = *state_;
+  LamportCommunicator* group = lamport_group(comm, out.dtype());
+  const int64_t rows = x.size(0);
+  const bool fusable =
+      group != nullptr && rows >= 1 && rows <= s.fused_up_projection_max_tokens && x.dtype() == out.dtype() &&
+      w_shard.dtype() == out.dtype() && shard.dtype() == out.dtype() && x.stride(1) == 1 && w_shard.stride(1) == 1 &&
+      shard.stride(1) == 1 && out.stride(1) == 1 &&
+      skinny_supported(x.dtype(), rows, x.size(1), {{x.data(), x.stride(0)}, {w_shard.data(), w_shard.stride(0)}});
+  if (!fusable) {
+    Backend::up_projection_all_gather(comm, x, w_shard, shard, out);
+    return;
+  }
+  // The receiving half, checked before the GEMM pushes anything.
+  LamportCall gather;
+  gather.op = LamportOp::all_gather;
+  gather.dtype = out.dtype();
+  gather.presend = true;
+  gather.out = out.data();
+  gather.ld_out = out.stride(0);
+  gather.rows = rows;
+  gather.cols = out.size(1);
+  const LamportPeers& peers = group->lamport_peers();
+  if (!one_shot_fits(*group, gather)) {
+    Backend::up_projection_all_gather(comm, x, w_shard, shard, out);
+    return;
+  }
+  check_lamport_call(peers, gather);
+  LATENTMOE_CHECK(
+      shard.size(0) == rows && shard.size(1) * peers.size == out.size(1) && w_shard.size(0) == shard.size(1),
+      "CUDA tier 0: up-projection shard ", w_shard.shape_string(), ", block ", shard.shape_string(), " and output ",
+      out.shape_string(), " do not fit ", peers.size, " ranks");
+  DeviceGuard guard(s.ordinal);
+  const SkinnyWeights weights{nullptr, w_shard.data(), w_shard.size(0), w_shard.size(1), w_shard.stride(0), 0};
+  // The GEMM's push is the all-gather's send; keep the two adjacent on the stream, each rank in step.
+  skinny_down(x.dtype(), SkinnyRouting{}, {x.data(), x.stride(0)}, rows, weights, shard.data(), shard.stride(0),
+              /*accumulate=*/true, s.current, s.skinny_shape, &peers);
+  group->launch(gather, s.current);
 }
 
 void CudaBackend::run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) {

@@ -95,6 +95,14 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
                               const TensorView& gamma, float eps, const TensorView& latent_out,
                               const TensorView& shared_shard_out) override;
 
+  // Tier 0's up-projection + all-gather with a GPU group, up to fused_up_projection_max_tokens rows
+  // that the skinny kernels take: one skinny GEMM whose epilogue adds the shared shard and stores each
+  // result into every rank's receive region (lamport_device.cuh), then a Lamport kernel that only
+  // receives, copies out and re-arms the sentinels (LamportCall::presend). Otherwise the composed
+  // default (cuBLASLt accumulating into the shard, then the one-shot all-gather).
+  void up_projection_all_gather(Communicator& comm, const TensorView& x, const TensorView& w_shard,
+                                const TensorView& shard, const TensorView& out) override;
+
   // With a GPU group (tier_support.cpp): every tier bounded by the tokens its widest one-shot message
   // fits in the group's receive region, and none when the group carries another dtype; otherwise the
   // default (the communicator's collectives, unbounded).
@@ -124,6 +132,11 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // holds; the skinny kernels, where set_skinny_always sends a linear to them, come first.
   void set_gemv_max_tokens(int tokens);
   int gemv_max_tokens() const;
+
+  // Up to how many rows tier 0's up-projection pushes its results into the peers from the GEMM's
+  // epilogue (up_projection_all_gather): 0..kSkinnyMaxRows (8, the default); 0 turns it off (the
+  // benchmark and the tests compare both). Throws Error outside that range.
+  void set_fused_up_projection_max_tokens(int tokens);
 
   int device_ordinal() const;
   // cudaMalloc calls made so far (allocate() and internal workspaces); forward adds none.

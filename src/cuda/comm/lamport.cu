@@ -20,6 +20,11 @@
 //   - The epoch lives on the device: the last CTA of a call to arrive (state[1]) advances it and
 //     records how many bytes per region the call used (state[2 + slot]), so a captured CUDA graph
 //     replays correctly and the host keeps no per-call state.
+//   - An all-gather's send step may run in the kernel that produces the block instead (presend: a
+//     GEMM epilogue stores each element into every peer's region of the slot its own epoch names,
+//     lamport_device.cuh); the same argument holds, because that kernel runs after the rank's
+//     previous call has completed, and the all-gather kernel that follows it on the stream receives,
+//     clears and advances the epoch as usual.
 //   - Every wait is bounded: past timeout_ns on the global timer, or when the host sets the group's
 //     abort flag, the waiting thread gives up, the call records its failure in *status (first error
 //     wins) and the kernel completes; the host reads the word at its check point. A group that
@@ -32,6 +37,7 @@
 #include <algorithm>
 
 #include "cuda/comm/lamport.h"
+#include "cuda/comm/lamport_device.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
@@ -43,37 +49,10 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <class T>
-struct Bits;
-template <>
-struct Bits<float> {
-  using type = uint32_t;
-  static constexpr uint32_t sentinel = 0x80000000u;
-};
-template <>
-struct Bits<__nv_bfloat16> {
-  using type = uint16_t;
-  static constexpr uint16_t sentinel = 0x8000u;
-};
-template <>
-struct Bits<__half> {
-  using type = uint16_t;
-  static constexpr uint16_t sentinel = 0x8000u;
-};
-
-template <class T>
-__device__ __forceinline__ typename Bits<T>::type bits_of(T value) {
-  typename Bits<T>::type bits;
-  memcpy(&bits, &value, sizeof(T));
-  return bits;
-}
-
-template <class T>
-__device__ __forceinline__ T from_bits(typename Bits<T>::type bits) {
-  T value;
-  memcpy(&value, &bits, sizeof(T));
-  return value;
-}
+using lamport::as_payload;
+using lamport::Bits;
+using lamport::from_bits;
+using lamport::region_of;
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t now;
@@ -108,18 +87,6 @@ __device__ __forceinline__ T wait_for(const T* region, int64_t index, Waiter& wa
       if ((spin & 1023u) == 1023u && *waiter.peers->abort != 0) waiter.fail(LamportFailure::aborted);
     }
   }
-}
-
-// A payload element as sent: -0.0 becomes +0.0 (the sentinel is never a payload).
-template <class T>
-__device__ __forceinline__ T as_payload(T value) {
-  return bits_of(value) == Bits<T>::sentinel ? from_bits<T>(0) : value;
-}
-
-template <class T>
-__device__ __forceinline__ T* region_of(const LamportPeers& peers, int owner, int slot, int source) {
-  auto* base = static_cast<char*>(peers.recv[owner]);
-  return reinterpret_cast<T*>(base + (static_cast<int64_t>(slot) * peers.size + source) * peers.capacity_bytes);
 }
 
 template <class T>
@@ -162,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // 1. Send every row of this CTA to every peer (each peer's region for this rank is [rows, chunk],
   // then [rows, scatter_chunk]).
-  for (int64_t row = blockIdx.x; row < call.rows; row += gridDim.x) {
+  for (int64_t row = blockIdx.x; row < call.rows && !call.presend; row += gridDim.x) {
     for (int peer = 0; peer < size; ++peer) {
       T* region = region_of<T>(peers, peer, slot, rank) + row * chunk;
       const T* source = in + row * call.ld_in + (call.op == LamportOp::reduce_scatter ? peer * chunk : 0);
@@ -273,6 +240,8 @@ void check_lamport_call(const LamportPeers& peers, const LamportCall& call) {
           (call.op == LamportOp::all_reduce && call.scatter_out != nullptr && call.scatter_cols % peers.size == 0),
       "Lamport collective: a fused reduce-scatter rides on an all-reduce and needs columns that split over ",
       peers.size, " ranks");
+  LATENTMOE_CHECK(!call.presend || call.op == LamportOp::all_gather,
+                  "Lamport collective: only an all-gather's message can be pushed by its producer");
   const int64_t message = lamport_message_bytes(call, peers.size);
   LATENTMOE_CHECK(message <= peers.capacity_bytes, "Lamport collective: a message of ", message,
                   " bytes per rank exceeds the group's capacity of ", peers.capacity_bytes,

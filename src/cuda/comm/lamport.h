@@ -72,6 +72,10 @@ struct LamportCall {
   void* scatter_out = nullptr;
   int64_t ld_scatter_out = 0;
   int64_t scatter_cols = 0;
+  // all_gather only: every rank's block was already stored into every rank's region of this call's
+  // slot by a producer kernel earlier on each rank's stream (lamport::push_all_gather in a GEMM
+  // epilogue); the kernel only receives, clears the previous slot and advances the epoch. `in` unused.
+  bool presend = false;
 };
 
 // Bytes one source region must hold for `call` (the message a rank sends to one peer).

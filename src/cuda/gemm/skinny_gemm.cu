@@ -50,6 +50,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "cuda/comm/lamport_device.cuh"
 #include "cuda/common/activation.cuh"
 #include "cuda/common/cluster.cuh"
 #include "cuda/common/convert.cuh"
@@ -474,6 +475,10 @@ struct DownParams {
   void* out = nullptr;
   int64_t ld_out = 0;
   bool accumulate = false;
+  // Dense only: the results go into every rank's receive region of the GPU group's next all-gather
+  // (tier 0's fused up-projection) instead of `out`, which `accumulate` still reads.
+  bool pushing = false;
+  LamportPeers push;
   const int32_t* ids = nullptr;  // nullptr: dense
   const float* weights = nullptr;
   int top_k = 1, num_experts = 1, max_unique = 1;
@@ -595,6 +600,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
   for (int j = 0; j < kDownStages - 1; ++j) issue();
   pdl_wait();  // a and out: the previous kernel's
   pdl_trigger();
+  // The previous collective of the stream has advanced the epoch that names the slot.
+  const int push_slot = p.pushing ? lamport::next_slot(p.push) : 0;
   if (total > 0) point_input();
   uint4 a_next[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
   next_input(a_next, 0);
@@ -644,7 +651,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_down_kernel(DownParams 
       }
       T* target = out + token * p.ld_out + row;
       if (p.accumulate) value += to_float(*target);
-      *target = from_float<T>(value);
+      if (p.pushing) {
+        lamport::push_all_gather<T>(p.push, push_slot, p.n, token, row, from_float<T>(value));
+      } else {
+        *target = from_float<T>(value);
+      }
     }
   }
   copy_wait<0>();
@@ -810,12 +821,17 @@ void skinny_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& ac
 
 void skinny_down(DType dtype, const SkinnyRouting& routing, const SkinnyRows& a, int64_t rows,
                  const SkinnyWeights& weights, void* out, int64_t ld_out, bool accumulate, cudaStream_t stream,
-                 const SkinnyShape& shape) {
+                 const SkinnyShape& shape, const LamportPeers* push_to) {
   if (rows == 0) return;
   check_common("skinny_down", dtype, routing, rows, weights, {a, {weights.w, weights.ld}});
   LATENTMOE_CHECK(ld_out >= weights.n, "skinny_down: output row stride ", ld_out, " < n = ", weights.n);
   const bool routed = routed_call(routing);
   LATENTMOE_CHECK(!routed || routing.topk_weights != nullptr, "skinny_down: a routed call needs topk_weights");
+  LATENTMOE_CHECK(push_to == nullptr || !routed, "skinny_down: only a dense call pushes into a GPU group");
+  LATENTMOE_CHECK(
+      push_to == nullptr || rows * weights.n * static_cast<int64_t>(dtype_size(dtype)) <= push_to->capacity_bytes,
+      "skinny_down: a block of ", rows, " x ", weights.n, " exceeds the GPU group's capacity of ",
+      push_to != nullptr ? push_to->capacity_bytes : 0, " bytes");
   DownParams p;
   p.a = a.data;
   p.lda = a.ld;
@@ -828,6 +844,10 @@ void skinny_down(DType dtype, const SkinnyRouting& routing, const SkinnyRows& a,
   p.out = out;
   p.ld_out = ld_out;
   p.accumulate = accumulate;
+  if (push_to != nullptr) {
+    p.pushing = true;
+    p.push = *push_to;
+  }
   p.ids = routing.topk_ids;
   p.weights = routing.topk_weights;
   p.top_k = routed ? routing.top_k : 1;

@@ -24,6 +24,7 @@
 #include <initializer_list>
 
 #include "core/backend.h"
+#include "cuda/comm/lamport.h"
 #include "latentmoe/dtype.h"
 
 namespace latentmoe::cuda {
@@ -84,9 +85,13 @@ void skinny_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& ac
 // Ordering: launched as a programmatic dependent (src/cuda/common/pdl.cuh); a routed call reads topk_ids and
 // topk_weights and streams its first weights before it waits, so it must follow the skinny_gate_up
 // of the same routing directly on the stream (routed_experts does).
+// push_to (dense calls only): row t's results are not stored into `out` (still read when
+// `accumulate`) but pushed, as this rank's [rows, n] block of an all-gather over the GPU group whose
+// peers these are, into every rank's receive region of the rank's next call (lamport_device.cuh); a
+// LamportCall with presend must follow on the stream to receive it.
 void skinny_down(DType dtype, const SkinnyRouting& routing, const SkinnyRows& a, int64_t rows,
                  const SkinnyWeights& weights, void* out, int64_t ld_out, bool accumulate, cudaStream_t stream,
-                 const SkinnyShape& shape = {});
+                 const SkinnyShape& shape = {}, const LamportPeers* push_to = nullptr);
 
 // True when the skinny kernels take these operands: bf16 or f16, 1..kSkinnyMaxRows rows, k a multiple
 // of 8, and every row of each given operand 16-byte aligned (data and ld). Null operands are ignored.
