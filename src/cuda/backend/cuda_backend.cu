@@ -708,7 +708,8 @@ void CudaBackend::up_projection_all_gather(Communicator& comm, const TensorView&
   LamportCommunicator* group = lamport_group(comm, out.dtype());
   const int64_t rows = x.size(0);
   const bool fusable =
-      group != nullptr && rows >= 1 && rows <= s.fused_up_projection_max_tokens && x.dtype() == out.dtype() &&
+      group != nullptr && rows >= 1 && rows <= s.fused_up_projection_max_tokens &&
+      skinny_pays(*s.dispatch, SkinnyOp::tier0_push, rows, x.size(1), 0) && x.dtype() == out.dtype() &&
       w_shard.dtype() == out.dtype() && shard.dtype() == out.dtype() && x.stride(1) == 1 && w_shard.stride(1) == 1 &&
       shard.stride(1) == 1 && out.stride(1) == 1 &&
       skinny_supported(x.dtype(), rows, x.size(1), {{x.data(), x.stride(0)}, {w_shard.data(), w_shard.stride(0)}});

@@ -96,7 +96,8 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
                               const TensorView& shared_shard_out) override;
 
   // Tier 0's up-projection + all-gather with a GPU group, up to fused_up_projection_max_tokens rows
-  // that the skinny kernels take: one skinny GEMM whose epilogue adds the shared shard and stores each
+  // that the skinny kernels take, where the decode dispatch finds it pays (decode_dispatch.h: on sm_90
+  // a latent of at most 2048, as measured): one skinny GEMM whose epilogue adds the shared shard and stores each
   // result into every rank's receive region (lamport_device.cuh), then a Lamport kernel that only
   // receives, copies out and re-arms the sentinels (LamportCall::presend). Otherwise the composed
   // default (cuBLASLt accumulating into the shard, then the one-shot all-gather).

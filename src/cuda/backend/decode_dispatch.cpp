@@ -27,6 +27,13 @@ constexpr std::array<DecodeDispatch, 1> kTable = {{
         // Same measurement: a one-row dense linear (W_down, W_up, 51 MB) is slower on the skinny
         // kernels at every shape measured (W_down 18.8 -> 24.7 µs, W_up 19.1 -> 24.2): never.
         .linear_max_tokens = 0,
+        // Commit 9268908, ranks simulated on one H200 (bench tail with --fused-up-projection-max-tokens 8
+        // against 0 in one call, T 1-8; docs/PERFORMANCE.md, "Tier 0's fused up-projection"): the push
+        // wins with Nemotron-3's latent of 1024 (tp 4: 83.7 -> 65.8 µs at T = 1; tp 8: 112.2 -> 102.6)
+        // and loses with Kimi-K3's 3584 (tp 4: 112.2 -> 119.7; tp 8: 159.6 -> 185.6, T = 8: 165.1 ->
+        // 222.1); the threshold lies between: 2048. Simulated ranks share the GPU's SMs; real GPUs
+        // (issue 14) may move it.
+        .tier0_push_max_latent = 2048,
     },
 }};
 
@@ -48,6 +55,8 @@ bool skinny_pays(const DecodeDispatch& table, SkinnyOp op, int64_t rows, int64_t
       return rows <= table.dense_max_tokens && intermediate <= table.dense_max_intermediate;
     case SkinnyOp::linear:
       return rows <= table.linear_max_tokens;
+    case SkinnyOp::tier0_push:
+      return reduction <= table.tier0_push_max_latent;
   }
   return false;
 }

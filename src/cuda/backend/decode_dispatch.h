@@ -22,16 +22,19 @@ struct DecodeDispatch {
   int64_t dense_max_intermediate = 0;
   // linear: at 1..linear_max_tokens tokens (0: never).
   int64_t linear_max_tokens = 0;
+  // Tier 0's up-projection pushed into the peers from the skinny GEMM's epilogue
+  // (CudaBackend::up_projection_all_gather): when its reduction (the latent size) is at most this.
+  int64_t tier0_push_max_latent = 0;
 };
 
 // The row of `compute_capability`; an architecture without a row of its own gets the sm_90 (H200)
 // row, the only one measured so far.
 const DecodeDispatch& decode_dispatch(int compute_capability);
 
-enum class SkinnyOp { linear, dense_mlp, routed_experts };
+enum class SkinnyOp { linear, dense_mlp, routed_experts, tier0_push };
 
 // Whether the skinny kernels beat the general path for `op` on `rows` rows by `table`. `reduction`:
-// the gate/up reduction length (routed experts: the latent size; linear: k); `intermediate`: the
+// the gate/up reduction length (routed experts and tier0_push: the latent size; linear: k); `intermediate`: the
 // MLP's intermediate size (dense_mlp).
 bool skinny_pays(const DecodeDispatch& table, SkinnyOp op, int64_t rows, int64_t reduction, int64_t intermediate);
 
