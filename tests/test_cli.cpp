@@ -11,12 +11,12 @@
 #include <string>
 
 #include "checkpoint_test_util.h"
+#include "cli_test_util.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/local_group.h"
 #include "latentmoe/safetensors.h"
 #include "latentmoe/weights.h"
 #include "layer_test_util.h"
-#include "cli_test_util.h"
 #include "scratch_dir.h"
 
 namespace latentmoe {
@@ -282,6 +282,43 @@ TEST_F(CliTest, demo_passes) {
   EXPECT_EQ(result.exit_code, 0) << result.err;
   EXPECT_NE(result.out.find("all checks passed"), std::string::npos);
   EXPECT_EQ(result.out.find("FAILED"), std::string::npos);
+}
+
+// demo --save writes files that `run` takes: each model's run at tp 2 and 4 matches its tp 1 run
+// within bf16 rounding (the tp 1 run itself equals the library's, tested above), with the same
+// routing; an unusable --save target and a bad --placement are one-line errors.
+TEST_F(CliTest, demo_saves_files_that_run_takes) {
+  const CommandResult saved = latentmoe("demo --backend cpu --tokens 6 --runs 1 --save " + (dir / "files").string());
+  ASSERT_EQ(saved.exit_code, 0) << saved.err;
+  for (const std::string model : {"kimi-k3-mini", "nemotron3-mini"}) {
+    SCOPED_TRACE(model);
+    const fs::path folder = dir / "files" / model;
+    const std::string problem = "--config " + (folder / "config.json").string() + " --weights " +
+                                (folder / "weights.safetensors").string() + " --input " +
+                                (folder / "input.safetensors").string();
+    std::vector<SafetensorsFile> outputs;
+    for (int tp : {1, 2, 4}) {
+      const fs::path out = dir / (model + "_tp" + std::to_string(tp) + ".safetensors");
+      const CommandResult ran =
+          latentmoe("run --backend cpu --tp " + std::to_string(tp) + " " + problem + " --output " + out.string());
+      ASSERT_EQ(ran.exit_code, 0) << ran.err;
+      outputs.push_back(SafetensorsFile::open(out.string()));
+    }
+    const HostTensor reference = outputs[0].read("output");
+    EXPECT_EQ(reference.size(0), 6);
+    for (size_t i = 1; i < outputs.size(); ++i) {
+      EXPECT_LT(max_relative_error(outputs[i].read("output").view(), reference.view()), 3e-2);
+      EXPECT_TRUE(bitwise_equal(outputs[i].read("topk_ids").view(), outputs[0].read("topk_ids").view()));
+    }
+  }
+  std::ofstream(dir / "a_file") << "x";
+  const CommandResult blocked = latentmoe("demo --backend cpu --tokens 2 --runs 1 --save " + (dir / "a_file").string());
+  EXPECT_NE(blocked.exit_code, 0);
+  EXPECT_NE(blocked.err.find("demo --save: cannot create"), std::string::npos) << blocked.err;
+  EXPECT_EQ(std::count(blocked.err.begin(), blocked.err.end(), '\n'), 1) << blocked.err;
+  const CommandResult placement = latentmoe("demo --backend cpu --placement sideways");
+  EXPECT_NE(placement.exit_code, 0);
+  EXPECT_NE(placement.err.find("sideways"), std::string::npos) << placement.err;
 }
 
 }  // namespace

@@ -1,19 +1,23 @@
 // latentmoe demo: the main job. Builds a scaled-down model of each reference family (Kimi-K3-like
 // and Nemotron-3-like) with seeded random weights, runs every tier at tp 1, 2, 4 and 8 in f32 and
-// bf16 on the chosen backend (the GPU when one is present: ranks simulated on it), checks each run
-// against the CPU reference at tp 1 and that all ranks hold identical bits, and prints a table.
-// Exits non-zero if any check fails.
+// bf16 on the chosen backend (the GPU when one is present: ranks simulated on it, or one GPU per
+// rank with --placement), checks each run against the CPU reference at tp 1 and that all ranks hold
+// identical bits, and prints a table. Exits non-zero if any check fails. --save DIR also writes each
+// model's bf16 files (config.json, weights.safetensors, input.safetensors) for `latentmoe run`.
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "commands.h"
+#include "core/atomic_file.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/error.h"
 #include "latentmoe/local_group.h"
 #include "latentmoe/presets.h"
 #include "latentmoe/random.h"
+#include "latentmoe/safetensors.h"
 #include "latentmoe/weights.h"
 
 namespace latentmoe::tools {
@@ -39,7 +43,30 @@ LocalGroupInputs demo_inputs(const LayerConfig& config, int64_t num_tokens, DTyp
   return inputs;
 }
 
-int run_demo(int64_t num_tokens, int num_timed_runs, BackendKind requested) {
+// DIR/<model>/config.json, weights.safetensors (bf16, no router gate: the logits are an input) and
+// input.safetensors (hidden_states bf16, router_logits f32): what the demo's bf16 runs use.
+void save_demo_files(const std::string& directory, int64_t num_tokens) {
+  for (const DemoModel& model : demo_models()) {
+    const std::filesystem::path folder = std::filesystem::path(directory) / model.name;
+    std::error_code error;
+    std::filesystem::create_directories(folder, error);
+    LATENTMOE_CHECK(!error, "demo --save: cannot create ", folder.string(), ": ", error.message());
+    const std::string config = model.config.to_json() + "\n";
+    detail::AtomicFile config_file((folder / "config.json").string(), config.size());
+    config_file.write(config.data(), config.size());
+    config_file.commit();
+    save_layer_weights((folder / "weights.safetensors").string(),
+                       make_random_layer_weights(model.config, DType::bf16, /*seed=*/1234, false), model.config);
+    const LocalGroupInputs inputs = demo_inputs(model.config, num_tokens, DType::bf16, /*seed=*/99);
+    write_safetensors((folder / "input.safetensors").string(),
+                      {{"hidden_states", inputs.hidden_states.view()}, {"router_logits", inputs.router_logits.view()}});
+    std::printf("# wrote %s/{config.json,weights.safetensors,input.safetensors}\n", folder.string().c_str());
+  }
+}
+
+int run_demo(int64_t num_tokens, int num_timed_runs, BackendKind requested, GpuPlacement placement,
+             const std::string& save_directory) {
+  if (!save_directory.empty()) save_demo_files(save_directory, num_tokens);
   const BackendKind backend = resolve_backend_kind(requested);
   constexpr TailTier kTiers[] = {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
                                  TailTier::column_parallel};
@@ -51,9 +78,13 @@ int run_demo(int64_t num_tokens, int num_timed_runs, BackendKind requested) {
   // Tiers and tp sizes reduce partial sums in different orders, each rounded to the dtype.
   constexpr Tolerance kTolerances[] = {{DType::f32, 1e-5}, {DType::bf16, 3e-2}};
 
+  const char* where = backend != BackendKind::cuda           ? ""
+                      : placement == GpuPlacement::simulated ? " (tp > 1: ranks simulated on GPU 0)"
+                      : placement == GpuPlacement::devices   ? " (tp > 1: one GPU per rank)"
+                                                             : " (tp > 1: one GPU per rank where tp GPUs with peer "
+                                                               "access are present, else ranks simulated on GPU 0)";
   std::printf("# latentmoe demo: every tier at tp 1/2/4/8 on the %s backend%s against the CPU reference at tp 1\n",
-              std::string(to_string(backend)).c_str(),
-              backend == BackendKind::cuda ? " (tp > 1: ranks simulated on GPU 0)" : "");
+              std::string(to_string(backend)).c_str(), where);
   std::printf("# max_rel_err = max|out - ref| / max|ref|; ranks must hold bit-identical outputs\n");
   std::printf("%-15s %-5s %-18s %3s %6s %13s %10s  %s\n", "model", "dtype", "tier", "tp", "tokens", "max_rel_err",
               "time_ms", "check");
@@ -70,7 +101,7 @@ int run_demo(int64_t num_tokens, int num_timed_runs, BackendKind requested) {
         options.tp_size = tp_size;
         options.tier = tier;
         options.num_timed_runs = num_timed_runs;
-        options.placement = GpuPlacement::simulated;  // what the table says (tp > 1: ranks on GPU 0)
+        options.placement = placement;  // what the header says
         return run_local_group(model.config, shard_of, inputs, options);
       };
       auto print_row = [&](TailTier tier, int tp_size, double error, double time_ms, bool ok) {
@@ -126,12 +157,22 @@ void register_demo_command(CLI::App& app) {
   auto num_tokens = std::make_shared<int64_t>(37);
   auto num_timed_runs = std::make_shared<int>(3);
   auto backend = std::make_shared<std::string>("auto");
+  auto placement = std::make_shared<std::string>("simulated");
+  auto save_directory = std::make_shared<std::string>();
   CLI::App* command = app.add_subcommand("demo", "Run every tier at tp 1/2/4/8 on two small models and check them");
   command->add_option("--tokens", *num_tokens, "Tokens per run")->check(CLI::Range(int64_t{1}, int64_t{4096}));
   command->add_option("--runs", *num_timed_runs, "Timed forward calls per run (median)")->check(CLI::Range(1, 100));
   command->add_option("--backend", *backend, "auto|cpu|cuda (auto: the GPU when one is present)");
-  command->callback(
-      [num_tokens, num_timed_runs, backend] { run_demo(*num_tokens, *num_timed_runs, parse_backend_kind(*backend)); });
+  command->add_option("--placement", *placement,
+                      "CUDA, tp > 1: simulated (default: every rank on GPU 0), devices (one GPU per rank) or auto "
+                      "(devices when tp GPUs with peer access are present)");
+  command->add_option("--save", *save_directory,
+                      "also write each model's bf16 files (DIR/<model>/config.json, weights.safetensors, "
+                      "input.safetensors with --tokens tokens) for `latentmoe run`");
+  command->callback([num_tokens, num_timed_runs, backend, placement, save_directory] {
+    run_demo(*num_tokens, *num_timed_runs, parse_backend_kind(*backend), parse_gpu_placement(*placement),
+             *save_directory);
+  });
 }
 
 }  // namespace latentmoe::tools
