@@ -27,6 +27,7 @@
 #include "latentmoe/runner.h"
 #include "latentmoe/weights.h"
 #include "layer_test_util.h"
+#include "nccl_test_util.h"
 
 #if defined(LATENTMOE_WITH_NCCL)
 #include <nccl.h>
@@ -36,26 +37,6 @@
 
 namespace latentmoe::cuda::testing {
 namespace {
-
-// Skips without `gpus` GPUs, or when the loaded libnccl is not the one compiled against (a failure when
-// LATENTMOE_TEST_REQUIRE_NCCL=1).
-#if defined(LATENTMOE_WITH_NCCL)
-#define LATENTMOE_REQUIRE_NCCL(gpus)                                                                         \
-  do {                                                                                                       \
-    if (::latentmoe::cuda::cuda_device_count() < (gpus)) GTEST_SKIP() << "fewer than " << (gpus) << " GPUs"; \
-    int loaded_ = 0;                                                                                         \
-    ncclGetVersion(&loaded_);                                                                                \
-    if (loaded_ != NCCL_VERSION_CODE) {                                                                      \
-      const char* require_ = std::getenv("LATENTMOE_TEST_REQUIRE_NCCL");                                     \
-      if (require_ != nullptr && std::strcmp(require_, "1") == 0)                                            \
-        FAIL() << "libnccl " << loaded_ << " loaded, built against " << NCCL_VERSION_CODE;                   \
-      GTEST_SKIP() << "libnccl " << loaded_ << " loaded, built against " << NCCL_VERSION_CODE                \
-                   << " (set LD_LIBRARY_PATH to the matching one)";                                          \
-    }                                                                                                        \
-  } while (false)
-#else
-#define LATENTMOE_REQUIRE_NCCL(gpus) GTEST_SKIP() << "built without NCCL"
-#endif
 
 // One rank's device side on GPU `device`: its backend and stream.
 struct Rank {
