@@ -109,6 +109,28 @@ std::vector<TailCase> all_tail_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cpu, TailTierTest, ::testing::ValuesIn(all_tail_cases()), case_name);
 
+// tp 16, the largest group the GPU kernels take (kMaxLamportRanks), with sizes it divides: every tier
+// against tp 1, the ranks bit-identical.
+TEST(Runner, every_tier_at_tp16_matches_single_device) {
+  const LayerConfig config = resized(kimi_k3_config(), {64, 32, 16, 4, 32, 64});
+  const LayerWeights full = make_random_layer_weights(config, DType::f32, 21, false);
+  for (int64_t tokens : {1, 17}) {
+    const LocalGroupInputs inputs = random_inputs(config, tokens, DType::f32, 6 + static_cast<uint64_t>(tokens));
+    const auto reference = run_group(config, full, inputs, 1, TailTier::native);
+    for (TailTier tier :
+         {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap, TailTier::column_parallel}) {
+      SCOPED_TRACE(std::string(to_string(tier)) + ", T " + std::to_string(tokens));
+      const auto results = run_group(config, full, inputs, 16, tier);
+      ASSERT_EQ(results.size(), 16u);
+      for (const RankResult& result : results) {
+        EXPECT_TRUE(bitwise_equal(result.output.view(), results[0].output.view()));
+        EXPECT_EQ(result.tier, tier);
+      }
+      EXPECT_LE(max_relative_error(results[0].output.view(), reference[0].output.view()), 1e-5);
+    }
+  }
+}
+
 TEST(Runner, f16_tiers_match_single_device) {
   const LayerConfig config = kimi_like_config();
   const LayerWeights full = make_random_layer_weights(config, DType::f16, 3, false);

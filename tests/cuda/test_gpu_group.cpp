@@ -444,6 +444,14 @@ TEST(GpuGroupOddShapes, nemotron_sizes_d2688_l1024_match_the_cpu_runner_at_tp8) 
   expect_every_tier_matches_the_cpu_runner(config, 8, DType::bf16, {1, 17}, 4242);
 }
 
+// tp 16, the largest group the Lamport kernels take (kMaxLamportRanks): 16 ranks on one GPU, one CTA
+// each per collective at most SMs / 32, sizes 16 divides.
+TEST(GpuGroupOddShapes, every_tier_matches_the_cpu_runner_at_tp16) {
+  LATENTMOE_REQUIRE_GPU();
+  const LayerConfig config = resized(kimi_k3_config(), {64, 32, 16, 4, 32, 64});
+  expect_every_tier_matches_the_cpu_runner(config, 16, DType::bf16, {1, 17}, 1616);
+}
+
 // Pinned host memory (copies into it never go through the driver's pageable staging).
 struct PinnedBuffer {
   void* data = nullptr;
