@@ -18,17 +18,9 @@
 #   grouped_gemm        grouped_gemm_bench, the library's variant choice, every phase (grouped_gemm.json)
 #   grouped_gemm_sweep  grouped_gemm_bench, every tensor-core variant, gate_up and down (grouped_gemm_sweep.json)
 #   gemv                gemv_bench: the decode GEMV against cuBLAS and a plain read (gemv.json)
-set -u
-bin=$1
-commit=$2
-steps=$3
-out=${OUT:-/tmp/latentmoe_out}
-mkdir -p "$out"
-# EAGER: simulated ranks spin in their collectives while peers load kernels (latentmoe/gpu_group.h).
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
+source "$(dirname "$0")/gpu_script_env.sh" "$@"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
   --format=csv,noheader
-has() { [[ ,$steps, == *,$1,* ]]; }
 if has tests; then
   # A short collective timeout: a hang in a simulated-rank test fails in seconds, not minutes.
   LATENTMOE_COLLECTIVE_TIMEOUT_MS=5000 timeout 300 "$bin/latentmoe_cuda_tests" > "$out/cuda_tests.log" 2>&1

@@ -15,14 +15,7 @@
 #              kernels, then every collective through NCCL (--collectives nccl), the PyTorch peer
 #              (torchrun), and the plot with the peer
 #   tune       latentmoe tune at the same tp sizes: the table for this machine (tune_h200_tpN.json)
-set -u
-bin=$1
-commit=$2
-steps=$3
-out=${OUT:-/tmp/latentmoe_out}
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
-has() { [[ ,$steps, == *,$1,* ]]; }
+source "$(dirname "$0")/gpu_script_env.sh" "$@"
 gpus=$(nvidia-smi -L | grep -c '^GPU')
 # latentmoe is built against NCCL 2.28.9; the machine's default libnccl may be older (the device API has
 # no ABI compatibility across releases): PyTorch's is the matching one.

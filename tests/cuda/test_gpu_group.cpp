@@ -251,12 +251,18 @@ TEST(GpuGroup, a_one_rank_group_runs_every_op_and_the_fused_norm) {
   }
 }
 
+// A small group for the timeout and abort tests: 1024 elements, `timeout_ms`.
+GpuGroupOptions timeout_test_options(DType dtype, int timeout_ms) {
+  GpuGroupOptions options;
+  options.dtype = dtype;
+  options.capacity_elements = 1024;
+  options.timeout = std::chrono::milliseconds(timeout_ms);
+  return options;
+}
+
 TEST(GpuGroup, a_rank_that_never_arrives_times_out_its_peers_within_a_second) {
   LATENTMOE_REQUIRE_GPU();
-  GpuGroupOptions options;
-  options.dtype = DType::bf16;
-  options.capacity_elements = 1024;
-  options.timeout = std::chrono::milliseconds(200);
+  GpuGroupOptions options = timeout_test_options(DType::bf16, 200);
   options.host_rendezvous = false;  // the device-side deadline alone; one thread drives three ranks
   auto group = make_simulated_gpu_group(4, options);
   Rank ranks[3];
@@ -282,10 +288,7 @@ TEST(GpuGroup, a_rank_that_never_arrives_times_out_its_peers_within_a_second) {
 
 TEST(GpuGroup, abort_releases_a_waiting_rank) {
   LATENTMOE_REQUIRE_GPU();
-  GpuGroupOptions options;
-  options.dtype = DType::f32;
-  options.capacity_elements = 1024;
-  options.timeout = std::chrono::milliseconds(20000);
+  GpuGroupOptions options = timeout_test_options(DType::f32, 20000);
   options.host_rendezvous = false;  // the device-side abort; rank 1 never launches
   auto group = make_simulated_gpu_group(2, options);
   Rank rank;
@@ -305,10 +308,7 @@ TEST(GpuGroup, abort_releases_a_waiting_rank) {
 // waiting at the rendezvous is released by a peer's abort().
 TEST(GpuGroup, the_host_rendezvous_times_out_and_is_released_by_abort) {
   LATENTMOE_REQUIRE_GPU();
-  GpuGroupOptions options;
-  options.dtype = DType::bf16;
-  options.capacity_elements = 1024;
-  options.timeout = std::chrono::milliseconds(200);
+  GpuGroupOptions options = timeout_test_options(DType::bf16, 200);
   auto group = make_simulated_gpu_group(3, options);
   Rank ranks[2];
   std::vector<DeviceTensor> buffers;
