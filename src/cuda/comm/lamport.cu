@@ -20,8 +20,9 @@
 //   - During call e a rank clears (back to the sentinel) the slot of call e-1. Safe because a peer
 //     writes that slot again only in call e+2, which it reaches only after it has received this
 //     rank's message of call e+1, which this rank sends after call e has completed (the calls of one
-//     rank are stream-ordered kernels, launched without programmatic overlap). Likewise a peer can be
-//     at most one call ahead, so it never writes the slot being read or cleared.
+//     rank are stream-ordered kernels: each is a programmatic dependent that waits for the previous
+//     kernel before it touches memory, and none triggers its dependents early). Likewise a peer can
+//     be at most one call ahead, so it never writes the slot being read or cleared.
 //   - The epoch lives on the device: the last CTA of a call to arrive (state[1]) advances it and
 //     records how many bytes per region the call used (state[2 + slot]), so a captured CUDA graph
 //     replays correctly and the host keeps no per-call state.
@@ -47,6 +48,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
 #include "cuda/common/dtype_dispatch.cuh"
+#include "cuda/common/pdl.cuh"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {
@@ -210,6 +212,11 @@ __global__ void __launch_bounds__(kThreads)
   using P = Pack<T, kWidth>;
   extern __shared__ float row_sums[];  // [cols] with a fused norm
   __shared__ float scratch[kThreads / 32];
+  // Launched as a programmatic dependent: the CTAs may become resident while the previous kernel of
+  // the stream finishes, but nothing is read or written before it has (its outputs are this call's
+  // inputs, and the previous collective's epoch must be final). The kernel never triggers its own
+  // dependents early, so the next kernel starts only when this call has completed.
+  pdl_wait();
   const int op = static_cast<int>(call.op);
   const uint32_t epoch = peers.state[0];
   const int slot = static_cast<int>(epoch % kLamportSlots);
@@ -400,7 +407,8 @@ void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStre
         LATENTMOE_CUDA_CHECK(
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
       }
-      kernel<<<grid, kThreads, shared, stream>>>(peers, call, message);
+      launch_kernel("lamport_kernel", pdl_supported(), kernel, dim3(grid), dim3(kThreads), shared, stream, peers, call,
+                    message);
     };
     if (sixteen_byte_packs(call, peers.size, sizeof(T))) {
       launch(lamport_kernel<T, 16 / sizeof(T)>);
