@@ -170,7 +170,9 @@ void run_tune(const TuneArguments& args) {
         "# note: CPU timings are noisy (threads share cores with everything else); the crossovers follow the\n"
         "#       measured medians exactly, so rerun with more --repeats where they look off\n");
   } else {
-    std::printf("# note: ranks share one GPU, so NVLink costs are missing; times include forward_host's staging\n");
+    std::printf(
+        "# note: ranks share one GPU, so NVLink costs are missing; times are forward() on staged device inputs, until "
+        "the device has finished\n");
   }
   std::fflush(stdout);
 

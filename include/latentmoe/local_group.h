@@ -26,7 +26,10 @@ struct RankResult {
   HostTensor topk_ids;      // [T, k] i32
   HostTensor topk_weights;  // [T, k] f32
   TailTier tier = TailTier::native;
-  double forward_ms = 0.0;   // median wall time of the timed forward calls of this rank
+  // Median wall time of the timed forward calls of this rank, each until its device has finished; on
+  // a GPU without the host copies (the inputs stay staged on the device, the outputs are copied back
+  // once after the timed calls).
+  double forward_ms = 0.0;
   TierSupport tier_support;  // what this rank's runner supports (Runner::tier_support())
   bool ran = true;           // false: skip_unsupported_tier skipped the forced tier (outputs unset)
 };
@@ -37,7 +40,7 @@ struct LocalGroupOptions {
   std::optional<TailTier> tier;  // nullopt: the policy picks
   TierPolicy policy = {};
   int num_timed_runs = 1;   // forward is run this many times; the last run's outputs are kept
-  int num_warmup_runs = 0;  // untimed forward calls before the timed ones
+  int num_warmup_runs = 0;  // untimed forward calls before the timed ones (a GPU makes at least one: it stages)
   // A forced tier that the runners do not support for these tokens is not run (RankResult::ran is
   // false, tier_support says why) instead of failing.
   bool skip_unsupported_tier = false;

@@ -12,11 +12,17 @@
 //   - A receiver polls its own regions (volatile loads, which bypass L1) until no element is the
 //     sentinel, then combines: sums in fp32 in rank order 0..size-1, so every rank's result is
 //     bit-identical; or copies (all-gather).
+//   - Where a call's rows are 16-byte aligned (sixteen_byte_packs) every store and poll moves 16 bytes
+//     (a Pack), and a thread issues the polls of all sources of one pack before it checks any, so it
+//     waits about one round trip per pack instead of one per element and source. A pack may be seen
+//     in parts; a part still holding the sentinel is polled again. The sums are the same, in the same
+//     order, as with one element per access.
 //   - During call e a rank clears (back to the sentinel) the slot of call e-1. Safe because a peer
 //     writes that slot again only in call e+2, which it reaches only after it has received this
 //     rank's message of call e+1, which this rank sends after call e has completed (the calls of one
-//     rank are stream-ordered kernels, launched without programmatic overlap). Likewise a peer can be
-//     at most one call ahead, so it never writes the slot being read or cleared.
+//     rank are stream-ordered kernels: each is a programmatic dependent that waits for the previous
+//     kernel before it touches memory, and none triggers its dependents early). Likewise a peer can
+//     be at most one call ahead, so it never writes the slot being read or cleared.
 //   - The epoch lives on the device: the last CTA of a call to arrive (state[1]) advances it and
 //     records how many bytes per region the call used (state[2 + slot]), so a captured CUDA graph
 //     replays correctly and the host keeps no per-call state.
@@ -42,6 +48,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
 #include "cuda/common/dtype_dispatch.cuh"
+#include "cuda/common/pdl.cuh"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {
@@ -51,6 +58,7 @@ constexpr int kThreads = 256;
 
 using lamport::as_payload;
 using lamport::Bits;
+using lamport::bits_of;
 using lamport::from_bits;
 using lamport::region_of;
 
@@ -73,20 +81,114 @@ struct Waiter {
   }
 };
 
-// Element `index` of a region, once it is no longer the sentinel (or 0 after a failure).
-template <class T>
-__device__ __forceinline__ T wait_for(const T* region, int64_t index, Waiter& waiter) {
-  using U = typename Bits<T>::type;
-  const volatile U* word = reinterpret_cast<const volatile U*>(region) + index;
-  for (uint32_t spin = 0;; ++spin) {
-    const U bits = *word;
-    if (bits != Bits<T>::sentinel) return from_bits<T>(bits);
-    if (waiter.failed) return from_float<T>(0.0f);
+// kWidth consecutive elements moved as one access: 16 bytes (kWidth = 16 / sizeof(T)) where the
+// call's rows and regions are 16-byte aligned, else one element (kWidth = 1).
+template <class T, int kWidth>
+struct Pack {
+  T v[kWidth];
+};
+
+template <class T, int kWidth>
+__device__ __forceinline__ Pack<T, kWidth> load_pack(const T* p) {
+  Pack<T, kWidth> pack;
+  if constexpr (kWidth * sizeof(T) == 16) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    memcpy(&pack, &raw, 16);
+  } else {
+    pack.v[0] = *p;
+  }
+  return pack;
+}
+
+// A load that bypasses L1 and is issued every time (the peers' stores arrive behind the compiler's back).
+template <class T, int kWidth>
+__device__ __forceinline__ Pack<T, kWidth> load_pack_volatile(const T* p) {
+  Pack<T, kWidth> pack;
+  if constexpr (kWidth * sizeof(T) == 16) {
+    uint4 raw;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                 : "l"(p));
+    memcpy(&pack, &raw, 16);
+  } else {
+    using U = typename Bits<T>::type;
+    pack.v[0] = from_bits<T>(*reinterpret_cast<const volatile U*>(p));
+  }
+  return pack;
+}
+
+template <class T, int kWidth>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, kWidth>& pack) {
+  if constexpr (kWidth * sizeof(T) == 16) {
+    uint4 raw;
+    memcpy(&raw, &pack, 16);
+    *reinterpret_cast<uint4*>(p) = raw;
+  } else {
+    *p = pack.v[0];
+  }
+}
+
+// Whether no element is the sentinel. A 16-byte store may be seen in parts; an element still holding
+// the sentinel simply makes the receiver look again.
+template <class T, int kWidth>
+__device__ __forceinline__ bool arrived(const Pack<T, kWidth>& pack) {
+  bool all = true;
+#pragma unroll
+  for (int i = 0; i < kWidth; ++i) all = all && bits_of(pack.v[i]) != Bits<T>::sentinel;
+  return all;
+}
+
+template <class T, int kWidth>
+__device__ __forceinline__ Pack<T, kWidth> payload_of(Pack<T, kWidth> pack) {
+#pragma unroll
+  for (int i = 0; i < kWidth; ++i) pack.v[i] = as_payload(pack.v[i]);
+  return pack;
+}
+
+// Every source's pack at element `offset` of its region for this rank in `slot`, once it has
+// arrived: the loads of all sources still missing are issued together, then checked, so a thread
+// waits about one round trip per unit, not one per source. After a failure the missing packs are 0.
+template <class T, int kWidth>
+__device__ __forceinline__ void wait_for_all(const LamportPeers& peers, int slot, int64_t offset,
+                                             Pack<T, kWidth> (&got)[kMaxLamportRanks], Waiter& waiter) {
+  uint32_t pending = (1u << peers.size) - 1u;
+  for (uint32_t spin = 0; pending != 0; ++spin) {
+#pragma unroll
+    for (int s = 0; s < kMaxLamportRanks; ++s) {
+      if (pending & (1u << s))
+        got[s] = load_pack_volatile<T, kWidth>(region_of<T>(peers, peers.rank, slot, s) + offset);
+    }
+#pragma unroll
+    for (int s = 0; s < kMaxLamportRanks; ++s) {
+      if ((pending & (1u << s)) && arrived(got[s])) pending &= ~(1u << s);
+    }
+    if (pending == 0) break;
+    if (waiter.failed) {
+#pragma unroll
+      for (int s = 0; s < kMaxLamportRanks; ++s) {
+        if (pending & (1u << s)) {
+#pragma unroll
+          for (int i = 0; i < kWidth; ++i) got[s].v[i] = from_float<T>(0.0f);
+        }
+      }
+      break;
+    }
     if ((spin & 31u) == 31u) {
       if (global_timer_ns() > waiter.deadline) waiter.fail(LamportFailure::timeout);
       if ((spin & 1023u) == 1023u && *waiter.peers->abort != 0) waiter.fail(LamportFailure::aborted);
     }
   }
+}
+
+// Element i of the rank-order fp32 sum of the sources' packs (every rank adds in the same order).
+template <class T, int kWidth>
+__device__ __forceinline__ float rank_order_sum(const Pack<T, kWidth> (&got)[kMaxLamportRanks], int size, int i) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int s = 0; s < kMaxLamportRanks; ++s) {
+    if (s < size) sum += to_float(got[s].v[i]);
+  }
+  return sum;
 }
 
 template <class T>
@@ -102,12 +204,19 @@ __device__ float block_sum(float value, float* scratch) {
 }
 
 // One kernel for every op. CTA b handles rows b, b + gridDim.x, ...: it sends them to every peer,
-// then receives and combines them, then clears its share of the previous slot.
-template <class T>
+// then receives and combines them, then clears its share of the previous slot. Every access moves a
+// Pack of kWidth elements (launch_lamport picks 16 bytes where the call's alignment allows).
+template <class T, int kWidth>
 __global__ void __launch_bounds__(kThreads)
     lamport_kernel(LamportPeers peers, LamportCall call, int64_t message_bytes) {
+  using P = Pack<T, kWidth>;
   extern __shared__ float row_sums[];  // [cols] with a fused norm
   __shared__ float scratch[kThreads / 32];
+  // Launched as a programmatic dependent: the CTAs may become resident while the previous kernel of
+  // the stream finishes, but nothing is read or written before it has (its outputs are this call's
+  // inputs, and the previous collective's epoch must be final). The kernel never triggers its own
+  // dependents early, so the next kernel starts only when this call has completed.
+  pdl_wait();
   const int op = static_cast<int>(call.op);
   const uint32_t epoch = peers.state[0];
   const int slot = static_cast<int>(epoch % kLamportSlots);
@@ -119,10 +228,12 @@ __global__ void __launch_bounds__(kThreads)
   auto* out = static_cast<T*>(call.out);
   const int64_t chunk =
       call.op == LamportOp::all_reduce || call.op == LamportOp::barrier ? call.cols : call.cols / size;
+  const int64_t units = chunk / kWidth;
 
   // The fused reduce-scatter's part of each region follows the main part: [rows, chunk], then
   // [rows, scatter_chunk].
   const int64_t scatter_chunk = call.scatter_in != nullptr ? call.scatter_cols / size : 0;
+  const int64_t scatter_units = scatter_chunk / kWidth;
   const int64_t scatter_offset = call.rows * chunk;
   const auto* scatter_in = static_cast<const T*>(call.scatter_in);
   auto* scatter_out = static_cast<T*>(call.scatter_out);
@@ -133,65 +244,81 @@ __global__ void __launch_bounds__(kThreads)
     for (int peer = 0; peer < size; ++peer) {
       T* region = region_of<T>(peers, peer, slot, rank) + row * chunk;
       const T* source = in + row * call.ld_in + (call.op == LamportOp::reduce_scatter ? peer * chunk : 0);
-      for (int64_t c = threadIdx.x; c < chunk; c += kThreads) region[c] = as_payload(source[c]);
+      for (int64_t u = threadIdx.x; u < units; u += kThreads)
+        store_pack(region + u * kWidth, payload_of(load_pack<T, kWidth>(source + u * kWidth)));
       if (scatter_chunk > 0) {
         T* scatter_region = region_of<T>(peers, peer, slot, rank) + scatter_offset + row * scatter_chunk;
         const T* scatter_source = scatter_in + row * call.ld_scatter_in + peer * scatter_chunk;
-        for (int64_t c = threadIdx.x; c < scatter_chunk; c += kThreads)
-          scatter_region[c] = as_payload(scatter_source[c]);
+        for (int64_t u = threadIdx.x; u < scatter_units; u += kThreads)
+          store_pack(scatter_region + u * kWidth, payload_of(load_pack<T, kWidth>(scatter_source + u * kWidth)));
       }
     }
   }
 
   // 2. Receive and combine.
+  P got[kMaxLamportRanks];
   for (int64_t row = blockIdx.x; row < call.rows; row += gridDim.x) {
     __syncthreads();  // in place: every thread has sent this row before any overwrites it
     if (call.op == LamportOp::all_gather) {
-      for (int source = 0; source < size; ++source) {
-        const T* region = region_of<T>(peers, rank, slot, source) + row * chunk;
-        for (int64_t c = threadIdx.x; c < chunk; c += kThreads)
-          out[row * call.ld_out + source * chunk + c] = wait_for(region, c, waiter);
+      for (int64_t u = threadIdx.x; u < units; u += kThreads) {
+        wait_for_all(peers, slot, row * chunk + u * kWidth, got, waiter);
+#pragma unroll
+        for (int source = 0; source < kMaxLamportRanks; ++source) {  // constant indices: got stays in registers
+          if (source < size) store_pack(out + row * call.ld_out + source * chunk + u * kWidth, got[source]);
+        }
       }
       continue;
     }
     float squares = 0.0f;
-    for (int64_t c = threadIdx.x; c < chunk; c += kThreads) {
-      float sum = 0.0f;
-      for (int source = 0; source < size; ++source)
-        sum += to_float(wait_for(region_of<T>(peers, rank, slot, source) + row * chunk, c, waiter));
-      if (call.gamma != nullptr) {
-        row_sums[c] = sum;
-        squares += sum * sum;
-      } else if (call.op != LamportOp::barrier) {
-        out[row * call.ld_out + c] = from_float<T>(sum);
+    for (int64_t u = threadIdx.x; u < units; u += kThreads) {
+      wait_for_all(peers, slot, row * chunk + u * kWidth, got, waiter);
+      P sums;
+#pragma unroll
+      for (int i = 0; i < kWidth; ++i) {
+        const float sum = rank_order_sum(got, size, i);
+        if (call.gamma != nullptr) {
+          row_sums[u * kWidth + i] = sum;
+          squares += sum * sum;
+        }
+        sums.v[i] = from_float<T>(sum);
       }
+      if (call.gamma == nullptr && call.op != LamportOp::barrier)
+        store_pack(out + row * call.ld_out + u * kWidth, sums);
     }
     if (call.gamma != nullptr) {
       const float total = block_sum<T>(squares, scratch);
       const float inverse = rsqrtf(total / static_cast<float>(chunk) + call.eps);
-      for (int64_t c = threadIdx.x; c < chunk; c += kThreads) {
-        const float g = load_as_float_dev(call.gamma, call.gamma_dtype, c);
-        out[row * call.ld_out + c] = from_float<T>(row_sums[c] * inverse * g);
+      for (int64_t u = threadIdx.x; u < units; u += kThreads) {
+        P normed;
+#pragma unroll
+        for (int i = 0; i < kWidth; ++i) {
+          const int64_t c = u * kWidth + i;
+          normed.v[i] = from_float<T>(row_sums[c] * inverse * load_as_float_dev(call.gamma, call.gamma_dtype, c));
+        }
+        store_pack(out + row * call.ld_out + u * kWidth, normed);
       }
     }
-    for (int64_t c = threadIdx.x; c < scatter_chunk; c += kThreads) {
-      float sum = 0.0f;
-      for (int source = 0; source < size; ++source)
-        sum += to_float(
-            wait_for(region_of<T>(peers, rank, slot, source) + scatter_offset + row * scatter_chunk, c, waiter));
-      scatter_out[row * call.ld_scatter_out + c] = from_float<T>(sum);
+    for (int64_t u = threadIdx.x; u < scatter_units; u += kThreads) {
+      wait_for_all(peers, slot, scatter_offset + row * scatter_chunk + u * kWidth, got, waiter);
+      P sums;
+#pragma unroll
+      for (int i = 0; i < kWidth; ++i) sums.v[i] = from_float<T>(rank_order_sum(got, size, i));
+      store_pack(scatter_out + row * call.ld_scatter_out + u * kWidth, sums);
     }
   }
 
-  // 3. Clear this rank's regions of the previous call's slot (grid-stride over all sources).
+  // 3. Clear this rank's regions of the previous call's slot (grid-stride over all sources). The bytes a
+  // call uses per region are a multiple of 16 (lamport_message_bytes), so whole packs.
   {
-    using U = typename Bits<T>::type;
-    const int64_t per_region = previous_bytes / static_cast<int64_t>(sizeof(T));
+    P idle;
+#pragma unroll
+    for (int i = 0; i < kWidth; ++i) idle.v[i] = from_bits<T>(Bits<T>::sentinel);
+    const int64_t per_region = previous_bytes / static_cast<int64_t>(sizeof(T) * kWidth);
     const int64_t total = per_region * size;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < total;
          i += static_cast<int64_t>(gridDim.x) * kThreads) {
-      U* region = reinterpret_cast<U*>(region_of<T>(peers, rank, previous, static_cast<int>(i / per_region)));
-      region[i % per_region] = Bits<T>::sentinel;
+      T* region = region_of<T>(peers, rank, previous, static_cast<int>(i / per_region));
+      store_pack(region + (i % per_region) * kWidth, idle);
     }
   }
 
@@ -215,6 +342,21 @@ __global__ void fill_sentinel_kernel(typename Bits<T>::type* words, int64_t coun
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     words[i] = Bits<T>::sentinel;
+}
+
+// Whether every access of `call` can move 16 bytes: each region's rows (chunk), the fused scatter's
+// rows, and every row of `in`, `out` and the scatter tensors start on a 16-byte boundary.
+bool sixteen_byte_packs(const LamportCall& call, int size, size_t element_size) {
+  const int64_t width = static_cast<int64_t>(16 / element_size);
+  const bool whole = call.op == LamportOp::all_reduce || call.op == LamportOp::barrier;
+  const int64_t chunk = whole ? call.cols : call.cols / size;
+  const int64_t scatter_chunk = call.scatter_in != nullptr ? call.scatter_cols / size : 0;
+  auto aligned = [&](const void* pointer, int64_t ld) {
+    return reinterpret_cast<uintptr_t>(pointer) % 16 == 0 && (call.rows <= 1 || ld % width == 0);
+  };
+  return chunk % width == 0 && scatter_chunk % width == 0 && aligned(call.in, call.ld_in) &&
+         aligned(call.out, call.ld_out) && aligned(call.scatter_in, call.ld_scatter_in) &&
+         aligned(call.scatter_out, call.ld_scatter_out);
 }
 
 }  // namespace
@@ -260,11 +402,19 @@ void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStre
   const size_t shared = call.gamma != nullptr ? static_cast<size_t>(call.cols) * sizeof(float) : 0;
   dispatch_compute_dtype(call.dtype, "Lamport collective", [&](auto tag) {
     using T = decltype(tag);
-    if (shared > 48 * 1024) {
-      LATENTMOE_CUDA_CHECK(cudaFuncSetAttribute(lamport_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(shared)));
+    auto launch = [&](auto kernel) {
+      if (shared > 48 * 1024) {
+        LATENTMOE_CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+      }
+      launch_kernel("lamport_kernel", pdl_supported(), kernel, dim3(grid), dim3(kThreads), shared, stream, peers, call,
+                    message);
+    };
+    if (sixteen_byte_packs(call, peers.size, sizeof(T))) {
+      launch(lamport_kernel<T, 16 / sizeof(T)>);
+    } else {
+      launch(lamport_kernel<T, 1>);
     }
-    lamport_kernel<T><<<grid, kThreads, shared, stream>>>(peers, call, message);
   });
   LATENTMOE_CUDA_CHECK_LAUNCH("lamport_kernel");
 }
