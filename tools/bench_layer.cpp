@@ -130,12 +130,16 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   LayerConfig config = full;
   config.intermediate_size /= tp_shard;
   config.shared_intermediate_size /= tp_shard;
+  const bool mxfp4 = options.experts == "mxfp4";
+  if (mxfp4) config.experts_format = ExpertWeightFormat::mxfp4;
 
   const int64_t d = config.hidden_size, l = config.latent_size, num_experts = config.num_experts, k = config.top_k,
                 inter = config.intermediate_size, shared_inter = config.shared_intermediate_size;
   const int64_t width = config.num_router_outputs();
   const int64_t max_tokens = *std::max_element(options.tokens.begin(), options.tokens.end());
   const double element = static_cast<double>(dtype_size(dtype));
+  // Bytes per expert weight: MXFP4 is half a byte of code and 1/32 of a scale byte.
+  const double expert_element = options.experts == "mxfp4" ? 0.5 + 1.0 / 32.0 : element;
   const int num_matrices = config.is_gated() ? 3 : 2;
   const bool gated = config.is_gated(), shared = config.has_shared_expert();
 
@@ -155,10 +159,30 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   // A small correction bias: a bias as wide as the top scores' spread would send every token to the same
   // experts; this keeps each token's experts close to uniformly random, like the peers' routing.
   DeviceTensor bias = make_tensor(DType::f32, {width}, seed * 1000 + 4, 0.001f, 0.0f, stream);
-  DeviceTensor expert_gate, shared_gate, shared_up, shared_down;
-  if (gated) expert_gate = matrix({num_experts, inter, l}, l, 5);
-  DeviceTensor expert_up = matrix({num_experts, inter, l}, l, 6);
-  DeviceTensor expert_down = matrix({num_experts, l, inter}, inter, 7);
+  DeviceTensor expert_gate, shared_gate, shared_up, shared_down, gate_scale, up_scale, down_scale;
+  DeviceTensor expert_up, expert_down;
+  if (mxfp4) {
+    // Codes and scales as the checkpoint ships them; the kernels' time does not depend on the values, so
+    // fixed bytes: codes 0x3A (+1.5, -1.0... per nibble), scales 2^-6 (0x79), finite and near the
+    // dense weights' 1/sqrt(fan_in).
+    auto bytes = [&](std::vector<int64_t> shape, uint8_t value) {
+      DeviceTensor tensor = make_tensor(DType::u8, std::move(shape), 0, 0.0f, 0.0f, stream);
+      LATENTMOE_CUDA_CHECK(cudaMemsetAsync(tensor.view.data(), value, static_cast<size_t>(tensor.view.numel()), stream));
+      return tensor;
+    };
+    if (gated) {
+      expert_gate = bytes({num_experts, inter, l / 2}, 0x3A);
+      gate_scale = bytes({num_experts, inter, l / 32}, 0x79);
+    }
+    expert_up = bytes({num_experts, inter, l / 2}, 0x3A);
+    up_scale = bytes({num_experts, inter, l / 32}, 0x79);
+    expert_down = bytes({num_experts, l, inter / 2}, 0x3A);
+    down_scale = bytes({num_experts, l, inter / 32}, 0x79);
+  } else {
+    if (gated) expert_gate = matrix({num_experts, inter, l}, l, 5);
+    expert_up = matrix({num_experts, inter, l}, l, 6);
+    expert_down = matrix({num_experts, l, inter}, inter, 7);
+  }
   if (shared && gated) shared_gate = matrix({shared_inter, d}, d, 8);
   if (shared) {
     shared_up = matrix({shared_inter, d}, d, 9);
@@ -180,6 +204,9 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   views.expert_gate = expert_gate.view;
   views.expert_up = expert_up.view;
   views.expert_down = expert_down.view;
+  views.expert_gate_scale = gate_scale.view;
+  views.expert_up_scale = up_scale.view;
+  views.expert_down_scale = down_scale.view;
   views.shared_gate = shared_gate.view;
   views.shared_up = shared_up.view;
   views.shared_down = shared_down.view;
@@ -248,7 +275,8 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     phase("down_proj", (l * d + t * d + t * l) * element, 2 * t * d * l,
           [&] { backend.linear(x, state.down_proj.view, z, false); });
     phase("experts",
-          static_cast<double>(touched.size()) * num_matrices * inter * l * element + 2 * t * l * element + t * k * 8,
+          static_cast<double>(touched.size()) * num_matrices * inter * l * expert_element + 2 * t * l * element +
+              t * k * 8,
           2.0 * num_pairs * l * inter * num_matrices,
           [&] { backend.routed_experts(activation, z, ids, weights, experts, latent); });
     if (shared) {
@@ -336,6 +364,8 @@ void run_bench_layer(const BenchLayerOptions& options) {
   for (const auto& preset : options.presets) preset_config(preset);
   LATENTMOE_CHECK(!options.tokens.empty() && !options.tp_shards.empty() && !options.presets.empty(),
                   "bench layer needs at least one preset, tp shard and token count");
+  LATENTMOE_CHECK(options.experts != "mxfp4" || *std::max_element(options.tokens.begin(), options.tokens.end()) <= 8,
+                  "--experts mxfp4 runs up to 8 tokens so far (the CUDA decode kernels); give --tokens 1..8");
   DType dtype;
   if (options.dtype == "bf16") {
     dtype = DType::bf16;
@@ -366,6 +396,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   report["commit"] = options.commit;
   report["skinny_max_tokens"] = options.skinny_max_tokens;
   report["gemv_max_tokens"] = options.gemv_max_tokens;
+  report["experts"] = options.experts;
   report["ceilings"] = {{"copy_tb_per_s", ceilings.copy_bytes_per_s / 1e12},
                         {"gemm_bf16_tflop_per_s", ceilings.gemm_flops_per_s / 1e12}};
   report["method"] =
@@ -381,6 +412,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   repro.flag("--preset", options.presets).flag("--tp-shard", options.tp_shards).flag("--tokens", options.tokens);
   if (options.skinny_max_tokens != 8) repro.flag("--skinny-max-tokens", options.skinny_max_tokens);
   if (options.gemv_max_tokens != 0) repro.flag("--gemv-max-tokens", options.gemv_max_tokens);
+  if (options.experts != "dense") repro.flag("--experts", options.experts);
   repro.print();
   report["repro"] = repro.line();
   if (!options.json_path.empty()) bench::write_json(options.json_path, report);

@@ -33,6 +33,8 @@ void register_bench_command(CLI::App& app) {
       ->add_option("--gemv-max-tokens", options->gemv_max_tokens,
                    "largest token count whose dense linears take the decode GEMV (0: never)")
       ->check(CLI::Range(0, 4));
+  layer->add_option("--experts", options->experts, "dense (default) or mxfp4: the routed experts' weights")
+      ->check(CLI::IsMember({"dense", "mxfp4"}));
   layer->add_option("--json", options->json_path, "write the results as JSON to this file");
   layer->add_option("--commit", options->commit, "commit id recorded in the JSON");
   layer->callback([options] { run_bench_layer(*options); });

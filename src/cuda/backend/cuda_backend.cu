@@ -17,6 +17,7 @@
 #include "cuda/gemm/blas.h"
 #include "cuda/gemm/gemv.h"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/mxfp4_decode.h"
 #include "cuda/gemm/skinny_gemm.h"
 #include "cuda/kernels/elementwise.h"
 #include "cuda/kernels/norm.h"
@@ -258,10 +259,9 @@ void CudaBackend::copy(const TensorView& src, const TensorView& dst) {
 }
 
 void CudaBackend::check_layer(const LayerConfig& config, DType dtype, int tp_size) {
-  // No silent fallback: the MXFP4 kernels are not written yet, and dequantising to a dense copy would
-  // need four times the experts' memory.
-  LATENTMOE_CHECK(!config.has_mxfp4_experts(),
-                  "the CUDA backend does not run MXFP4 experts yet (issue 16); run them on the CPU backend");
+  // MXFP4 experts run on the decode kernels (gemm/mxfp4_decode.h), decoded in registers; never
+  // through a dequantised copy (four times the experts' memory). Above their token bound, forward
+  // refuses (the tensor-core kernels are issue 16's next step).
   LATENTMOE_CHECK(tp_size >= 1, "CUDA prepare: tp_size ", tp_size, " must be positive");
   LATENTMOE_CHECK(is_compute_dtype(dtype), "CUDA prepare: ", dtype_name(dtype), " is not a compute dtype");
   // The kernels' own limits, reported when the runner is built rather than at the first forward.
@@ -413,6 +413,33 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
   const bool gated = activation.activation != Activation::relu2;
+  if (experts.format == ExpertWeightFormat::mxfp4) {
+    // gate/up: codes [E, I_r, l/2] and scales [E, I_r, l/32]; down: [E, l, I_r/2] and [E, l, I_r/32].
+    const int64_t num_tokens = z.size(0), k = topk_ids.size(1), num_experts = experts.up.size(0);
+    const int64_t intermediate = experts.up.size(1), latent = 2 * experts.up.size(2);
+    LATENTMOE_CHECK(num_tokens <= kMxfp4DecodeMaxRows, "CUDA routed experts: MXFP4 experts run on the decode kernels, ",
+                    "up to ", kMxfp4DecodeMaxRows, " tokens so far; this call has ", num_tokens,
+                    " (run more tokens on the CPU backend, or in batches of at most ", kMxfp4DecodeMaxRows, ")");
+    if (num_tokens == 0) return;
+    s.mark_slot(s.routed_slots, "routed_experts");
+    const size_t act_needed = static_cast<size_t>(num_tokens * k * intermediate) * dtype_size(z.dtype());
+    LATENTMOE_CHECK(s.prepared && act_needed <= s.act_bytes, "CUDA routed experts: the workspace prepared for ",
+                    "max_tokens = ", s.spec.max_tokens, " does not hold ", num_tokens, " tokens' activations");
+    void* act = static_cast<char*>(s.routed_workspace.get()) + s.layout_bytes;
+    auto matrices = [](const TensorView& packed, const TensorView& scales, int64_t rows, int64_t cols) {
+      return Mxfp4Matrices{packed.data_as<uint8_t>(), scales.data_as<uint8_t>(), rows, cols};
+    };
+    const Mxfp4Matrices up = matrices(experts.up, experts.up_scale, intermediate, latent);
+    const Mxfp4Matrices gate =
+        gated ? matrices(experts.gate, experts.gate_scale, intermediate, latent) : Mxfp4Matrices{};
+    const Mxfp4Matrices down = matrices(experts.down, experts.down_scale, latent, intermediate);
+    const auto* ids = topk_ids.data_as<int32_t>();
+    mxfp4_routed_gate_up(z.dtype(), activation, ids, static_cast<int>(k), static_cast<int>(num_experts), z.data(),
+                         z.stride(0), num_tokens, gated ? &gate : nullptr, up, act, s.current);
+    mxfp4_routed_down(z.dtype(), ids, topk_weights.data_as<float>(), static_cast<int>(k), static_cast<int>(num_experts),
+                      act, num_tokens, down, out.data(), out.stride(0), s.current);
+    return;
+  }
   debug_require_compute_dtype(z.dtype(), "routed expert input");
   debug_require_compute_dtype(out.dtype(), "routed expert output");
   debug_require_dtype(topk_ids.dtype(), DType::i32, "topk_ids");

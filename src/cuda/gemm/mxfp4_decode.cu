@@ -1,0 +1,245 @@
+// MXFP4 routed experts at decode on CUDA cores (mxfp4_decode.h).
+//
+// Layout read: the checkpoint's own. A row of an [rows, cols] matrix is cols/2 packed bytes (column
+// 2b in the low nibble of byte b, 2b + 1 in the high one) and cols/32 scale bytes; one scale group of
+// 32 columns is exactly 16 packed bytes, so a lane moves one group with one 16-byte load and one
+// byte of scale.
+//
+// gate/up: one CTA per (pair, block of kRowsPerCta rows); the CTA stages z_t in shared memory as
+// fp32; each warp takes rows of the block, its lanes take the row's groups in turn (lane q: groups q,
+// q + 32, ...), then the warp sums the lanes in a fixed butterfly. down: one CTA per (token, block of
+// rows); for each row, each of the token's real pairs in j order: the same lane split over the
+// pair's act row (read through L1), the warp sum weighted by w_tj into a fp32 total, rounded once.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "cuda/common/activation.cuh"
+#include "cuda/common/convert.cuh"
+#include "cuda/common/cuda_check.h"
+#include "cuda/common/device.h"
+#include "cuda/common/dtype_dispatch.cuh"
+#include "cuda/gemm/mxfp4_decode.h"
+#include "latentmoe/error.h"
+
+namespace latentmoe::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerCta = 32;  // 4 rows per warp
+constexpr int kGroup = 32;       // columns per scale
+
+// The 16 E2M1 values (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), staged in shared memory.
+__device__ __forceinline__ void fill_e2m1_table(float* table) {
+  if (threadIdx.x < 16) {
+    constexpr float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float magnitude = kMagnitudes[threadIdx.x & 7];
+    table[threadIdx.x] = (threadIdx.x & 8) ? -magnitude : magnitude;
+  }
+}
+
+// 2^(s - 127) as a float, exactly: s 1..254 normal, s 0 the subnormal 2^-127 (0xFF is refused at load).
+__device__ __forceinline__ float e8m0_scale(uint8_t s) {
+  return __int_as_float(s == 0 ? 0x00400000 : static_cast<int>(s) << 23);
+}
+
+// The dot product of group q of a packed row with x[32 q .. 32 q + 31] (fp32, shared or global).
+__device__ __forceinline__ float group_dot(const uint8_t* packed_row, const uint8_t* scale_row, int64_t q,
+                                           const float* x, const float* table) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(packed_row + q * (kGroup / 2));
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  const float* xs = x + q * kGroup;
+  float partial = 0.0f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+#pragma unroll
+    for (int nibble = 0; nibble < 8; ++nibble) {
+      partial = fmaf(table[(words[w] >> (4 * nibble)) & 0xF], xs[w * 8 + nibble], partial);
+    }
+  }
+  return partial * e8m0_scale(scale_row[q]);
+}
+
+__device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+struct GateUpParams {
+  const int32_t* ids;
+  int top_k, num_experts;
+  const void* z;
+  int64_t ld_z;
+  Mxfp4Matrices gate, up;  // gate.packed == nullptr: relu2
+  void* act;
+  Activation activation;
+  float beta, linear_beta;
+};
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) mxfp4_gate_up_kernel(GateUpParams p) {
+  extern __shared__ float z_row[];  // [l]
+  __shared__ float table[16];
+  const int64_t pair = blockIdx.x;
+  const int expert = p.ids[pair];
+  if (expert < 0 || expert >= p.num_experts) return;  // a zero expert, or a pad: no row
+  const int64_t token = pair / p.top_k;
+  const int64_t intermediate = p.up.rows, latent = p.up.cols, groups = latent / kGroup;
+  fill_e2m1_table(table);
+  const T* z = static_cast<const T*>(p.z) + token * p.ld_z;
+  for (int64_t c = threadIdx.x; c < latent; c += kThreads) z_row[c] = to_float(z[c]);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool gated = p.gate.packed != nullptr;
+  for (int r = warp; r < kRowsPerCta; r += kWarps) {
+    const int64_t row = blockIdx.y * static_cast<int64_t>(kRowsPerCta) + r;
+    if (row >= intermediate) break;
+    const int64_t matrix_row = static_cast<int64_t>(expert) * intermediate + row;
+    const uint8_t* up_packed = p.up.packed + matrix_row * (latent / 2);
+    const uint8_t* up_scales = p.up.scales + matrix_row * groups;
+    float up = 0.0f, gate = 0.0f;
+    for (int64_t q = lane; q < groups; q += 32) {
+      up += group_dot(up_packed, up_scales, q, z_row, table);
+      if (gated) {
+        gate +=
+            group_dot(p.gate.packed + matrix_row * (latent / 2), p.gate.scales + matrix_row * groups, q, z_row, table);
+      }
+    }
+    up = warp_sum(up);
+    gate = warp_sum(gate);
+    if (lane == 0) {
+      float value;
+      if (p.activation == Activation::relu2) {
+        value = act::relu2(up);
+      } else {
+        value = act::gated(gate, up, p.activation == Activation::situ, p.beta, p.linear_beta);
+      }
+      static_cast<T*>(p.act)[pair * intermediate + row] = from_float<T>(value);
+    }
+  }
+}
+
+struct DownParams {
+  const int32_t* ids;
+  const float* weights;
+  int top_k, num_experts;
+  const void* act;
+  Mxfp4Matrices down;
+  void* out;
+  int64_t ld_out;
+};
+
+// The act row, read through L1 (fp32 conversion per element): the down projection's x.
+template <class T>
+__device__ __forceinline__ float group_dot_act(const uint8_t* packed_row, const uint8_t* scale_row, int64_t q,
+                                               const T* act_row, const float* table) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(packed_row + q * (kGroup / 2));
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  const T* xs = act_row + q * kGroup;
+  float partial = 0.0f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+#pragma unroll
+    for (int nibble = 0; nibble < 8; ++nibble) {
+      partial = fmaf(table[(words[w] >> (4 * nibble)) & 0xF], to_float(xs[w * 8 + nibble]), partial);
+    }
+  }
+  return partial * e8m0_scale(scale_row[q]);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) mxfp4_down_kernel(DownParams p) {
+  __shared__ float table[16];
+  fill_e2m1_table(table);
+  __syncthreads();
+  const int64_t token = blockIdx.x;
+  const int64_t latent = p.down.rows, intermediate = p.down.cols, groups = intermediate / kGroup;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < kRowsPerCta; r += kWarps) {
+    const int64_t row = blockIdx.y * static_cast<int64_t>(kRowsPerCta) + r;
+    if (row >= latent) break;
+    float total = 0.0f;
+    for (int j = 0; j < p.top_k; ++j) {
+      const int64_t pair = token * p.top_k + j;
+      const int expert = p.ids[pair];
+      if (expert < 0 || expert >= p.num_experts) continue;
+      const int64_t matrix_row = static_cast<int64_t>(expert) * latent + row;
+      const uint8_t* packed = p.down.packed + matrix_row * (intermediate / 2);
+      const uint8_t* scales = p.down.scales + matrix_row * groups;
+      const T* act_row = static_cast<const T*>(p.act) + pair * intermediate;
+      float dot = 0.0f;
+      for (int64_t q = lane; q < groups; q += 32) dot += group_dot_act(packed, scales, q, act_row, table);
+      total = fmaf(p.weights[pair], warp_sum(dot), total);
+    }
+    if (lane == 0) static_cast<T*>(p.out)[token * p.ld_out + row] = from_float<T>(total);
+  }
+}
+
+void check_matrices(const Mxfp4Matrices& m, const char* what) {
+  LATENTMOE_CHECK(m.packed != nullptr && m.scales != nullptr && m.rows >= 1 && m.cols >= kGroup && m.cols % kGroup == 0,
+                  "MXFP4 ", what, ": [", m.rows, ", ", m.cols, "] needs packed codes, scales and columns in whole ",
+                  "groups of ", kGroup);
+  LATENTMOE_CHECK(reinterpret_cast<uintptr_t>(m.packed) % 16 == 0, "MXFP4 ", what,
+                  ": the packed codes must start on a 16-byte boundary");
+}
+
+}  // namespace
+
+void mxfp4_routed_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const int32_t* ids,
+                          int top_k, int num_experts, const void* z, int64_t ld_z, int64_t rows,
+                          const Mxfp4Matrices* gate, const Mxfp4Matrices& up, void* act, cudaStream_t stream) {
+  if (rows == 0) return;
+  LATENTMOE_CHECK(rows >= 1 && rows <= kMxfp4DecodeMaxRows, "MXFP4 routed experts: ", rows, " tokens; the decode ",
+                  "kernels take 1..", kMxfp4DecodeMaxRows);
+  check_matrices(up, "up");
+  const bool gated = activation.activation != Activation::relu2;
+  LATENTMOE_CHECK(gated == (gate != nullptr), "MXFP4 routed experts: ", to_string(activation.activation),
+                  gated ? " needs" : " takes no", " gate weights");
+  if (gate != nullptr) {
+    check_matrices(*gate, "gate");
+    LATENTMOE_CHECK(gate->rows == up.rows && gate->cols == up.cols, "MXFP4 routed experts: gate and up differ");
+  }
+  GateUpParams p{ids,
+                 top_k,
+                 num_experts,
+                 z,
+                 ld_z,
+                 gate != nullptr ? *gate : Mxfp4Matrices{},
+                 up,
+                 act,
+                 activation.activation,
+                 activation.situ_beta,
+                 activation.situ_linear_beta};
+  const dim3 grid(static_cast<unsigned>(rows * top_k),
+                  static_cast<unsigned>((up.rows + kRowsPerCta - 1) / kRowsPerCta));
+  const size_t shared = static_cast<size_t>(up.cols) * sizeof(float);
+  dispatch_compute_dtype(dtype, "MXFP4 routed experts", [&](auto tag) {
+    using T = decltype(tag);
+    if (shared > 48 * 1024) {
+      LATENTMOE_CUDA_CHECK(cudaFuncSetAttribute(mxfp4_gate_up_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(shared)));
+    }
+    mxfp4_gate_up_kernel<T><<<grid, kThreads, shared, stream>>>(p);
+  });
+  LATENTMOE_CUDA_CHECK_LAUNCH("mxfp4_gate_up_kernel");
+}
+
+void mxfp4_routed_down(DType dtype, const int32_t* ids, const float* weights, int top_k, int num_experts,
+                       const void* act, int64_t rows, const Mxfp4Matrices& down, void* out, int64_t ld_out,
+                       cudaStream_t stream) {
+  if (rows == 0) return;
+  LATENTMOE_CHECK(rows >= 1 && rows <= kMxfp4DecodeMaxRows, "MXFP4 routed experts: ", rows, " tokens; the decode ",
+                  "kernels take 1..", kMxfp4DecodeMaxRows);
+  check_matrices(down, "down");
+  LATENTMOE_CHECK(ld_out >= down.rows, "MXFP4 routed experts: output row stride ", ld_out, " < ", down.rows);
+  DownParams p{ids, weights, top_k, num_experts, act, down, out, ld_out};
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((down.rows + kRowsPerCta - 1) / kRowsPerCta));
+  dispatch_compute_dtype(dtype, "MXFP4 routed experts", [&](auto tag) {
+    using T = decltype(tag);
+    mxfp4_down_kernel<T><<<grid, kThreads, 0, stream>>>(p);
+  });
+  LATENTMOE_CUDA_CHECK_LAUNCH("mxfp4_down_kernel");
+}
+
+}  // namespace latentmoe::cuda

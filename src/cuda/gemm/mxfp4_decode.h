@@ -1,0 +1,49 @@
+// MXFP4 routed experts at decode (latentmoe/mxfp4.h: E2M1 codes two a byte, one E8M0 scale per 32
+// columns), on CUDA cores: every touched expert's packed weights are read straight from the layout the
+// checkpoint ships (no repack, no dequantised copy) and decoded in registers, 32 values (one scale
+// group, 16 bytes) per lane and step:
+//
+//   mxfp4_routed_gate_up  act[p, i] = act(z_t · Wg_e[i], z_t · Wu_e[i])  (relu2: (z_t · Wu_e[i])² for u > 0)
+//   mxfp4_routed_down     out[t, r] = sum over j of w_tj · (act[t k + j] · Wd_e[r]), e = ids[t, j] < E
+//
+// Numerics: a group's 32 products E2M1 · z summed in fp32, times the group's power of two (exact),
+// added in fp32 in group order; the routed combine summed in fp32 in j order and rounded once. The
+// first design of issue 16, a baseline to measure the tensor-core kernels against; up to
+// kMxfp4DecodeMaxRows tokens. Host interface; includable from C++.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "core/backend.h"
+#include "latentmoe/dtype.h"
+
+namespace latentmoe::cuda {
+
+inline constexpr int kMxfp4DecodeMaxRows = 8;
+
+// Stacked MXFP4 matrices [E, rows, cols]: packed [E, rows, cols/2] and scales [E, rows, cols/32]
+// (U8, contiguous). cols is a multiple of 32.
+struct Mxfp4Matrices {
+  const uint8_t* packed = nullptr;
+  const uint8_t* scales = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+// act [rows * top_k, I] (dtype bf16/f16/f32): row p = t * top_k + j for every pair whose expert
+// ids[p] lies in [0, num_experts) (other rows are not written). z [rows, l] (dtype), row stride
+// ld_z. gate: nullptr for relu2. I = up.rows, l = up.cols.
+void mxfp4_routed_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const int32_t* ids,
+                          int top_k, int num_experts, const void* z, int64_t ld_z, int64_t rows,
+                          const Mxfp4Matrices* gate, const Mxfp4Matrices& up, void* act, cudaStream_t stream);
+
+// out [rows, l] (dtype, row stride ld_out): every row written (0 for a token with no real expert).
+// act [rows * top_k, I] as mxfp4_routed_gate_up left it; weights [rows, top_k] f32. l = down.rows,
+// I = down.cols.
+void mxfp4_routed_down(DType dtype, const int32_t* ids, const float* weights, int top_k, int num_experts,
+                       const void* act, int64_t rows, const Mxfp4Matrices& down, void* out, int64_t ld_out,
+                       cudaStream_t stream);
+
+}  // namespace latentmoe::cuda
