@@ -5,9 +5,9 @@
 # BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh), and
 # grouped_gemm_bench and gemv_bench (build-gpu/bench/) for the steps that run them;
 # STEPS is a comma list of: tests, nccl, demo, sanitize_comm, sanitize, bench, bench_decode, bench_no_skinny,
-# bench_no_gemv, bench_tail, grouped_gemm, grouped_gemm_sweep, gemv, peers (run in that order: tests, nccl, bench,
-# bench_decode, bench_no_skinny, bench_no_gemv, bench_tail, grouped_gemm, grouped_gemm_sweep, gemv, peers,
-# sanitize).
+# bench_no_gemv, bench_mxfp4, bench_tail, grouped_gemm, grouped_gemm_sweep, gemv, peers (run in that order: tests,
+# nccl, bench, bench_decode, bench_no_skinny, bench_no_gemv, bench_mxfp4, bench_tail, grouped_gemm,
+# grouped_gemm_sweep, gemv, peers, sanitize).
 #   nccl  the NCCL group tests (NcclGroup*: one GPU and every GPU present) against PyTorch's libnccl, the
 #         release latentmoe is built against (the machine's default libnccl is older; NCCL's device API
 #         has no ABI compatibility across releases), with the GPU links and NCCL's version recorded
@@ -70,6 +70,13 @@ if has bench_no_gemv; then  # the decode token counts with every linear on cuBLA
   timeout 60 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,8 \
     --gemv-max-tokens 0 --commit "$commit" --json "$out/layer_no_gemv.json" 2>&1 | tee "$out/layer_no_gemv.log"
   echo "bench (no gemv) rc=${PIPESTATUS[0]}"
+fi
+if has bench_mxfp4; then  # MXFP4 routed experts on the decode kernels against the bf16 experts, same call
+  for experts in mxfp4 dense; do
+    timeout 120 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,2,4,8 \
+      --experts "$experts" --commit "$commit" --json "$out/layer_$experts.json" > "$out/layer_$experts.log" 2>&1
+    echo "bench layer --experts $experts rc=$?"; tail -n 12 "$out/layer_$experts.log"
+  done
 fi
 if has bench_tail; then  # simulated ranks: rows say placement "simulated", no NVLink cost in them
   # A latentmoe built with NCCL loads the libnccl it was built against (PyTorch's, as the nccl step).
