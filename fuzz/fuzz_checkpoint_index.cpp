@@ -17,16 +17,29 @@
 
 namespace {
 
-// This process's checkpoint folder, made once, with the valid shard in it.
-const std::filesystem::path& folder() {
-  static const std::filesystem::path path = [] {
-    const std::filesystem::path made = "/tmp/latentmoe_fuzz_index_" + std::to_string(::getpid());
-    std::filesystem::create_directories(made);
+// This process's checkpoint folder (under the temporary directory), made once with the valid shard in
+// it, and removed when the fuzzer exits normally (at the end of -max_total_time or -runs).
+class ScratchFolder {
+ public:
+  ScratchFolder()
+      : path_(std::filesystem::temp_directory_path() / ("latentmoe_fuzz_index_" + std::to_string(::getpid()))) {
+    std::filesystem::create_directories(path_);
     latentmoe::HostTensor x(latentmoe::DType::f32, {2, 3});
-    latentmoe::write_safetensors((made / "a.safetensors").string(), {{"x", x.view()}});
-    return made;
-  }();
-  return path;
+    latentmoe::write_safetensors((path_ / "a.safetensors").string(), {{"x", x.view()}});
+  }
+  ~ScratchFolder() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+const std::filesystem::path& folder() {
+  static const ScratchFolder scratch;
+  return scratch.path();
 }
 
 }  // namespace

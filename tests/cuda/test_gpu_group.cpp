@@ -13,6 +13,7 @@
 
 #include "cuda/comm/lamport_communicator.h"
 #include "cuda_test_util.h"
+#include "lamport_test_util.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
@@ -214,41 +215,19 @@ TEST(GpuGroup, a_one_rank_group_runs_every_op_and_the_fused_norm) {
   Rank rank;
   const HostTensor input = random_tensor(DType::bf16, {5, 200}, 3);
   const HostTensor gamma = random_tensor(DType::f32, {200}, 4, 0.5f, 1.5f);
-  DeviceTensor in = upload(*rank.device, input), g = upload(*rank.device, gamma);
+  DeviceTensor in = upload(*rank.device, input);
   DeviceTensor a = device_empty(*rank.device, DType::bf16, {5, 200}),
                b = device_empty(*rank.device, DType::bf16, {5, 200});
-  DeviceTensor normed = device_empty(*rank.device, DType::bf16, {5, 200});
   for (int call = 0; call < 4; ++call) {  // more calls than slots
     group[0]->reduce_scatter_sum(in.view, a.view, rank.stream);
     group[0]->all_gather(a.view, b.view, rank.stream);
     group[0]->all_reduce_sum(b.view, rank.stream);
     group[0]->barrier(rank.stream);
   }
-  LamportCall call;
-  call.dtype = DType::bf16;
-  call.in = in.view.data();
-  call.ld_in = 200;
-  call.out = normed.view.data();
-  call.ld_out = 200;
-  call.rows = 5;
-  call.cols = 200;
-  call.gamma = g.view.data();
-  call.gamma_dtype = DType::f32;
-  call.eps = 1e-5f;
-  launch_lamport(dynamic_cast<LamportCommunicator&>(*group[0]).lamport_peers(), call, rank.stream);
   ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
   group[0]->check();
   EXPECT_TRUE(bitwise_equal(download(*rank.device, b.view).view(), input.view()));
-  const HostTensor got = download(*rank.device, normed.view);
-  for (int64_t t = 0; t < 5; ++t) {
-    double squares = 0;
-    for (int64_t c = 0; c < 200; ++c) squares += std::pow(value_at(input, t * 200 + c), 2);
-    const double inverse = 1.0 / std::sqrt(squares / 200 + 1e-5);
-    for (int64_t c = 0; c < 200; ++c) {
-      const double expected = value_at(input, t * 200 + c) * inverse * value_at(gamma, c);
-      EXPECT_NEAR(value_at(got, t * 200 + c), expected, 1e-2 * std::abs(expected) + 1e-3) << t << ", " << c;
-    }
-  }
+  expect_one_rank_fused_norm(*group[0], *rank.device, rank.stream, input, gamma);
 }
 
 // A small group for the timeout and abort tests: 1024 elements, `timeout_ms`.

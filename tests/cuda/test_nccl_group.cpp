@@ -20,6 +20,7 @@
 #include "cuda/comm/lamport_communicator.h"
 #include "cuda/comm/shard_pack.h"
 #include "cuda_test_util.h"
+#include "lamport_test_util.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
@@ -182,31 +183,7 @@ TEST(NcclGroup, a_one_rank_group_runs_every_op_through_the_window_and_through_nc
   Rank rank(0);
   const HostTensor input = random_tensor(DType::bf16, {5, 200}, 3);
   const HostTensor gamma = random_tensor(DType::f32, {200}, 4, 0.5f, 1.5f);
-  DeviceTensor in = upload(*rank.backend, input), g = upload(*rank.backend, gamma);
-  DeviceTensor normed = poisoned(*rank.backend, DType::bf16, {5, 200});
-  LamportCall call;
-  call.dtype = DType::bf16;
-  call.in = in.view.data();
-  call.ld_in = 200;
-  call.out = normed.view.data();
-  call.ld_out = 200;
-  call.rows = 5;
-  call.cols = 200;
-  call.gamma = g.view.data();
-  call.gamma_dtype = DType::f32;
-  launch_lamport(dynamic_cast<LamportCommunicator&>(*group[0]).lamport_peers(), call, rank.stream);
-  ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
-  group[0]->check();
-  const HostTensor got = download(*rank.backend, normed.view);
-  for (int64_t t = 0; t < 5; ++t) {
-    double squares = 0;
-    for (int64_t c = 0; c < 200; ++c) squares += std::pow(value_at(input, t * 200 + c), 2);
-    const double inverse = 1.0 / std::sqrt(squares / 200 + 1e-5);
-    for (int64_t c = 0; c < 200; ++c) {
-      const double expected = value_at(input, t * 200 + c) * inverse * value_at(gamma, c);
-      EXPECT_NEAR(value_at(got, t * 200 + c), expected, 1e-2 * std::abs(expected) + 1e-3) << t << ", " << c;
-    }
-  }
+  expect_one_rank_fused_norm(*group[0], *rank.backend, rank.stream, input, gamma);
 }
 
 #if defined(LATENTMOE_WITH_NCCL)
