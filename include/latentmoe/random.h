@@ -6,13 +6,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "latentmoe/host_device.h"
 #include "latentmoe/tensor.h"
-
-#if defined(__CUDACC__)
-#define LATENTMOE_HOST_DEVICE __host__ __device__
-#else
-#define LATENTMOE_HOST_DEVICE
-#endif
 
 namespace latentmoe {
 

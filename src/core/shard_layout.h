@@ -10,11 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define LATENTMOE_HOST_DEVICE __host__ __device__
-#else
-#define LATENTMOE_HOST_DEVICE
-#endif
+#include "latentmoe/host_device.h"
 
 namespace latentmoe::detail {
 

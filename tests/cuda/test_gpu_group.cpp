@@ -13,6 +13,7 @@
 
 #include "cuda/comm/lamport_communicator.h"
 #include "cuda_test_util.h"
+#include "graph_test_util.h"
 #include "lamport_test_util.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/error.h"
@@ -431,13 +432,6 @@ TEST(GpuGroupOddShapes, every_tier_matches_the_cpu_runner_at_tp16) {
   expect_every_tier_matches_the_cpu_runner(config, 16, DType::bf16, {1, 17}, 1616);
 }
 
-// Pinned host memory (copies into it never go through the driver's pageable staging).
-struct PinnedBuffer {
-  void* data = nullptr;
-  explicit PinnedBuffer(size_t bytes) { EXPECT_EQ(cudaMallocHost(&data, bytes), cudaSuccess); }
-  ~PinnedBuffer() { cudaFreeHost(data); }
-};
-
 // The public forward of every rank captured into a CUDA graph per tier (each rank on its own
 // stream, thread-local capture), then replayed many times on the ranks' threads with new inputs
 // written into the captured input buffers: every replay's output must equal the eager forward of
@@ -541,18 +535,9 @@ TEST(GpuGroupGraph, tp8_forward_captured_per_tier_replays_with_new_inputs_withou
 
   std::vector<int> wrong(kTp, 0);
   on_rank_threads(kTp, [&](int r) {
-    cudaStream_t stream = ranks[r]->stream;
-    for (int replay = 0; replay < replays; ++replay) {
-      const int i = replay % kInputs, t = (replay / kInputs) % num_tiers;
-      ASSERT_EQ(cudaMemcpyAsync(xs[r].view.data(), pinned_inputs[i]->data, x_bytes, cudaMemcpyHostToDevice, stream),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemsetAsync(outs[r].view.data(), 0xff, out_bytes, stream), cudaSuccess);
-      ASSERT_EQ(cudaGraphLaunch(graphs[r][t], stream), cudaSuccess);
-      ASSERT_EQ(cudaMemcpyAsync(results[r]->data, outs[r].view.data(), out_bytes, cudaMemcpyDeviceToHost, stream),
-                cudaSuccess);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      if (std::memcmp(results[r]->data, eager[i * num_tiers + t]->data, out_bytes) != 0) ++wrong[r];
-    }
+    wrong[r] = wrong_replays(
+        ranks[r]->stream, graphs[r], xs[r].view.data(), outs[r].view.data(), out_bytes, pinned_inputs, *results[r],
+        [&](int i, int t) { return eager[i * num_tiers + t]->data; }, replays);
     group[r]->check();
   });
   for (int r = 0; r < kTp; ++r) EXPECT_EQ(wrong[r], 0) << "rank " << r << ": replays with a wrong element";

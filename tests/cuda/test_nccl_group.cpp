@@ -20,6 +20,7 @@
 #include "cuda/comm/lamport_communicator.h"
 #include "cuda/comm/shard_pack.h"
 #include "cuda_test_util.h"
+#include "graph_test_util.h"
 #include "lamport_test_util.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/error.h"
@@ -341,12 +342,6 @@ TEST_P(NcclGroupLayer, every_tier_on_real_gpus_matches_the_cpu_runner_and_ranks_
 INSTANTIATE_TEST_SUITE_P(Tp, NcclGroupLayer, ::testing::Values(2, 4, 8),
                          [](const auto& info) { return "tp" + std::to_string(info.param); });
 
-struct PinnedBuffer {
-  void* data = nullptr;
-  explicit PinnedBuffer(size_t bytes) { EXPECT_EQ(cudaMallocHost(&data, bytes), cudaSuccess); }
-  ~PinnedBuffer() { cudaFreeHost(data); }
-};
-
 // Runner::forward of every rank captured into a graph on the rank's own thread (thread-local capture mode),
 // one graph per tier, then replayed with new inputs: bit-identical to the eager forward on every rank.
 // Both paths: one-shot (the window) and NCCL only (tier 0 refused there).
@@ -445,18 +440,9 @@ TEST_P(NcclGroupGraph, forward_captured_per_rank_thread_replays_with_new_inputs)
       EXPECT_EQ(std::memcmp(eager[r][i]->data, eager[0][i]->data, bytes), 0) << "rank " << r << " differs, run " << i;
   on_rank_threads(tp, [&](int r) {
     DeviceGuard guard(r);
-    cudaStream_t stream = ranks[r]->stream;
-    for (int replay = 0; replay < kReplays; ++replay) {
-      const int i = replay % kInputs, t = (replay / kInputs) % num_tiers;
-      ASSERT_EQ(cudaMemcpyAsync(xs[r].view.data(), inputs[i]->data, bytes, cudaMemcpyHostToDevice, stream),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemsetAsync(outs[r].view.data(), 0xff, bytes, stream), cudaSuccess);
-      ASSERT_EQ(cudaGraphLaunch(graphs[r][t], stream), cudaSuccess);
-      ASSERT_EQ(cudaMemcpyAsync(results[r]->data, outs[r].view.data(), bytes, cudaMemcpyDeviceToHost, stream),
-                cudaSuccess);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      if (std::memcmp(results[r]->data, eager[r][i * num_tiers + t]->data, bytes) != 0) ++wrong[r];
-    }
+    wrong[r] = wrong_replays(
+        ranks[r]->stream, graphs[r], xs[r].view.data(), outs[r].view.data(), bytes, inputs, *results[r],
+        [&](int i, int t) { return eager[r][i * num_tiers + t]->data; }, kReplays);
     group[r]->check();
   });
   for (int r = 0; r < tp; ++r) EXPECT_EQ(wrong[r], 0) << "rank " << r << ": replays with a wrong element";
