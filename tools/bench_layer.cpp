@@ -197,6 +197,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   // One runner over them: device views, used in place (declared after the buffers, so destroyed first).
   LayerWeightViews views;
   views.dtype = dtype;
+  views.experts_format = config.experts_format;
   views.score_bias = bias.view;  // no gate: the router logits are given
   views.down_proj = down_proj.view;
   views.latent_norm = gamma.view;
