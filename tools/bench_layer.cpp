@@ -32,6 +32,7 @@
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
 #include "latentmoe/in_process_group.h"
+#include "latentmoe/mxfp4.h"
 #include "latentmoe/parallel.h"
 #include "latentmoe/presets.h"
 #include "latentmoe/runner.h"
@@ -404,8 +405,19 @@ void run_bench_layer(const BenchLayerOptions& options) {
       "median of CUDA-event timings after warm-up, L2 flushed before each run; floor = max(bytes / copy "
       "bandwidth, flops / dense GEMM rate), both measured in this run";
   report["rows"] = nlohmann::json::array();
+  report["skipped"] = nlohmann::json::array();
   for (const auto& preset : options.presets) {
     for (int tp_shard : options.tp_shards) {
+      // MXFP4 experts are sharded along I in whole scale groups: a shard that splits one is not a layer
+      // this format can have (nemotron3-super's I 2688 / 8 = 336). Said, recorded, and left out.
+      const int64_t shard_i = preset_config(preset).intermediate_size / tp_shard;
+      if (options.experts == "mxfp4" && shard_i % kMxfp4GroupSize != 0) {
+        const std::string why = "MXFP4 experts need moe_intermediate_size / tp (" + std::to_string(shard_i) +
+                                ") to be a multiple of " + std::to_string(kMxfp4GroupSize);
+        std::printf("# preset %s  tp-shard %d: skipped, %s\n", preset.c_str(), tp_shard, why.c_str());
+        report["skipped"].push_back({{"preset", preset}, {"tp_shard", tp_shard}, {"why", why}});
+        continue;
+      }
       for (auto& row : bench_one(preset, tp_shard, options, ceilings, dtype, timer)) report["rows"].push_back(row);
     }
   }

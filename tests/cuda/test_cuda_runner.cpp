@@ -40,25 +40,41 @@ LayerOutputs run_layer(BackendKind kind, const LayerConfig& config, const LayerW
   return out;
 }
 
-// MXFP4 routed experts (issue 16) on the decode kernels, decoded in registers: the whole layer at
-// tp 1 and on 2 simulated ranks against the CPU runner (which decodes exactly), both families
-// (situ with a gate, relu2 without), bf16 and f16, 1..8 tokens; 9 tokens are one clear error.
+// Every 7th scale byte of an MXFP4 expert tensor set to one of the edge exponents 0 (2^-127, the
+// subnormal), 1, 126, 127 and 128 in turn; the CPU runner decodes them exactly.
+void set_edge_scales(HostTensor& scales) {
+  if (scales.numel() == 0) return;
+  constexpr uint8_t kEdges[] = {0, 1, 126, 127, 128};
+  auto* bytes = scales.data_as<uint8_t>();
+  for (int64_t i = 0; i < scales.numel(); i += 7) bytes[i] = kEdges[(i / 7) % 5];
+}
+
+// MXFP4 routed experts (issue 16) on the decode kernels, decoded in registers (bf16, f16: the
+// tensor-core kernels; f32: the CUDA-core ones): the whole layer at tp 1 and on 2 simulated ranks
+// against the CPU runner (which decodes exactly), both families (situ with a gate, relu2 without),
+// 1..8 tokens (tokens sharing experts), a latent long enough for the unrolled loop and its remainder
+// (544 = 17 groups over 8 warps), edge scale bytes; 9 tokens are one clear error.
 TEST(CudaRunner, mxfp4_experts_match_the_cpu_runner_at_decode) {
   LATENTMOE_REQUIRE_GPU();
   LayerConfig kimi = resized(kimi_k3_config(), {40, 64, 6, 3, 256, 40});
   kimi.experts_format = ExpertWeightFormat::mxfp4;
+  LayerConfig kimi_long = resized(kimi_k3_config(), {48, 544, 9, 4, 320, 40});
+  kimi_long.experts_format = ExpertWeightFormat::mxfp4;
   LayerConfig nemotron = nemotron3_super_config();
   nemotron.zero_expert_num = 2;
   nemotron = resized(nemotron, {48, 32, 5, 3, 256, 72});
   nemotron.experts_format = ExpertWeightFormat::mxfp4;
   uint64_t seed = 40;
-  for (const LayerConfig& config : {kimi, nemotron}) {
-    for (DType dtype : {DType::bf16, DType::f16}) {
-      const LayerWeights weights = make_random_layer_weights(config, dtype, ++seed);
+  for (const LayerConfig& config : {kimi, kimi_long, nemotron}) {
+    for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
+      LayerWeights weights = make_random_layer_weights(config, dtype, ++seed);
+      set_edge_scales(weights.expert_gate_scale);
+      set_edge_scales(weights.expert_up_scale);
+      set_edge_scales(weights.expert_down_scale);
       for (int64_t tokens : {int64_t{1}, int64_t{3}, int64_t{8}}) {
         for (int tp : {1, 2}) {
-          SCOPED_TRACE(std::string(to_string(config.activation)) + ", " + name_of(dtype) + ", T " +
-                       std::to_string(tokens) + ", tp " + std::to_string(tp));
+          SCOPED_TRACE(std::string(to_string(config.activation)) + ", l " + std::to_string(config.latent_size) +
+                       ", " + name_of(dtype) + ", T " + std::to_string(tokens) + ", tp " + std::to_string(tp));
           const LocalGroupInputs inputs = latentmoe::testing::random_inputs(config, tokens, dtype, seed + tokens);
           auto shard = [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, config, parallel); };
           LocalGroupOptions options;

@@ -1,15 +1,19 @@
-// MXFP4 routed experts at decode on CUDA cores (mxfp4_decode.h).
+// MXFP4 routed experts at decode (mxfp4_decode.h): the host entry points, which hand bf16 and f16 calls
+// to the tensor-core kernels (mxfp4_decode_mma.cu) and run the rest (f32 activations, rows not 16-byte
+// aligned) on the CUDA-core kernels below.
 //
-// Layout read: the checkpoint's own. A row of an [rows, cols] matrix is cols/2 packed bytes (column
-// 2b in the low nibble of byte b, 2b + 1 in the high one) and cols/32 scale bytes; one scale group of
-// 32 columns is exactly 16 packed bytes, so a lane moves one group with one 16-byte load and one
-// byte of scale.
+// CUDA-core kernels. Layout read: the checkpoint's own. A row of an [rows, cols] matrix is cols/2
+// packed bytes (column 2b in the low nibble of byte b, 2b + 1 in the high one) and cols/32 scale
+// bytes; one scale group of 32 columns is exactly 16 packed bytes, so a lane moves one group with one
+// 16-byte load and one byte of scale.
 //
 // gate/up: one CTA per (pair, block of kRowsPerCta rows); the CTA stages z_t in shared memory as
 // fp32; each warp takes rows of the block, its lanes take the row's groups in turn (lane q: groups q,
 // q + 32, ...), then the warp sums the lanes in a fixed butterfly. down: one CTA per (token, block of
 // rows); for each row, each of the token's real pairs in j order: the same lane split over the
 // pair's act row (read through L1), the warp sum weighted by w_tj into a fp32 total, rounded once.
+// (A baseline: on the H200 they ran at 5-13% of the byte floor, which is why bf16/f16 go to the
+// tensor-core kernels.)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -19,6 +23,7 @@
 #include "cuda/common/device.h"
 #include "cuda/common/dtype_dispatch.cuh"
 #include "cuda/gemm/mxfp4_decode.h"
+#include "cuda/gemm/mxfp4_decode_mma.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {
@@ -200,6 +205,10 @@ void mxfp4_routed_gate_up(DType dtype, const ::latentmoe::detail::ActivationPara
     check_matrices(*gate, "gate");
     LATENTMOE_CHECK(gate->rows == up.rows && gate->cols == up.cols, "MXFP4 routed experts: gate and up differ");
   }
+  if (mxfp4_mma_supported(dtype, rows, top_k, z, ld_z)) {
+    mxfp4_mma_gate_up(dtype, activation, ids, top_k, num_experts, z, ld_z, rows, gate, up, act, stream);
+    return;
+  }
   GateUpParams p{ids,
                  top_k,
                  num_experts,
@@ -233,6 +242,10 @@ void mxfp4_routed_down(DType dtype, const int32_t* ids, const float* weights, in
                   "kernels take 1..", kMxfp4DecodeMaxRows);
   check_matrices(down, "down");
   LATENTMOE_CHECK(ld_out >= down.rows, "MXFP4 routed experts: output row stride ", ld_out, " < ", down.rows);
+  if (mxfp4_mma_supported(dtype, rows, top_k, act, down.cols)) {
+    mxfp4_mma_down(dtype, ids, weights, top_k, num_experts, act, rows, down, out, ld_out, stream);
+    return;
+  }
   DownParams p{ids, weights, top_k, num_experts, act, down, out, ld_out};
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((down.rows + kRowsPerCta - 1) / kRowsPerCta));
   dispatch_compute_dtype(dtype, "MXFP4 routed experts", [&](auto tag) {

@@ -1,0 +1,443 @@
+// MXFP4 routed experts at decode on the tensor cores (bf16 and f16 activations; mxfp4_decode_mma.h).
+//
+// Operands straight from the checkpoint's layout into mma.m16n8k16 fragments; no repack, no
+// dequantised copy. A warp computes a 16-row tile of one expert matrix against up to 8 tokens (the
+// MMA's N): lane (g = lane / 4, t = lane % 4) loads, for scale group q, the 4 code bytes 4t..4t+3 of
+// rows g and g + 8 (8 E2M1 values each, physical columns 32q + 8t .. 32q + 8t + 7) and the 8 activation
+// values of token g at the same columns (16 bytes). The MMA's k order is a permutation of the physical
+// one, the same for A and B: the nibble pairs (0, 4), (1, 5) feed the first MMA's k slots {2t, 2t+1}
+// and {2t+8, 2t+9}, (2, 6), (3, 7) the second's, so a pair of nibbles 16 bits apart becomes one
+// 2-element register with two shifts and two masks (e2m1_pair).
+//
+// Numerics: E2M1 values are exact in bf16 and f16. They are placed as the subnormal E2M1 * 2^-126
+// (bf16) or E2M1 * 2^-14 (f16) and multiplied by 2^126 / 2^14 (exact). The two MMAs of one group give
+// that group's fp32 dot products unscaled (the group lies inside one row's single scale), which are
+// multiplied by the group's power of two in fp32 (exact unless the true value leaves the fp32 range) and
+// added to the fp32 accumulators group by group. Partial sums of the warps that split K are added in
+// warp order, then the activation (gate/up) or the rounding (down) is applied once: results are
+// deterministic run to run; the order of additions differs from the CPU reference's, so they agree
+// within rounding.
+//
+// gate/up: one CTA per (16-row tile, pair p); the CTA of the first pair naming an expert computes that
+//   expert for every token that names it (so each touched expert's weights are read once) and writes
+//   act row p' = the first pair by which each token names it; other CTAs of that expert exit. The 8 warps
+//   split the groups of K.
+// down: one cluster of `split` CTAs per 16-row tile of the output; the warps of the cluster split the
+//   (touched expert, group) work items; each item's products are weighted by the routing weight of each
+//   token (summed over the pairs by which a token names the expert), and the cluster's partial sums are
+//   added in a fixed order through distributed shared memory.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <climits>
+#include <type_traits>
+
+#include "cuda/common/activation.cuh"
+#include "cuda/common/cluster.cuh"
+#include "cuda/common/convert.cuh"
+#include "cuda/common/cuda_check.h"
+#include "cuda/common/device.h"
+#include "cuda/common/pdl.cuh"
+#include "cuda/gemm/mxfp4_decode_mma.h"
+#include "latentmoe/error.h"
+
+namespace latentmoe::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileRows = 16;
+constexpr int kGroup = 32;
+constexpr int kMaxTokens = 8;       // the MMA's N
+constexpr int kMaxPairs = kThreads;  // tokens * top_k: one thread per pair in the routing prologues
+
+// 2^(s - 127) as a float, exactly: s 1..254 normal, s 0 the subnormal 2^-127 (0xFF is refused at load).
+__device__ __forceinline__ float e8m0_scale(uint32_t s) {
+  return __int_as_float(s == 0 ? 0x00400000 : static_cast<int>(s) << 23);
+}
+
+template <int kShift>
+__device__ __forceinline__ uint32_t shift_left(uint32_t w) {
+  if constexpr (kShift >= 0) {
+    return w << kShift;
+  } else {
+    return w >> -kShift;
+  }
+}
+
+// Nibbles i and i + 4 of `w` (E2M1: bit 3 the sign, bits 2..0 the magnitude) as a 2-element register
+// of T (nibble i in the low half), exact: the magnitude bits become the low exponent bits and the top
+// mantissa bit of a number that is E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (f16), then one multiply.
+template <class T, int kI>
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t bits = (shift_left<6 - 4 * kI>(w) & 0x01C001C0u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
+    __nv_bfloat162 value = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+    value = __hmul2(value, __nv_bfloat162(__ushort_as_bfloat16(0x7E80), __ushort_as_bfloat16(0x7E80)));  // 2^126
+    return *reinterpret_cast<const uint32_t*>(&value);
+  } else {
+    const uint32_t bits = (shift_left<9 - 4 * kI>(w) & 0x0E000E00u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
+    __half2 value = *reinterpret_cast<const __half2*>(&bits);
+    value = __hmul2(value, __half2(__ushort_as_half(0x7400), __ushort_as_half(0x7400)));  // 2^14
+    return *reinterpret_cast<const uint32_t*>(&value);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// One lane's share of one scale group: the code words of rows g and g + 8, their scale bytes, and the
+// 8 activation values of token g (zero for a token beyond the call's or one that does not take part).
+struct GroupOperands {
+  uint32_t code_lo = 0, code_hi = 0;  // rows g, g + 8
+  uint32_t scale_lo = 0, scale_hi = 0;
+  uint4 x = {0, 0, 0, 0};
+};
+
+// Streamed once: bypass L1 allocation so the activations the other CTAs share stay in L1.
+__device__ __forceinline__ uint32_t load_stream_u32(const uint8_t* address) {
+  uint32_t value;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(value) : "l"(address));
+  return value;
+}
+
+__device__ __forceinline__ uint32_t load_stream_u8(const uint8_t* address) {
+  uint32_t value;
+  asm volatile("ld.global.nc.L1::no_allocate.u8 %0, [%1];\n" : "=r"(value) : "l"(address));
+  return value;
+}
+
+// The group's two MMAs on unscaled values, then the scale of each row, into acc (c0, c1: row g;
+// c2, c3: row g + 8; columns 2t, 2t + 1). factor_even / factor_odd multiply columns 2t / 2t + 1.
+template <class T>
+__device__ __forceinline__ void group_mma(float (&acc)[4], const GroupOperands& op, float factor_even,
+                                          float factor_odd) {
+  const uint32_t b00 = __byte_perm(op.x.x, op.x.z, 0x5410), b01 = __byte_perm(op.x.x, op.x.z, 0x7632);
+  const uint32_t b10 = __byte_perm(op.x.y, op.x.w, 0x5410), b11 = __byte_perm(op.x.y, op.x.w, 0x7632);
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_16x8x16<T>(d, e2m1_pair<T, 0>(op.code_lo), e2m1_pair<T, 0>(op.code_hi), e2m1_pair<T, 1>(op.code_lo),
+                 e2m1_pair<T, 1>(op.code_hi), b00, b01);
+  mma_16x8x16<T>(d, e2m1_pair<T, 2>(op.code_lo), e2m1_pair<T, 2>(op.code_hi), e2m1_pair<T, 3>(op.code_lo),
+                 e2m1_pair<T, 3>(op.code_hi), b10, b11);
+  const float scale_lo = e8m0_scale(op.scale_lo), scale_hi = e8m0_scale(op.scale_hi);
+  acc[0] = fmaf(d[0], scale_lo * factor_even, acc[0]);
+  acc[1] = fmaf(d[1], scale_lo * factor_odd, acc[1]);
+  acc[2] = fmaf(d[2], scale_hi * factor_even, acc[2]);
+  acc[3] = fmaf(d[3], scale_hi * factor_odd, acc[3]);
+}
+
+// Loads group q of rows (row0, row0 + 8) of one [rows, cols] MXFP4 matrix; rows beyond `rows` read as 0.
+__device__ __forceinline__ void load_codes(GroupOperands& op, const Mxfp4Matrices& m, int64_t matrix_row0, int64_t row0,
+                                           int64_t q, int t) {
+  const int64_t row_bytes = m.cols / 2, groups = m.cols / kGroup;
+  if (row0 < m.rows) {
+    op.code_lo = load_stream_u32(m.packed + matrix_row0 * row_bytes + q * (kGroup / 2) + 4 * t);
+    op.scale_lo = load_stream_u8(m.scales + matrix_row0 * groups + q);
+  }
+  if (row0 + 8 < m.rows) {
+    op.code_hi = load_stream_u32(m.packed + (matrix_row0 + 8) * row_bytes + q * (kGroup / 2) + 4 * t);
+    op.scale_hi = load_stream_u8(m.scales + (matrix_row0 + 8) * groups + q);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ uint4 load_x(const T* row, int64_t q, int t) {
+  return *reinterpret_cast<const uint4*>(row + q * kGroup + 8 * t);
+}
+
+// ---- gate/up -------------------------------------------------------------------------------------
+
+struct GateUpParams {
+  const int32_t* ids;
+  int tokens, top_k, num_experts;
+  const void* z;
+  int64_t ld_z;
+  Mxfp4Matrices gate, up;  // gate.packed == nullptr: relu2
+  void* act;
+  Activation activation;
+  float beta, linear_beta;
+};
+
+template <class T, bool kGated>
+__global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParams p) {
+  __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
+  __shared__ float partial[kWarps][2][4][32];
+  const int pair = blockIdx.y;
+  const int expert = p.ids[pair];
+  if (expert < 0 || expert >= p.num_experts) return;  // a zero expert or a pad: no row
+  const int pairs = p.tokens * p.top_k;
+  // Only the first pair naming the expert computes it (for every token).
+  const bool earlier = threadIdx.x < pair && p.ids[threadIdx.x] == expert;
+  if (__syncthreads_or(earlier)) return;
+  if (threadIdx.x < kMaxTokens) act_row[threadIdx.x] = INT_MAX;
+  __syncthreads();
+  if (threadIdx.x < pairs && p.ids[threadIdx.x] == expert) atomicMin(&act_row[threadIdx.x / p.top_k], threadIdx.x);
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTileRows + g;
+  const int64_t matrix_row0 = static_cast<int64_t>(expert) * p.up.rows + row0;
+  const int64_t groups = p.up.cols / kGroup;
+  const bool token_active = g < p.tokens && act_row[g] != INT_MAX;
+  const T* z_row = static_cast<const T*>(p.z) + (token_active ? g * p.ld_z : 0);
+  float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Two groups per step, their loads issued together.
+  int64_t q = warp;
+  for (; q + kWarps < groups; q += 2 * kWarps) {
+    GroupOperands u0, u1, g0, g1;
+    load_codes(u0, p.up, matrix_row0, row0, q, t);
+    load_codes(u1, p.up, matrix_row0, row0, q + kWarps, t);
+    if constexpr (kGated) {
+      load_codes(g0, p.gate, matrix_row0, row0, q, t);
+      load_codes(g1, p.gate, matrix_row0, row0, q + kWarps, t);
+    }
+    if (token_active) {
+      u0.x = g0.x = load_x(z_row, q, t);
+      u1.x = g1.x = load_x(z_row, q + kWarps, t);
+    }
+    group_mma<T>(up, u0, 1.0f, 1.0f);
+    group_mma<T>(up, u1, 1.0f, 1.0f);
+    if constexpr (kGated) {
+      group_mma<T>(gate, g0, 1.0f, 1.0f);
+      group_mma<T>(gate, g1, 1.0f, 1.0f);
+    }
+  }
+  if (q < groups) {
+    GroupOperands u0, g0;
+    load_codes(u0, p.up, matrix_row0, row0, q, t);
+    if constexpr (kGated) load_codes(g0, p.gate, matrix_row0, row0, q, t);
+    if (token_active) u0.x = g0.x = load_x(z_row, q, t);
+    group_mma<T>(up, u0, 1.0f, 1.0f);
+    if constexpr (kGated) group_mma<T>(gate, g0, 1.0f, 1.0f);
+  }
+  for (int i = 0; i < 4; ++i) {
+    partial[warp][0][i][lane] = up[i];
+    partial[warp][1][i][lane] = gate[i];
+  }
+  __syncthreads();
+  // 128 outputs of the tile (16 rows x 8 tokens): thread (i, lane) of the first 4 warps sums one in warp order.
+  if (threadIdx.x < 4 * 32) {
+    const int i = threadIdx.x / 32, l = threadIdx.x % 32;
+    float u = 0.0f, v = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      u += partial[w][0][i][l];
+      v += partial[w][1][i][l];
+    }
+    const int token = 2 * (l % 4) + (i & 1);
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kTileRows + l / 4 + (i >= 2 ? 8 : 0);
+    if (token < p.tokens && act_row[token] != INT_MAX && row < p.up.rows) {
+      const float value = kGated ? act::gated(v, u, p.activation == Activation::situ, p.beta, p.linear_beta)
+                                 : act::relu2(u);
+      static_cast<T*>(p.act)[static_cast<int64_t>(act_row[token]) * p.up.rows + row] = from_float<T>(value);
+    }
+  }
+}
+
+// ---- down ----------------------------------------------------------------------------------------
+
+struct DownParams {
+  const int32_t* ids;
+  const float* weights;
+  int tokens, top_k, num_experts;
+  const void* act;
+  Mxfp4Matrices down;
+  void* out;
+  int64_t ld_out;
+  int split;  // CTAs per cluster
+};
+
+// The touched experts of the call in order of first naming, and per expert and token the act row (the
+// first pair by which the token names it, -1: it does not) and the summed routing weight.
+struct ExpertList {
+  int count;
+  int expert[kMaxPairs];
+  int act_row[kMaxPairs][kMaxTokens];
+  float weight[kMaxPairs][kMaxTokens];
+};
+
+// Built by every CTA from ids (one thread per pair); `first_pair` is shared scratch of num_experts ints.
+__device__ void build_expert_list(const DownParams& p, ExpertList& list, int* first_pair, int* slot_of_pair) {
+  const int pairs = p.tokens * p.top_k;
+  for (int e = threadIdx.x; e < p.num_experts; e += kThreads) first_pair[e] = INT_MAX;
+  for (int i = threadIdx.x; i < kMaxPairs * kMaxTokens; i += kThreads) {
+    list.act_row[i / kMaxTokens][i % kMaxTokens] = -1;
+    list.weight[i / kMaxTokens][i % kMaxTokens] = 0.0f;
+  }
+  __syncthreads();
+  const int pair = threadIdx.x;
+  const int expert = pair < pairs ? p.ids[pair] : -1;
+  const bool real = expert >= 0 && expert < p.num_experts;
+  if (real) atomicMin(&first_pair[expert], pair);
+  __syncthreads();
+  // Slots in order of first naming: a block-wide exclusive count of the experts' first pairs.
+  const bool first = real && first_pair[expert] == pair;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned ballot = __ballot_sync(0xffffffffu, first);
+  __shared__ int warp_counts[kWarps];
+  if (lane == 0) warp_counts[warp] = __popc(ballot);
+  __syncthreads();
+  int before = __popc(ballot & ((1u << lane) - 1u));
+  for (int w = 0; w < warp; ++w) before += warp_counts[w];
+  if (first) {
+    slot_of_pair[pair] = before;
+    list.expert[before] = expert;
+  }
+  if (threadIdx.x == kThreads - 1) list.count = before + (first ? 1 : 0);
+  __syncthreads();
+  // The token's first pair naming the expert writes the token's entry, summing the weights of its pairs.
+  if (real) {
+    const int token = pair / p.top_k, j = pair % p.top_k;
+    bool token_first = true;
+    float weight = 0.0f;
+    for (int jj = 0; jj < p.top_k; ++jj) {
+      if (p.ids[token * p.top_k + jj] != expert) continue;
+      if (jj < j) token_first = false;
+      weight += p.weights[token * p.top_k + jj];
+    }
+    if (token_first) {
+      const int slot = slot_of_pair[first_pair[expert]];
+      list.act_row[slot][token] = pair;
+      list.weight[slot][token] = weight;
+    }
+  }
+  __syncthreads();
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) {
+  extern __shared__ int first_pair[];  // [num_experts]
+  __shared__ ExpertList list;
+  __shared__ int slot_of_pair[kMaxPairs];
+  __shared__ float partial[kWarps][4][32];
+  build_expert_list(p, list, first_pair, slot_of_pair);
+
+  const int split = p.split;
+  const int rank = static_cast<int>(blockIdx.x) % split;
+  const int64_t tile = blockIdx.x / split;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t row0 = tile * kTileRows + g;
+  const int64_t groups = p.down.cols / kGroup;
+  const int64_t items = static_cast<int64_t>(list.count) * groups;
+  const int stride = split * kWarps;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t item = static_cast<int64_t>(rank) * kWarps + warp; item < items; item += stride) {
+    const int slot = static_cast<int>(item / groups);
+    const int64_t q = item % groups;
+    const int expert = list.expert[slot];
+    GroupOperands op;
+    load_codes(op, p.down, static_cast<int64_t>(expert) * p.down.rows + row0, row0, q, t);
+    const int act_row = g < p.tokens ? list.act_row[slot][g] : -1;
+    if (act_row >= 0) op.x = load_x(static_cast<const T*>(p.act) + static_cast<int64_t>(act_row) * p.down.cols, q, t);
+    group_mma<T>(acc, op, list.weight[slot][2 * t], list.weight[slot][2 * t + 1]);
+  }
+  for (int i = 0; i < 4; ++i) partial[warp][i][lane] = acc[i];
+  cluster_barrier(split);
+  if (rank == 0 && threadIdx.x < 4 * 32) {
+    const int i = threadIdx.x / 32, l = threadIdx.x % 32;
+    float total = 0.0f;
+    for (int r = 0; r < split; ++r) {
+      const float* peer = cluster_shared(&partial[0][0][0], r, split);
+      for (int w = 0; w < kWarps; ++w) total += peer[(w * 4 + i) * 32 + l];
+    }
+    const int token = 2 * (l % 4) + (i & 1);
+    const int64_t row = tile * kTileRows + l / 4 + (i >= 2 ? 8 : 0);
+    if (token < p.tokens && row < p.down.rows) {
+      static_cast<T*>(p.out)[token * p.ld_out + row] = from_float<T>(total);
+    }
+  }
+  cluster_barrier(split);  // the peers' shared memory stays alive until rank 0 has read it
+}
+
+bool aligned16(const void* pointer, int64_t ld_elements, size_t element) {
+  return reinterpret_cast<uintptr_t>(pointer) % 16 == 0 && (static_cast<size_t>(ld_elements) * element) % 16 == 0;
+}
+
+template <class Kernel>
+void open_shared(Kernel kernel, size_t bytes) {
+  static_assert(sizeof(ExpertList) < 48 * 1024);
+  if (bytes + sizeof(ExpertList) + 4096 > 48 * 1024) {
+    LATENTMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(bytes)));
+  }
+}
+
+}  // namespace
+
+bool mxfp4_mma_supported(DType dtype, int64_t tokens, int top_k, const void* x, int64_t ld_x) {
+  return (dtype == DType::bf16 || dtype == DType::f16) && tokens >= 1 && tokens <= kMaxTokens &&
+         tokens * top_k <= kMaxPairs && aligned16(x, ld_x, 2) && current_compute_capability() >= 80;
+}
+
+void mxfp4_mma_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const int32_t* ids,
+                       int top_k, int num_experts, const void* z, int64_t ld_z, int64_t tokens,
+                       const Mxfp4Matrices* gate, const Mxfp4Matrices& up, void* act, cudaStream_t stream) {
+  LATENTMOE_CHECK(mxfp4_mma_supported(dtype, tokens, top_k, z, ld_z), "MXFP4 tensor-core gate/up: unsupported call");
+  const int64_t tiles = (up.rows + kTileRows - 1) / kTileRows;
+  LATENTMOE_CHECK(tiles <= INT_MAX, "MXFP4 gate/up: ", up.rows, " rows exceed the grid");
+  GateUpParams p{ids,
+                 static_cast<int>(tokens),
+                 top_k,
+                 num_experts,
+                 z,
+                 ld_z,
+                 gate != nullptr ? *gate : Mxfp4Matrices{},
+                 up,
+                 act,
+                 activation.activation,
+                 activation.situ_beta,
+                 activation.situ_linear_beta};
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(tokens * top_k));
+  auto launch = [&](auto kernel) {
+    launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), 0, stream, p);
+  };
+  const bool gated = gate != nullptr;
+  if (dtype == DType::bf16) {
+    gated ? launch(mxfp4_mma_gate_up_kernel<__nv_bfloat16, true>) : launch(mxfp4_mma_gate_up_kernel<__nv_bfloat16, false>);
+  } else {
+    gated ? launch(mxfp4_mma_gate_up_kernel<__half, true>) : launch(mxfp4_mma_gate_up_kernel<__half, false>);
+  }
+}
+
+void mxfp4_mma_down(DType dtype, const int32_t* ids, const float* weights, int top_k, int num_experts,
+                    const void* act, int64_t tokens, const Mxfp4Matrices& down, void* out, int64_t ld_out,
+                    cudaStream_t stream) {
+  LATENTMOE_CHECK(mxfp4_mma_supported(dtype, tokens, top_k, act, down.cols), "MXFP4 tensor-core down: unsupported call");
+  const int64_t tiles = (down.rows + kTileRows - 1) / kTileRows;
+  // Enough CTAs for every SM twice over: clusters of up to 8 CTAs share a tile (sm_90 and later).
+  int split = 1;
+  if (current_compute_capability() >= 90) {
+    const int64_t target = 2 * static_cast<int64_t>(current_sm_count());
+    while (split < 8 && tiles * split < target) split *= 2;
+  }
+  LATENTMOE_CHECK(tiles * split <= INT_MAX, "MXFP4 down: ", down.rows, " rows exceed the grid");
+  const size_t shared = static_cast<size_t>(num_experts) * sizeof(int);
+  DownParams p{ids, weights, static_cast<int>(tokens), top_k, num_experts, act, down, out, ld_out, split};
+  auto launch = [&](auto kernel) {
+    open_shared(kernel, shared);
+    launch_kernel_clustered("mxfp4_mma_down_kernel", false, static_cast<unsigned>(split), kernel,
+                            dim3(static_cast<unsigned>(tiles * split)), dim3(kThreads), shared, stream, p);
+  };
+  if (dtype == DType::bf16) {
+    launch(mxfp4_mma_down_kernel<__nv_bfloat16>);
+  } else {
+    launch(mxfp4_mma_down_kernel<__half>);
+  }
+}
+
+}  // namespace latentmoe::cuda
