@@ -49,6 +49,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 16;
 constexpr int kGroup = 32;
+constexpr int kChunk = 4;  // consecutive scale groups a warp takes at a time (64 code bytes of a row)
 constexpr int kMaxTokens = 8;       // the MMA's N
 constexpr int kMaxPairs = kThreads;  // tokens * top_k: one thread per pair in the routing prologues
 
@@ -110,17 +111,10 @@ struct GroupOperands {
   uint4 x = {0, 0, 0, 0};
 };
 
-// Streamed once: bypass L1 allocation so the activations the other CTAs share stay in L1.
-__device__ __forceinline__ uint32_t load_stream_u32(const uint8_t* address) {
-  uint32_t value;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(value) : "l"(address));
-  return value;
-}
-
-__device__ __forceinline__ uint32_t load_stream_u8(const uint8_t* address) {
-  uint32_t value;
-  asm volatile("ld.global.nc.L1::no_allocate.u8 %0, [%1];\n" : "=r"(value) : "l"(address));
-  return value;
+// Through L1 (no-allocate would send each 32-byte sector's second half, the next group's bytes, back
+// to L2 for another request): a warp's consecutive groups of one row share sectors.
+__device__ __forceinline__ uint32_t load_u32(const uint8_t* address) {
+  return __ldg(reinterpret_cast<const unsigned int*>(address));
 }
 
 // The group's two MMAs on unscaled values, then the scale of each row, into acc (c0, c1: row g;
@@ -147,12 +141,12 @@ __device__ __forceinline__ void load_codes(GroupOperands& op, const Mxfp4Matrice
                                            int64_t q, int t) {
   const int64_t row_bytes = m.cols / 2, groups = m.cols / kGroup;
   if (row0 < m.rows) {
-    op.code_lo = load_stream_u32(m.packed + matrix_row0 * row_bytes + q * (kGroup / 2) + 4 * t);
-    op.scale_lo = load_stream_u8(m.scales + matrix_row0 * groups + q);
+    op.code_lo = load_u32(m.packed + matrix_row0 * row_bytes + q * (kGroup / 2) + 4 * t);
+    op.scale_lo = __ldg(m.scales + matrix_row0 * groups + q);
   }
   if (row0 + 8 < m.rows) {
-    op.code_hi = load_stream_u32(m.packed + (matrix_row0 + 8) * row_bytes + q * (kGroup / 2) + 4 * t);
-    op.scale_hi = load_stream_u8(m.scales + (matrix_row0 + 8) * groups + q);
+    op.code_hi = load_u32(m.packed + (matrix_row0 + 8) * row_bytes + q * (kGroup / 2) + 4 * t);
+    op.scale_hi = __ldg(m.scales + (matrix_row0 + 8) * groups + q);
   }
 }
 
@@ -197,34 +191,24 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParam
   const bool token_active = g < p.tokens && act_row[g] != INT_MAX;
   const T* z_row = static_cast<const T*>(p.z) + (token_active ? g * p.ld_z : 0);
   float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // Two groups per step, their loads issued together.
-  int64_t q = warp;
-  for (; q + kWarps < groups; q += 2 * kWarps) {
-    GroupOperands u0, u1, g0, g1;
-    load_codes(u0, p.up, matrix_row0, row0, q, t);
-    load_codes(u1, p.up, matrix_row0, row0, q + kWarps, t);
-    if constexpr (kGated) {
-      load_codes(g0, p.gate, matrix_row0, row0, q, t);
-      load_codes(g1, p.gate, matrix_row0, row0, q + kWarps, t);
+  // Chunks of kChunk consecutive groups per warp (chunk c: groups kChunk c ..), every load of a chunk
+  // issued before its MMAs; the lanes of a row read 16 bytes of each group, whole sectors per chunk.
+  for (int64_t chunk = warp; chunk * kChunk < groups; chunk += kWarps) {
+    GroupOperands u[kChunk], v[kChunk];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const int64_t q = chunk * kChunk + j;
+      if (q >= groups) break;
+      load_codes(u[j], p.up, matrix_row0, row0, q, t);
+      if constexpr (kGated) load_codes(v[j], p.gate, matrix_row0, row0, q, t);
+      if (token_active) u[j].x = v[j].x = load_x(z_row, q, t);
     }
-    if (token_active) {
-      u0.x = g0.x = load_x(z_row, q, t);
-      u1.x = g1.x = load_x(z_row, q + kWarps, t);
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      if (chunk * kChunk + j >= groups) break;
+      group_mma<T>(up, u[j], 1.0f, 1.0f);
+      if constexpr (kGated) group_mma<T>(gate, v[j], 1.0f, 1.0f);
     }
-    group_mma<T>(up, u0, 1.0f, 1.0f);
-    group_mma<T>(up, u1, 1.0f, 1.0f);
-    if constexpr (kGated) {
-      group_mma<T>(gate, g0, 1.0f, 1.0f);
-      group_mma<T>(gate, g1, 1.0f, 1.0f);
-    }
-  }
-  if (q < groups) {
-    GroupOperands u0, g0;
-    load_codes(u0, p.up, matrix_row0, row0, q, t);
-    if constexpr (kGated) load_codes(g0, p.gate, matrix_row0, row0, q, t);
-    if (token_active) u0.x = g0.x = load_x(z_row, q, t);
-    group_mma<T>(up, u0, 1.0f, 1.0f);
-    if constexpr (kGated) group_mma<T>(gate, g0, 1.0f, 1.0f);
   }
   for (int i = 0; i < 4; ++i) {
     partial[warp][0][i][lane] = up[i];
@@ -333,18 +317,30 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row0 = tile * kTileRows + g;
   const int64_t groups = p.down.cols / kGroup;
-  const int64_t items = static_cast<int64_t>(list.count) * groups;
+  // Work items (touched expert, chunk of kChunk consecutive groups), spread over the cluster's warps.
+  const int64_t chunks = (groups + kChunk - 1) / kChunk;
+  const int64_t items = static_cast<int64_t>(list.count) * chunks;
   const int stride = split * kWarps;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int64_t item = static_cast<int64_t>(rank) * kWarps + warp; item < items; item += stride) {
-    const int slot = static_cast<int>(item / groups);
-    const int64_t q = item % groups;
+    const int slot = static_cast<int>(item / chunks);
+    const int64_t q0 = (item % chunks) * kChunk;
     const int expert = list.expert[slot];
-    GroupOperands op;
-    load_codes(op, p.down, static_cast<int64_t>(expert) * p.down.rows + row0, row0, q, t);
     const int act_row = g < p.tokens ? list.act_row[slot][g] : -1;
-    if (act_row >= 0) op.x = load_x(static_cast<const T*>(p.act) + static_cast<int64_t>(act_row) * p.down.cols, q, t);
-    group_mma<T>(acc, op, list.weight[slot][2 * t], list.weight[slot][2 * t + 1]);
+    const T* act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols;
+    GroupOperands op[kChunk];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      if (q0 + j >= groups) break;
+      load_codes(op[j], p.down, static_cast<int64_t>(expert) * p.down.rows + row0, row0, q0 + j, t);
+      if (act_row >= 0) op[j].x = load_x(act, q0 + j, t);
+    }
+    const float weight_even = list.weight[slot][2 * t], weight_odd = list.weight[slot][2 * t + 1];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      if (q0 + j >= groups) break;
+      group_mma<T>(acc, op[j], weight_even, weight_odd);
+    }
   }
   for (int i = 0; i < 4; ++i) partial[warp][i][lane] = acc[i];
   cluster_barrier(split);
