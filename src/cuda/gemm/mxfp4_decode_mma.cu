@@ -49,13 +49,13 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 16;
 constexpr int kGroup = 32;
-constexpr int kChunk = 4;  // consecutive scale groups a warp takes at a time (64 code bytes of a row)
+constexpr int kChunk = 2;  // consecutive scale groups a warp takes at a time (one 32-byte sector of a row)
 constexpr int kMaxTokens = 8;       // the MMA's N
 constexpr int kMaxPairs = kThreads;  // tokens * top_k: one thread per pair in the routing prologues
 
 // 2^(s - 127) as a float, exactly: s 1..254 normal, s 0 the subnormal 2^-127 (0xFF is refused at load).
 __device__ __forceinline__ float e8m0_scale(uint32_t s) {
-  return __int_as_float(s == 0 ? 0x00400000 : static_cast<int>(s) << 23);
+  return __int_as_float(max(static_cast<int>(s) << 23, 0x00400000));  // s >= 1: s << 23 >= 0x00800000
 }
 
 template <int kShift>
@@ -136,17 +136,40 @@ __device__ __forceinline__ void group_mma(float (&acc)[4], const GroupOperands& 
   acc[3] = fmaf(d[3], scale_hi * factor_odd, acc[3]);
 }
 
-// Loads group q of rows (row0, row0 + 8) of one [rows, cols] MXFP4 matrix; rows beyond `rows` read as 0.
-__device__ __forceinline__ void load_codes(GroupOperands& op, const Mxfp4Matrices& m, int64_t matrix_row0, int64_t row0,
-                                           int64_t q, int t) {
+// One lane's rows of a 16-row tile of one MXFP4 matrix: rows g and g + 8 (null past the matrix), their
+// code bytes 4t .. 4t + 3 of group 0 and their scale bytes of group 0.
+struct TileRows {
+  const uint8_t* code_lo = nullptr;
+  const uint8_t* code_hi = nullptr;
+  const uint8_t* scale_lo = nullptr;
+  const uint8_t* scale_hi = nullptr;
+};
+
+__device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int64_t matrix_row0, int64_t row0, int t) {
   const int64_t row_bytes = m.cols / 2, groups = m.cols / kGroup;
+  TileRows r;
   if (row0 < m.rows) {
-    op.code_lo = load_u32(m.packed + matrix_row0 * row_bytes + q * (kGroup / 2) + 4 * t);
-    op.scale_lo = __ldg(m.scales + matrix_row0 * groups + q);
+    r.code_lo = m.packed + matrix_row0 * row_bytes + 4 * t;
+    r.scale_lo = m.scales + matrix_row0 * groups;
   }
   if (row0 + 8 < m.rows) {
-    op.code_hi = load_u32(m.packed + (matrix_row0 + 8) * row_bytes + q * (kGroup / 2) + 4 * t);
-    op.scale_hi = __ldg(m.scales + (matrix_row0 + 8) * groups + q);
+    r.code_hi = m.packed + (matrix_row0 + 8) * row_bytes + 4 * t;
+    r.scale_hi = m.scales + (matrix_row0 + 8) * groups;
+  }
+  return r;
+}
+
+// Codes and scales of groups q0 .. q0 + kChunk - 1 (zero past the matrix's groups or rows).
+__device__ __forceinline__ void load_chunk(GroupOperands (&op)[kChunk], const TileRows& r, int64_t q0, int64_t groups) {
+  const uint8_t* code_lo = r.code_lo + q0 * (kGroup / 2);
+  const uint8_t* code_hi = r.code_hi + q0 * (kGroup / 2);
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+    const bool valid = q0 + j < groups;
+    op[j].code_lo = valid && r.code_lo != nullptr ? load_u32(code_lo + j * (kGroup / 2)) : 0u;
+    op[j].code_hi = valid && r.code_hi != nullptr ? load_u32(code_hi + j * (kGroup / 2)) : 0u;
+    op[j].scale_lo = valid && r.scale_lo != nullptr ? __ldg(r.scale_lo + q0 + j) : 0u;
+    op[j].scale_hi = valid && r.scale_hi != nullptr ? __ldg(r.scale_hi + q0 + j) : 0u;
   }
 }
 
@@ -190,25 +213,39 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParam
   const int64_t groups = p.up.cols / kGroup;
   const bool token_active = g < p.tokens && act_row[g] != INT_MAX;
   const T* z_row = static_cast<const T*>(p.z) + (token_active ? g * p.ld_z : 0);
+  const TileRows up_rows = tile_rows(p.up, matrix_row0, row0, t);
+  const TileRows gate_rows = kGated ? tile_rows(p.gate, matrix_row0, row0, t) : TileRows{};
   float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // Chunks of kChunk consecutive groups per warp (chunk c: groups kChunk c ..), every load of a chunk
-  // issued before its MMAs; the lanes of a row read 16 bytes of each group, whole sectors per chunk.
-  for (int64_t chunk = warp; chunk * kChunk < groups; chunk += kWarps) {
-    GroupOperands u[kChunk], v[kChunk];
+  // Chunks of kChunk consecutive groups per warp (chunk c: groups kChunk c ..; the lanes of a row read
+  // whole sectors), double-buffered: the loads of a warp's next chunk are issued before the MMAs of
+  // its current one.
+  const int64_t chunks = (groups + kChunk - 1) / kChunk;
+  auto load = [&](GroupOperands (&u)[kChunk], GroupOperands (&v)[kChunk], int64_t chunk) {
+    load_chunk(u, up_rows, chunk * kChunk, groups);
+    if constexpr (kGated) load_chunk(v, gate_rows, chunk * kChunk, groups);
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       const int64_t q = chunk * kChunk + j;
-      if (q >= groups) break;
-      load_codes(u[j], p.up, matrix_row0, row0, q, t);
-      if constexpr (kGated) load_codes(v[j], p.gate, matrix_row0, row0, q, t);
-      if (token_active) u[j].x = v[j].x = load_x(z_row, q, t);
+      u[j].x = token_active && q < groups ? load_x(z_row, q, t) : uint4{0, 0, 0, 0};
+      v[j].x = u[j].x;
     }
+  };
+  auto compute = [&](const GroupOperands (&u)[kChunk], const GroupOperands (&v)[kChunk]) {
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      if (chunk * kChunk + j >= groups) break;
       group_mma<T>(up, u[j], 1.0f, 1.0f);
       if constexpr (kGated) group_mma<T>(gate, v[j], 1.0f, 1.0f);
     }
+  };
+  GroupOperands ua[kChunk], va[kChunk], ub[kChunk], vb[kChunk];
+  int64_t chunk = warp;
+  if (chunk < chunks) load(ua, va, chunk);
+  for (; chunk < chunks; chunk += 2 * kWarps) {
+    if (chunk + kWarps < chunks) load(ub, vb, chunk + kWarps);
+    compute(ua, va);
+    if (chunk + kWarps >= chunks) break;
+    if (chunk + 2 * kWarps < chunks) load(ua, va, chunk + 2 * kWarps);
+    compute(ub, vb);
   }
   for (int i = 0; i < 4; ++i) {
     partial[warp][0][i][lane] = up[i];
@@ -317,30 +354,39 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row0 = tile * kTileRows + g;
   const int64_t groups = p.down.cols / kGroup;
-  // Work items (touched expert, chunk of kChunk consecutive groups), spread over the cluster's warps.
+  // Work items (touched expert, chunk of kChunk consecutive groups), spread over the cluster's warps,
+  // double-buffered as in gate/up.
   const int64_t chunks = (groups + kChunk - 1) / kChunk;
   const int64_t items = static_cast<int64_t>(list.count) * chunks;
   const int stride = split * kWarps;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int64_t item = static_cast<int64_t>(rank) * kWarps + warp; item < items; item += stride) {
+  auto load = [&](GroupOperands (&op)[kChunk], float2& weight, int64_t item) {
     const int slot = static_cast<int>(item / chunks);
     const int64_t q0 = (item % chunks) * kChunk;
-    const int expert = list.expert[slot];
+    const TileRows rows = tile_rows(p.down, static_cast<int64_t>(list.expert[slot]) * p.down.rows + row0, row0, t);
+    load_chunk(op, rows, q0, groups);
     const int act_row = g < p.tokens ? list.act_row[slot][g] : -1;
     const T* act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols;
-    GroupOperands op[kChunk];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      if (q0 + j >= groups) break;
-      load_codes(op[j], p.down, static_cast<int64_t>(expert) * p.down.rows + row0, row0, q0 + j, t);
-      if (act_row >= 0) op[j].x = load_x(act, q0 + j, t);
+      op[j].x = act_row >= 0 && q0 + j < groups ? load_x(act, q0 + j, t) : uint4{0, 0, 0, 0};
     }
-    const float weight_even = list.weight[slot][2 * t], weight_odd = list.weight[slot][2 * t + 1];
+    weight = make_float2(list.weight[slot][2 * t], list.weight[slot][2 * t + 1]);
+  };
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  auto compute = [&](const GroupOperands (&op)[kChunk], float2 weight) {
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      if (q0 + j >= groups) break;
-      group_mma<T>(acc, op[j], weight_even, weight_odd);
-    }
+    for (int j = 0; j < kChunk; ++j) group_mma<T>(acc, op[j], weight.x, weight.y);
+  };
+  GroupOperands a[kChunk], b[kChunk];
+  float2 weight_a = make_float2(0.0f, 0.0f), weight_b = weight_a;
+  int64_t item = static_cast<int64_t>(rank) * kWarps + warp;
+  if (item < items) load(a, weight_a, item);
+  for (; item < items; item += 2 * stride) {
+    if (item + stride < items) load(b, weight_b, item + stride);
+    compute(a, weight_a);
+    if (item + stride >= items) break;
+    if (item + 2 * stride < items) load(a, weight_a, item + 2 * stride);
+    compute(b, weight_b);
   }
   for (int i = 0; i < 4; ++i) partial[warp][i][lane] = acc[i];
   cluster_barrier(split);
