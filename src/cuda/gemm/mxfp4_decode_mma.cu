@@ -437,17 +437,11 @@ bool aligned16(const void* pointer, int64_t ld_elements, size_t element) {
   return reinterpret_cast<uintptr_t>(pointer) % 16 == 0 && (static_cast<size_t>(ld_elements) * element) % 16 == 0;
 }
 
-// Lets a kernel take as much dynamic shared memory as the device's opt-in maximum leaves beside its
-// static shared memory, once per device.
+// Sets a kernel's dynamic shared-memory limit to the device's opt-in maximum, once per device.
 template <class Kernel>
 void open_shared(Kernel kernel) {
   static std::atomic<uint64_t> limit_set{0};
-  static const int static_bytes = [kernel] {  // a property of the compiled kernel
-    cudaFuncAttributes attributes{};
-    LATENTMOE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-    return static_cast<int>(attributes.sharedSizeBytes);
-  }();
-  gg::ensure_smem_limit(reinterpret_cast<const void*>(kernel), current_shared_memory_optin() - static_bytes, &limit_set);
+  gg::ensure_smem_limit(reinterpret_cast<const void*>(kernel), current_shared_memory_optin(), &limit_set);
 }
 
 }  // namespace
