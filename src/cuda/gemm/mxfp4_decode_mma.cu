@@ -5,18 +5,12 @@
 // MMA's N): lane (g = lane / 4, t = lane % 4) loads, for scale group q, the 4 code bytes 4t..4t+3 of
 // rows g and g + 8 (8 E2M1 values each, physical columns 32q + 8t .. 32q + 8t + 7) and the 8 activation
 // values of token g at the same columns (16 bytes). The MMA's k order is a permutation of the physical
-// one, the same for A and B: code bytes 0 and 1 (columns 8t .. 8t + 3) feed the first MMA's k slots
-// {2t, 2t+1} and {2t+8, 2t+9}, bytes 2 and 3 the second's; the activation's 16 bytes are its B
-// registers as loaded.
+// one, the same for A and B: the nibble pairs (0, 4), (1, 5) feed the first MMA's k slots {2t, 2t+1}
+// and {2t+8, 2t+9}, (2, 6), (3, 7) the second's, so a pair of nibbles 16 bits apart becomes one
+// 2-element register with two shifts and two masks (e2m1_pair).
 //
-// Decoding: one code byte (two E2M1 values) becomes one 2-element register by a lookup in a shared
-// table of the 256 byte values' (bf16 or f16) pairs, stored once per lane (entry b of lane l at word
-// 32 b + l: every lane reads its own bank, so a warp's lookups never conflict): a byte extract, an
-// address and a shared load per two values. (The first version built each pair with two shifts, two
-// masks and an exact multiply; ncu showed the kernels issue-bound, ~90 instructions per 16x32 tile.)
-//
-// Numerics: E2M1 values are exact in bf16 and f16 (the table is built from the same bit placement as
-// the CPU's decode, checked against it by the tests). The two MMAs of one group give
+// Numerics: E2M1 values are exact in bf16 and f16. They are placed as the subnormal E2M1 * 2^-126
+// (bf16) or E2M1 * 2^-14 (f16) and multiplied by 2^126 / 2^14 (exact). The two MMAs of one group give
 // that group's fp32 dot products unscaled (the group lies inside one row's single scale), which are
 // multiplied by the group's power of two in fp32 (exact unless the true value leaves the fp32 range) and
 // added to the fp32 accumulators group by group. Partial sums of the warps that split K are added in
@@ -36,7 +30,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <type_traits>
 
@@ -46,7 +39,6 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
 #include "cuda/common/pdl.cuh"
-#include "cuda/gemm/grouped_gemm_launch.cuh"
 #include "cuda/gemm/mxfp4_decode_mma.h"
 #include "latentmoe/error.h"
 
@@ -75,38 +67,22 @@ __device__ __forceinline__ uint32_t shift_left(uint32_t w) {
   }
 }
 
-// The table entry of code byte b: E2M1(b & 15) in the low half, E2M1(b >> 4) in the high half, as T,
-// exactly: the magnitude bits become the low exponent bits and the top mantissa bit of E2M1 * 2^-126
-// (bf16) or E2M1 * 2^-14 (f16), then one exact multiply by 2^126 / 2^14.
-template <class T>
-__device__ __forceinline__ uint32_t e2m1_byte_pair(uint32_t b) {
-  const uint32_t w = (b & 0x0Fu) | ((b & 0xF0u) << 12);  // the two nibbles 16 bits apart
+// Nibbles i and i + 4 of `w` (E2M1: bit 3 the sign, bits 2..0 the magnitude) as a 2-element register
+// of T (nibble i in the low half), exact: the magnitude bits become the low exponent bits and the top
+// mantissa bit of a number that is E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (f16), then one multiply.
+template <class T, int kI>
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const uint32_t bits = ((w << 6) & 0x01C001C0u) | ((w << 12) & 0x80008000u);
+    const uint32_t bits = (shift_left<6 - 4 * kI>(w) & 0x01C001C0u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
     __nv_bfloat162 value = *reinterpret_cast<const __nv_bfloat162*>(&bits);
     value = __hmul2(value, __nv_bfloat162(__ushort_as_bfloat16(0x7E80), __ushort_as_bfloat16(0x7E80)));  // 2^126
     return *reinterpret_cast<const uint32_t*>(&value);
   } else {
-    const uint32_t bits = ((w << 9) & 0x0E000E00u) | ((w << 12) & 0x80008000u);
+    const uint32_t bits = (shift_left<9 - 4 * kI>(w) & 0x0E000E00u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
     __half2 value = *reinterpret_cast<const __half2*>(&bits);
     value = __hmul2(value, __half2(__ushort_as_half(0x7400), __ushort_as_half(0x7400)));  // 2^14
     return *reinterpret_cast<const uint32_t*>(&value);
   }
-}
-
-constexpr int kLutWords = 256 * 32;  // [byte][lane]
-constexpr size_t kLutBytes = kLutWords * sizeof(uint32_t);
-
-// Fills the CTA's table (dynamic shared memory, kLutBytes); a barrier must follow before use.
-template <class T>
-__device__ __forceinline__ void fill_lut(uint32_t* lut) {
-  for (int i = threadIdx.x; i < kLutWords; i += blockDim.x) lut[i] = e2m1_byte_pair<T>(static_cast<uint32_t>(i) / 32);
-}
-
-// Byte kByte of the code word `w` as a 2-element register, from this lane's column of the table.
-template <int kByte>
-__device__ __forceinline__ uint32_t decode_byte(const uint32_t* lut_lane, uint32_t w) {
-  return lut_lane[((w >> (8 * kByte)) & 0xFFu) * 32];
 }
 
 template <class T>
@@ -144,13 +120,15 @@ __device__ __forceinline__ uint32_t load_u32(const uint8_t* address) {
 // The group's two MMAs on unscaled values, then the scale of each row, into acc (c0, c1: row g;
 // c2, c3: row g + 8; columns 2t, 2t + 1). factor_even / factor_odd multiply columns 2t / 2t + 1.
 template <class T>
-__device__ __forceinline__ void group_mma(float (&acc)[4], const uint32_t* lut_lane, const GroupOperands& op,
-                                          float factor_even, float factor_odd) {
+__device__ __forceinline__ void group_mma(float (&acc)[4], const GroupOperands& op, float factor_even,
+                                          float factor_odd) {
+  const uint32_t b00 = __byte_perm(op.x.x, op.x.z, 0x5410), b01 = __byte_perm(op.x.x, op.x.z, 0x7632);
+  const uint32_t b10 = __byte_perm(op.x.y, op.x.w, 0x5410), b11 = __byte_perm(op.x.y, op.x.w, 0x7632);
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  mma_16x8x16<T>(d, decode_byte<0>(lut_lane, op.code_lo), decode_byte<0>(lut_lane, op.code_hi),
-                 decode_byte<1>(lut_lane, op.code_lo), decode_byte<1>(lut_lane, op.code_hi), op.x.x, op.x.y);
-  mma_16x8x16<T>(d, decode_byte<2>(lut_lane, op.code_lo), decode_byte<2>(lut_lane, op.code_hi),
-                 decode_byte<3>(lut_lane, op.code_lo), decode_byte<3>(lut_lane, op.code_hi), op.x.z, op.x.w);
+  mma_16x8x16<T>(d, e2m1_pair<T, 0>(op.code_lo), e2m1_pair<T, 0>(op.code_hi), e2m1_pair<T, 1>(op.code_lo),
+                 e2m1_pair<T, 1>(op.code_hi), b00, b01);
+  mma_16x8x16<T>(d, e2m1_pair<T, 2>(op.code_lo), e2m1_pair<T, 2>(op.code_hi), e2m1_pair<T, 3>(op.code_lo),
+                 e2m1_pair<T, 3>(op.code_hi), b10, b11);
   const float scale_lo = e8m0_scale(op.scale_lo), scale_hi = e8m0_scale(op.scale_hi);
   acc[0] = fmaf(d[0], scale_lo * factor_even, acc[0]);
   acc[1] = fmaf(d[1], scale_lo * factor_odd, acc[1]);
@@ -215,7 +193,6 @@ struct GateUpParams {
 
 template <class T, bool kGated>
 __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParams p) {
-  extern __shared__ uint32_t lut[];  // [256][32]: fill_lut
   __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
   const int pair = blockIdx.y;
@@ -226,7 +203,6 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParam
   const bool earlier = threadIdx.x < pair && p.ids[threadIdx.x] == expert;
   if (__syncthreads_or(earlier)) return;
   if (threadIdx.x < kMaxTokens) act_row[threadIdx.x] = INT_MAX;
-  fill_lut<T>(lut);
   __syncthreads();
   if (threadIdx.x < pairs && p.ids[threadIdx.x] == expert) atomicMin(&act_row[threadIdx.x / p.top_k], threadIdx.x);
   __syncthreads();
@@ -257,8 +233,8 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParam
   auto compute = [&](const GroupOperands (&u)[kChunk], const GroupOperands (&v)[kChunk]) {
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      group_mma<T>(up, lut + lane, u[j], 1.0f, 1.0f);
-      if constexpr (kGated) group_mma<T>(gate, lut + lane, v[j], 1.0f, 1.0f);
+      group_mma<T>(up, u[j], 1.0f, 1.0f);
+      if constexpr (kGated) group_mma<T>(gate, v[j], 1.0f, 1.0f);
     }
   };
   GroupOperands ua[kChunk], va[kChunk], ub[kChunk], vb[kChunk];
@@ -366,10 +342,7 @@ __device__ void build_expert_list(const DownParams& p, ExpertList& list, int* fi
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) {
-  extern __shared__ uint32_t dynamic_shared[];  // the table (fill_lut), then first_pair [num_experts]
-  uint32_t* lut = dynamic_shared;
-  int* first_pair = reinterpret_cast<int*>(dynamic_shared + kLutWords);
-  fill_lut<T>(lut);  // build_expert_list's barriers order it before use
+  extern __shared__ int first_pair[];  // [num_experts]
   __shared__ ExpertList list;
   __shared__ int slot_of_pair[kMaxPairs];
   __shared__ float partial[kWarps][4][32];
@@ -402,7 +375,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) 
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   auto compute = [&](const GroupOperands (&op)[kChunk], float2 weight) {
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) group_mma<T>(acc, lut + lane, op[j], weight.x, weight.y);
+    for (int j = 0; j < kChunk; ++j) group_mma<T>(acc, op[j], weight.x, weight.y);
   };
   GroupOperands a[kChunk], b[kChunk];
   float2 weight_a = make_float2(0.0f, 0.0f), weight_b = weight_a;
@@ -437,11 +410,13 @@ bool aligned16(const void* pointer, int64_t ld_elements, size_t element) {
   return reinterpret_cast<uintptr_t>(pointer) % 16 == 0 && (static_cast<size_t>(ld_elements) * element) % 16 == 0;
 }
 
-// Sets a kernel's dynamic shared-memory limit to the device's opt-in maximum, once per device.
 template <class Kernel>
-void open_shared(Kernel kernel) {
-  static std::atomic<uint64_t> limit_set{0};
-  gg::ensure_smem_limit(reinterpret_cast<const void*>(kernel), current_shared_memory_optin(), &limit_set);
+void open_shared(Kernel kernel, size_t bytes) {
+  static_assert(sizeof(ExpertList) < 48 * 1024);
+  if (bytes + sizeof(ExpertList) + 4096 > 48 * 1024) {
+    LATENTMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(bytes)));
+  }
 }
 
 }  // namespace
@@ -471,8 +446,7 @@ void mxfp4_mma_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams&
                  activation.situ_linear_beta};
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(tokens * top_k));
   auto launch = [&](auto kernel) {
-    open_shared(kernel);
-    launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), kLutBytes, stream, p);
+    launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), 0, stream, p);
   };
   const bool gated = gate != nullptr;
   if (dtype == DType::bf16) {
@@ -494,10 +468,10 @@ void mxfp4_mma_down(DType dtype, const int32_t* ids, const float* weights, int t
     while (split < 8 && tiles * split < target) split *= 2;
   }
   LATENTMOE_CHECK(tiles * split <= INT_MAX, "MXFP4 down: ", down.rows, " rows exceed the grid");
-  const size_t shared = kLutBytes + static_cast<size_t>(num_experts) * sizeof(int);
+  const size_t shared = static_cast<size_t>(num_experts) * sizeof(int);
   DownParams p{ids, weights, static_cast<int>(tokens), top_k, num_experts, act, down, out, ld_out, split};
   auto launch = [&](auto kernel) {
-    open_shared(kernel);
+    open_shared(kernel, shared);
     launch_kernel_clustered("mxfp4_mma_down_kernel", false, static_cast<unsigned>(split), kernel,
                             dim3(static_cast<unsigned>(tiles * split)), dim3(kThreads), shared, stream, p);
   };
