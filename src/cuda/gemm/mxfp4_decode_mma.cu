@@ -296,7 +296,7 @@ struct ExpertList {
 __device__ void build_expert_list(const DownParams& p, ExpertList& list, int* first_pair, int* slot_of_pair) {
   const int pairs = p.tokens * p.top_k;
   for (int e = threadIdx.x; e < p.num_experts; e += kThreads) first_pair[e] = INT_MAX;
-  for (int i = threadIdx.x; i < kMaxPairs * kMaxTokens; i += kThreads) {
+  for (int i = threadIdx.x; i < pairs * kMaxTokens; i += kThreads) {  // slots < count <= pairs
     list.act_row[i / kMaxTokens][i % kMaxTokens] = -1;
     list.weight[i / kMaxTokens][i % kMaxTokens] = 0.0f;
   }
@@ -356,12 +356,12 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) 
   const int64_t groups = p.down.cols / kGroup;
   // Work items (touched expert, chunk of kChunk consecutive groups), spread over the cluster's warps,
   // double-buffered as in gate/up.
-  const int64_t chunks = (groups + kChunk - 1) / kChunk;
-  const int64_t items = static_cast<int64_t>(list.count) * chunks;
+  const int chunks = static_cast<int>((groups + kChunk - 1) / kChunk);
+  const int items = list.count * chunks;  // 32-bit: count <= 256 pairs, chunks <= INT_MAX / 256 (host check)
   const int stride = split * kWarps;
-  auto load = [&](GroupOperands (&op)[kChunk], float2& weight, int64_t item) {
-    const int slot = static_cast<int>(item / chunks);
-    const int64_t q0 = (item % chunks) * kChunk;
+  auto load = [&](GroupOperands (&op)[kChunk], float2& weight, int item) {
+    const int slot = item / chunks;
+    const int64_t q0 = static_cast<int64_t>(item - slot * chunks) * kChunk;
     const TileRows rows = tile_rows(p.down, static_cast<int64_t>(list.expert[slot]) * p.down.rows + row0, row0, t);
     load_chunk(op, rows, q0, groups);
     const int act_row = g < p.tokens ? list.act_row[slot][g] : -1;
@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) 
   };
   GroupOperands a[kChunk], b[kChunk];
   float2 weight_a = make_float2(0.0f, 0.0f), weight_b = weight_a;
-  int64_t item = static_cast<int64_t>(rank) * kWarps + warp;
+  int item = rank * kWarps + warp;
   if (item < items) load(a, weight_a, item);
   for (; item < items; item += 2 * stride) {
     if (item + stride < items) load(b, weight_b, item + stride);
@@ -461,6 +461,8 @@ void mxfp4_mma_down(DType dtype, const int32_t* ids, const float* weights, int t
                     cudaStream_t stream) {
   LATENTMOE_CHECK(mxfp4_mma_supported(dtype, tokens, top_k, act, down.cols), "MXFP4 tensor-core down: unsupported call");
   const int64_t tiles = (down.rows + kTileRows - 1) / kTileRows;
+  LATENTMOE_CHECK((down.cols / kGroup + kChunk - 1) / kChunk <= INT_MAX / kMaxPairs, "MXFP4 down: ", down.cols,
+                  " columns exceed the kernel's 32-bit work count");
   // Enough CTAs for every SM twice over: clusters of up to 8 CTAs share a tile (sm_90 and later).
   int split = 1;
   if (current_compute_capability() >= 90) {
