@@ -22,10 +22,14 @@
 //   expert for every token that names it (so each touched expert's weights are read once) and writes
 //   act row p' = the first pair by which each token names it; other CTAs of that expert exit. The 8 warps
 //   split the groups of K.
-// down: one cluster of `split` CTAs per 16-row tile of the output; the warps of the cluster split the
-//   (touched expert, group) work items; each item's products are weighted by the routing weight of each
-//   token (summed over the pairs by which a token names the expert), and the cluster's partial sums are
-//   added in a fixed order through distributed shared memory.
+// down: one cluster of `split` CTAs per 16-row tile of the output; each warp of the cluster takes a
+//   contiguous range of the (touched expert, chunk of groups) work items; each item's products are
+//   weighted by the routing weight of each token (summed over the pairs by which a token names the
+//   expert), and the cluster's partial sums are added in a fixed order through distributed shared
+//   memory.
+//
+// Speed (H200, docs/MXFP4.md): issue-bound, not memory-bound: decoding costs ~5 instructions per two
+// values, and the kernels reach 35-50% of the MXFP4 byte floor.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -354,14 +358,17 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row0 = tile * kTileRows + g;
   const int64_t groups = p.down.cols / kGroup;
-  // Work items (touched expert, chunk of kChunk consecutive groups), spread over the cluster's warps,
-  // double-buffered as in gate/up.
+  // Work items (touched expert, chunk of kChunk consecutive groups) in expert-major order; each warp of
+  // the cluster takes one contiguous range of them (so it walks an expert's chunks in order, one division
+  // per warp), double-buffered as in gate/up.
   const int chunks = static_cast<int>((groups + kChunk - 1) / kChunk);
   const int items = list.count * chunks;  // 32-bit: count <= 256 pairs, chunks <= INT_MAX / 256 (host check)
-  const int stride = split * kWarps;
-  auto load = [&](GroupOperands (&op)[kChunk], float2& weight, int item) {
-    const int slot = item / chunks;
-    const int64_t q0 = static_cast<int64_t>(item - slot * chunks) * kChunk;
+  const int warps_total = split * kWarps;
+  const int per_warp = (items + warps_total - 1) / warps_total;
+  const int begin = min(items, (rank * kWarps + warp) * per_warp), end = min(items, begin + per_warp);
+  int slot = chunks > 0 ? begin / chunks : 0, chunk = begin - slot * chunks;
+  auto load = [&](GroupOperands (&op)[kChunk], float2& weight) {
+    const int64_t q0 = static_cast<int64_t>(chunk) * kChunk;
     const TileRows rows = tile_rows(p.down, static_cast<int64_t>(list.expert[slot]) * p.down.rows + row0, row0, t);
     load_chunk(op, rows, q0, groups);
     const int act_row = g < p.tokens ? list.act_row[slot][g] : -1;
@@ -371,6 +378,10 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) 
       op[j].x = act_row >= 0 && q0 + j < groups ? load_x(act, q0 + j, t) : uint4{0, 0, 0, 0};
     }
     weight = make_float2(list.weight[slot][2 * t], list.weight[slot][2 * t + 1]);
+    if (++chunk == chunks) {  // the next item
+      chunk = 0;
+      ++slot;
+    }
   };
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   auto compute = [&](const GroupOperands (&op)[kChunk], float2 weight) {
@@ -379,13 +390,13 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) 
   };
   GroupOperands a[kChunk], b[kChunk];
   float2 weight_a = make_float2(0.0f, 0.0f), weight_b = weight_a;
-  int item = rank * kWarps + warp;
-  if (item < items) load(a, weight_a, item);
-  for (; item < items; item += 2 * stride) {
-    if (item + stride < items) load(b, weight_b, item + stride);
+  int item = begin;
+  if (item < end) load(a, weight_a);
+  for (; item < end; item += 2) {
+    if (item + 1 < end) load(b, weight_b);
     compute(a, weight_a);
-    if (item + stride >= items) break;
-    if (item + 2 * stride < items) load(a, weight_a, item + 2 * stride);
+    if (item + 1 >= end) break;
+    if (item + 2 < end) load(a, weight_a);
     compute(b, weight_b);
   }
   for (int i = 0; i < 4; ++i) partial[warp][i][lane] = acc[i];
