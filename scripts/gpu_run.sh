@@ -77,6 +77,10 @@ if has bench_mxfp4; then  # MXFP4 routed experts on the decode kernels against t
       --experts "$experts" --commit "$commit" --json "$out/layer_$experts.json" > "$out/layer_$experts.log" 2>&1
     echo "bench layer --experts $experts rc=$?"; tail -n 12 "$out/layer_$experts.log"
   done
+  # The PyTorch peer: the touched experts dequantised to bf16, then torch._grouped_mm (its best case).
+  timeout 200 python3 bench/peers/torch_mxfp4_experts.py --tp-shards 8,1 --tokens 1,2,4,8 \
+    --json "$out/peer_torch_mxfp4.json" > "$out/peer_torch_mxfp4.log" 2>&1
+  echo "torch mxfp4 peer rc=$?"; tail -n 12 "$out/peer_torch_mxfp4.log"
 fi
 if has bench_tail; then  # simulated ranks: rows say placement "simulated", no NVLink cost in them
   # A latentmoe built with NCCL loads the libnccl it was built against (PyTorch's, as the nccl step).
