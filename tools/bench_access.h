@@ -63,6 +63,10 @@ inline void set_gemv_max_tokens(Runner& runner, int tokens) { cuda_backend_of(ru
 inline void set_fused_up_projection_max_tokens(Runner& runner, int tokens) {
   cuda_backend_of(runner).set_fused_up_projection_max_tokens(tokens);
 }
+// CudaBackend::set_fused_up_projection_max_latent (-1: the decode dispatch's rule).
+inline void set_fused_up_projection_max_latent(Runner& runner, int64_t latent) {
+  cuda_backend_of(runner).set_fused_up_projection_max_latent(latent);
+}
 
 // A CUDA backend of its own (no runner): the benchmark measures the dense GEMM ceiling through the
 // backend's linear(), the code path the layer's dense linears take.

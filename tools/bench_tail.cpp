@@ -65,6 +65,7 @@ struct Plan {
   GroupRequest group;
   std::string collectives;  // "one_shot" or "nccl"
   int fused_up_projection_max_tokens = 8;
+  int64_t fused_up_projection_max_latent = -1;
 };
 
 DType parse_bench_dtype(const std::string& name) {
@@ -97,6 +98,9 @@ Plan plan_of(const BenchTailOptions& options) {
   LATENTMOE_CHECK(options.fused_up_projection_max_tokens >= 0 && options.fused_up_projection_max_tokens <= 8,
                   "--fused-up-projection-max-tokens ", options.fused_up_projection_max_tokens, " is outside 0..8");
   plan.fused_up_projection_max_tokens = options.fused_up_projection_max_tokens;
+  LATENTMOE_CHECK(options.fused_up_projection_max_latent >= -1, "--fused-up-projection-max-latent ",
+                  options.fused_up_projection_max_latent, " is below -1");
+  plan.fused_up_projection_max_latent = options.fused_up_projection_max_latent;
   plan.group.placement = options.placement;
   plan.group.one_shot = options.collectives == "one_shot";
   plan.group.device = options.device;
@@ -272,6 +276,7 @@ TailPoint make_point(const Block& block, const Plan& plan, int64_t tokens, int64
   point.dtype = plan.dtype_label;
   point.collectives = plan.collectives;
   point.fused_up_projection_max_tokens = plan.backend == BackendKind::cpu ? 0 : plan.fused_up_projection_max_tokens;
+  point.fused_up_projection_max_latent = plan.backend == BackendKind::cpu ? -1 : plan.fused_up_projection_max_latent;
   point.hidden_size = block.config.hidden_size;
   point.latent_size = block.config.latent_size;
   point.touched_experts = touched;
@@ -347,6 +352,7 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
 #ifdef LATENTMOE_WITH_CUDA
     if (plan.backend == BackendKind::cuda) {
       bench_access::set_fused_up_projection_max_tokens(runner, plan.fused_up_projection_max_tokens);
+      bench_access::set_fused_up_projection_max_latent(runner, plan.fused_up_projection_max_latent);
     }
 #endif
     const auto first_of_device = std::find(group.rank_device.begin(), group.rank_device.end(), device);
@@ -473,6 +479,9 @@ std::string repro_line(const Plan& plan, const BenchTailOptions& options) {
   if (plan.backend != BackendKind::cpu) {
     line << " --placement " << options.placement << " --collectives " << options.collectives
          << " --fused-up-projection-max-tokens " << options.fused_up_projection_max_tokens;
+    if (options.fused_up_projection_max_latent >= 0) {
+      line << " --fused-up-projection-max-latent " << options.fused_up_projection_max_latent;
+    }
   }
   return line.str();
 }

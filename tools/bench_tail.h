@@ -25,6 +25,9 @@ struct BenchTailOptions {
   // CUDA: up to how many tokens tier 0's up-projection pushes into the peers from its GEMM's epilogue
   // (CudaBackend::set_fused_up_projection_max_tokens; 0: the composed GEMM + all-gather).
   int fused_up_projection_max_tokens = 8;
+  // CUDA: the longest latent with which it pushes, in place of the decode dispatch's measured rule
+  // (CudaBackend::set_fused_up_projection_max_latent); -1: the rule.
+  int64_t fused_up_projection_max_latent = -1;
   uint64_t seed = 2026;
   std::string json_path;  // empty: no JSON
   std::string commit;     // recorded in every row

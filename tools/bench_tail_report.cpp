@@ -182,6 +182,7 @@ nlohmann::json to_json(const TailRunInfo& info, const std::vector<TailPoint>& po
       row["placement"] = point.placement;
       row["collectives"] = point.collectives;
       row["fused_up_projection_max_tokens"] = point.fused_up_projection_max_tokens;
+      row["fused_up_projection_max_latent"] = point.fused_up_projection_max_latent;
       row["backend"] = info.backend;
       row["device"] = info.device;
       row["commit"] = info.commit;

@@ -131,9 +131,10 @@ INSTANTIATE_TEST_SUITE_P(TpAndDtype, GpuGroupCollectives,
 // rank's out [T, d] = [block_0 | ... | block_{tp-1}], block_r = shard_r + x · W_r^T, against a host
 // sum, the same bits on every rank. With the fused path (T <= 8: the GEMM's epilogue pushes into the
 // peers, LamportCall::presend) `shard` is left as it was; with it off (set to 0 tokens, and at T 9,
-// above the skinny kernels) the composed path accumulates into it: which one ran is observable.
-// kLatent above 2048: the measured rule of sm_90 (decode_dispatch.h) keeps the composed path.
-void expect_tier0_up_projection_matches(int kTp, int64_t kLatent) {
+// above the skinny kernels, and with the skinny kernels off) the composed path accumulates into it:
+// which one ran is observable. kLatent above 2048: the measured rule of sm_90 (decode_dispatch.h) keeps
+// the composed path, unless max_latent (set_fused_up_projection_max_latent, >= 0) replaces the rule.
+void expect_tier0_up_projection_matches(int kTp, int64_t kLatent, int64_t max_latent = -1) {
   constexpr int64_t kShard = 40;  // the shard is not a multiple of 16 rows
   for (DType dtype : {DType::bf16, DType::f16}) {
     GpuGroupOptions options;
@@ -146,10 +147,13 @@ void expect_tier0_up_projection_matches(int kTp, int64_t kLatent) {
     struct Case {
       int64_t tokens;
       bool fused_on;
+      bool skinny_on = true;
     };
     // Calls alternate between the paths on one group: the epochs and slots stay in step either way.
-    for (const Case& c : {Case{1, true}, Case{5, false}, Case{8, true}, Case{3, true}, Case{9, true}}) {
-      const bool fused = c.fused_on && c.tokens <= 8 && kLatent <= 2048;
+    for (const Case& c :
+         {Case{1, true}, Case{5, false}, Case{8, true}, Case{3, true}, Case{9, true}, Case{2, true, false}}) {
+      const bool fused =
+          c.fused_on && c.skinny_on && c.tokens <= 8 && kLatent <= (max_latent >= 0 ? max_latent : 2048);
       SCOPED_TRACE(name_of(dtype) + ", l " + std::to_string(kLatent) + ", T " + std::to_string(c.tokens) +
                    (fused ? ", fused" : ", composed"));
       const HostTensor x = random_tensor(dtype, {c.tokens, kLatent}, 11 + static_cast<uint32_t>(c.tokens));
@@ -162,6 +166,8 @@ void expect_tier0_up_projection_matches(int kTp, int64_t kLatent) {
       on_rank_threads(kTp, [&](int r) {
         auto& backend = dynamic_cast<CudaBackend&>(*ranks[r]->device);
         backend.set_fused_up_projection_max_tokens(c.fused_on ? 8 : 0);
+        backend.set_fused_up_projection_max_latent(max_latent);
+        backend.set_skinny_max_tokens(c.skinny_on ? 8 : 0);
         DeviceTensor dx = upload(backend, x), dw = upload(backend, weights[r]), dshard = upload(backend, shards[r]);
         DeviceTensor dout = poisoned(backend, dtype, {c.tokens, kShard * kTp});
         backend.up_projection_all_gather(*group[r], dx.view, dw.view, dshard.view, dout.view);
@@ -198,11 +204,16 @@ TEST(GpuGroup, tier0_up_projection_pushes_into_the_peers_and_matches_the_compose
 }
 
 // The same with one rank (the GEMM pushes into its own region): what compute-sanitizer runs. And a
-// latent of 2056, where the rule keeps the composed path.
+// latent of 2056, where the rule keeps the composed path, and where a latent bound of 4096 replaces
+// the rule (the push) or one of 256 excludes it (composed).
 TEST(GpuGroup, a_one_rank_tier0_up_projection_pushes_into_its_own_region) {
   LATENTMOE_REQUIRE_GPU();
   expect_tier0_up_projection_matches(1, 264);
   expect_tier0_up_projection_matches(1, 2056);
+  expect_tier0_up_projection_matches(1, 2056, 4096);
+  expect_tier0_up_projection_matches(1, 264, 256);
+  Rank rank;
+  EXPECT_THROW(dynamic_cast<CudaBackend&>(*rank.device).set_fused_up_projection_max_latent(-2), Error);
 }
 
 // One rank exercises every op and the fused norm without waiting for a peer: the case that runs under

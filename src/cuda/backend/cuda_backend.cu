@@ -111,6 +111,8 @@ struct CudaBackend::State {
   int gemv_max_tokens = 0;  // off: slower than cuBLASLt as measured (cuda_backend.h)
   // Rows up to which tier 0's up-projection pushes into the peers from its epilogue (0: never).
   int fused_up_projection_max_tokens = kSkinnyMaxRows;
+  // The longest latent it pushes with; -1: the decode dispatch's measured rule.
+  int64_t fused_up_projection_max_latent = -1;
   // The measured decode dispatch of this device's architecture (decode_dispatch.h).
   const DecodeDispatch* dispatch = nullptr;
 
@@ -216,6 +218,10 @@ void CudaBackend::set_fused_up_projection_max_tokens(int tokens) {
   LATENTMOE_CHECK(tokens >= 0 && tokens <= kSkinnyMaxRows, "CUDA backend: fused_up_projection_max_tokens ", tokens,
                   " is outside 0..", kSkinnyMaxRows);
   state_->fused_up_projection_max_tokens = tokens;
+}
+void CudaBackend::set_fused_up_projection_max_latent(int64_t latent) {
+  LATENTMOE_CHECK(latent >= -1, "CUDA backend: fused_up_projection_max_latent ", latent, " is below -1");
+  state_->fused_up_projection_max_latent = latent;
 }
 
 DeviceBuffer CudaBackend::allocate(size_t bytes) {
@@ -735,8 +741,10 @@ void CudaBackend::up_projection_all_gather(Communicator& comm, const TensorView&
   LamportCommunicator* group = lamport_group(comm, out.dtype());
   const int64_t rows = x.size(0);
   const bool fusable =
-      group != nullptr && rows >= 1 && rows <= s.fused_up_projection_max_tokens &&
-      skinny_pays(*s.dispatch, SkinnyOp::tier0_push, rows, x.size(1), 0) && x.dtype() == out.dtype() &&
+      group != nullptr && s.skinny(rows) && rows <= s.fused_up_projection_max_tokens &&
+      (s.fused_up_projection_max_latent >= 0 ? x.size(1) <= s.fused_up_projection_max_latent
+                                              : skinny_pays(*s.dispatch, SkinnyOp::tier0_push, rows, x.size(1), 0)) &&
+      x.dtype() == out.dtype() &&
       w_shard.dtype() == out.dtype() && shard.dtype() == out.dtype() && x.stride(1) == 1 && w_shard.stride(1) == 1 &&
       shard.stride(1) == 1 && out.stride(1) == 1 &&
       skinny_supported(x.dtype(), rows, x.size(1), {{x.data(), x.stride(0)}, {w_shard.data(), w_shard.stride(0)}});

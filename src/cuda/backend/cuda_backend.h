@@ -96,8 +96,9 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
                               const TensorView& shared_shard_out) override;
 
   // Tier 0's up-projection + all-gather with a GPU group, up to fused_up_projection_max_tokens rows
-  // that the skinny kernels take, where the decode dispatch finds it pays (decode_dispatch.h: on sm_90
-  // a latent of at most 2048, as measured): one skinny GEMM whose epilogue adds the shared shard and stores each
+  // that the skinny kernels take (so not after set_skinny_max_tokens(0)), where the decode dispatch
+  // finds it pays (decode_dispatch.h: on sm_90 a latent of at most 2048, as measured; or up to
+  // set_fused_up_projection_max_latent's bound): one skinny GEMM whose epilogue adds the shared shard and stores each
   // result into every rank's receive region (lamport_device.cuh), then a Lamport kernel that only
   // receives, copies out and re-arms the sentinels (LamportCall::presend). Otherwise the composed
   // default (cuBLASLt accumulating into the shard, then the one-shot all-gather).
@@ -138,6 +139,10 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // epilogue (up_projection_all_gather): 0..kSkinnyMaxRows (8, the default); 0 turns it off (the
   // benchmark and the tests compare both). Throws Error outside that range.
   void set_fused_up_projection_max_tokens(int tokens);
+  // The longest latent (the GEMM's reduction) with which it pushes, in place of the decode dispatch's
+  // measured rule (bench tail measures the push past that rule with it); -1 (the default) restores the
+  // rule. Throws Error below -1.
+  void set_fused_up_projection_max_latent(int64_t latent);
 
   int device_ordinal() const;
   // cudaMalloc calls made so far (allocate() and internal workspaces); forward adds none.
