@@ -423,14 +423,13 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
     // gate/up: codes [E, I_r, l/2] and scales [E, I_r, l/32]; down: [E, l, I_r/2] and [E, l, I_r/32].
     const int64_t num_tokens = z.size(0), k = topk_ids.size(1), num_experts = experts.up.size(0);
     const int64_t intermediate = experts.up.size(1), latent = 2 * experts.up.size(2);
-    LATENTMOE_CHECK(num_tokens <= kMxfp4DecodeMaxRows, "CUDA routed experts: MXFP4 experts run on the decode kernels, ",
-                    "up to ", kMxfp4DecodeMaxRows, " tokens so far; this call has ", num_tokens,
-                    " (run more tokens on the CPU backend, or in batches of at most ", kMxfp4DecodeMaxRows, ")");
     if (num_tokens == 0) return;
     s.mark_slot(s.routed_slots, "routed_experts");
-    const size_t act_needed = static_cast<size_t>(num_tokens * k * intermediate) * dtype_size(z.dtype());
+    // The activations of at most kMxfp4DecodeMaxRows tokens at a time (the workspace holds max_tokens').
+    const int64_t chunk_tokens = std::min<int64_t>(num_tokens, kMxfp4DecodeMaxRows);
+    const size_t act_needed = static_cast<size_t>(chunk_tokens * k * intermediate) * dtype_size(z.dtype());
     LATENTMOE_CHECK(s.prepared && act_needed <= s.act_bytes, "CUDA routed experts: the workspace prepared for ",
-                    "max_tokens = ", s.spec.max_tokens, " does not hold ", num_tokens, " tokens' activations");
+                    "max_tokens = ", s.spec.max_tokens, " does not hold ", chunk_tokens, " tokens' activations");
     void* act = static_cast<char*>(s.routed_workspace.get()) + s.layout_bytes;
     auto matrices = [](const TensorView& packed, const TensorView& scales, int64_t rows, int64_t cols) {
       return Mxfp4Matrices{packed.data_as<uint8_t>(), scales.data_as<uint8_t>(), rows, cols};
@@ -439,11 +438,21 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
     const Mxfp4Matrices gate =
         gated ? matrices(experts.gate, experts.gate_scale, intermediate, latent) : Mxfp4Matrices{};
     const Mxfp4Matrices down = matrices(experts.down, experts.down_scale, latent, intermediate);
-    const auto* ids = topk_ids.data_as<int32_t>();
-    mxfp4_routed_gate_up(z.dtype(), activation, ids, static_cast<int>(k), static_cast<int>(num_experts), z.data(),
-                         z.stride(0), num_tokens, gated ? &gate : nullptr, up, act, s.current);
-    mxfp4_routed_down(z.dtype(), ids, topk_weights.data_as<float>(), static_cast<int>(k), static_cast<int>(num_experts),
-                      act, num_tokens, down, out.data(), out.stride(0), s.current);
+    // The decode kernels take up to kMxfp4DecodeMaxRows tokens; more run through them in consecutive
+    // batches of that many (each batch reads its touched experts again: correct at any token count,
+    // but far from the weight-read floor above decode sizes until the prefill kernels exist,
+    // docs/MXFP4.md).
+    for (int64_t first = 0; first < num_tokens; first += kMxfp4DecodeMaxRows) {
+      const int64_t tokens = std::min<int64_t>(kMxfp4DecodeMaxRows, num_tokens - first);
+      const auto* ids = topk_ids.data_as<int32_t>() + first * k;
+      const float* weights = topk_weights.data_as<float>() + first * k;
+      const void* z_rows = static_cast<const char*>(z.data()) + first * z.stride(0) * dtype_size(z.dtype());
+      void* out_rows = static_cast<char*>(out.data()) + first * out.stride(0) * dtype_size(out.dtype());
+      mxfp4_routed_gate_up(z.dtype(), activation, ids, static_cast<int>(k), static_cast<int>(num_experts), z_rows,
+                           z.stride(0), tokens, gated ? &gate : nullptr, up, act, s.current);
+      mxfp4_routed_down(z.dtype(), ids, weights, static_cast<int>(k), static_cast<int>(num_experts), act, tokens, down,
+                        out_rows, out.stride(0), s.current);
+    }
     return;
   }
   debug_require_compute_dtype(z.dtype(), "routed expert input");
