@@ -168,7 +168,8 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     // dense weights' 1/sqrt(fan_in).
     auto bytes = [&](std::vector<int64_t> shape, uint8_t value) {
       DeviceTensor tensor = make_tensor(DType::u8, std::move(shape), 0, 0.0f, 0.0f, stream);
-      LATENTMOE_CUDA_CHECK(cudaMemsetAsync(tensor.view.data(), value, static_cast<size_t>(tensor.view.numel()), stream));
+      LATENTMOE_CUDA_CHECK(
+          cudaMemsetAsync(tensor.view.data(), value, static_cast<size_t>(tensor.view.numel()), stream));
       return tensor;
     };
     if (gated) {

@@ -66,9 +66,9 @@ struct TailPoint {
   int tp = 2;
   int64_t tokens = 1;
   std::string dtype;
-  std::string placement = "simulated";     // "simulated" (every rank on one device) or "devices" (one per rank)
-  std::string collectives = "one_shot";    // "one_shot" (the group's one-shot kernels, NCCL above) or "nccl"
-  int fused_up_projection_max_tokens = 0;  // CUDA: tier 0's fused up-projection bound; the CPU: 0
+  std::string placement = "simulated";          // "simulated" (every rank on one device) or "devices" (one per rank)
+  std::string collectives = "one_shot";         // "one_shot" (the group's one-shot kernels, NCCL above) or "nccl"
+  int fused_up_projection_max_tokens = 0;       // CUDA: tier 0's fused up-projection bound; the CPU: 0
   int64_t fused_up_projection_max_latent = -1;  // CUDA: its latent bound, -1: the dispatch's rule
   int64_t hidden_size = 0, latent_size = 0;
   int64_t touched_experts = 0;  // distinct routed experts the tokens' routing touched

@@ -21,48 +21,14 @@ routings rotated, each a CUDA graph when capture works (eager otherwise), median
 """
 import argparse
 import json
-import statistics
 
 import torch
 
-PRESETS = {
-    "kimi-k3": dict(latent=3584, experts=896, top_k=16, intermediate=3072, act="situ"),
-    "nemotron3-super": dict(latent=1024, experts=512, top_k=22, intermediate=2688, act="relu2"),
-}
+# The presets and the timing, graph and activation helpers of the grouped-GEMM peer (same folder).
+from torch_grouped_mm import PRESETS, ceilings, graph_or_eager, situ, time_ms
+
 NUM_LAYOUTS = 4  # each keeps a bf16 copy of its touched experts (kimi-k3 tp 1, T 8: ~8 GB)
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-
-
-def time_ms(fn, reps_budget_ms=200.0):
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    start.record()
-    fn()
-    stop.record()
-    stop.synchronize()
-    first = start.elapsed_time(stop)
-    reps = int(min(30, max(5, reps_budget_ms / max(first, 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def copy_bandwidth():
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_()
-    b = torch.empty_like(a)
-    ms = time_ms(lambda: b.copy_(a))
-    del a, b
-    return 2 * n * 2 / (ms * 1e-3)
-
-
-def situ(g, u, b1=4.0, b2=25.0):
-    return (b1 * torch.tanh(g / b1) * torch.sigmoid(g)) * (b2 * torch.tanh(u / b2))
 
 
 def dequantise(codes, scales, table):
@@ -73,23 +39,6 @@ def dequantise(codes, scales, table):
     scale = torch.exp2(scales.float() - 127.0).to(torch.bfloat16)
     u, rows, cols = values.shape
     return (values.view(u, rows, cols // 32, 32) * scale.unsqueeze(-1)).view(u, rows, cols)
-
-
-def graph_or_eager(body):
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        return graph.replay, "graph"
-    except Exception as exc:  # noqa: BLE001 - report and fall back
-        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; timing eagerly)")
-        torch.cuda.synchronize()
-        return body, "eager"
 
 
 def run_row(name, p, tp, tokens, experts, copy_bw, gen, table):
@@ -165,7 +114,7 @@ def main():
     codes[0, 0, 0], codes[0, 0, 1] = 0x21, 0x9F
     got = dequantise(codes, torch.full((1, 1, 1), 128, dtype=torch.uint8, device="cuda"), table)[0, 0, :4]
     assert got.float().tolist() == [1.0, 2.0, -12.0, -1.0], got
-    copy_bw = copy_bandwidth()
+    copy_bw, _ = ceilings()
     print(f"# torch {torch.__version__}  device {torch.cuda.get_device_name()}  copy {copy_bw / 1e12:.2f} TB/s")
     print(f"# {'preset':16s} {'tp':>3s} {'T':>3s} {'touched':>8s} {'floor_us':>9s} {'dequant+mm_us':>14s} "
           f"{'%floor':>7s} {'bf16_mm_us':>11s}")

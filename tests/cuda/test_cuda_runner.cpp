@@ -3,16 +3,16 @@
 // reference backend, for both reference families, f32 and bf16, decode and odd prefill sizes.
 // (Several ranks need a device communicator; those tests come with it.)
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 
 #include "checkpoint_test_util.h"
 #include "cuda_test_util.h"
+#include "latentmoe/checkpoint.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/error.h"
-#include "latentmoe/checkpoint.h"
 #include "latentmoe/gpu_group.h"
 #include "latentmoe/in_process_group.h"
 #include "latentmoe/local_group.h"
@@ -44,6 +44,23 @@ LayerOutputs run_layer(BackendKind kind, const LayerConfig& config, const LayerW
   if (logits != nullptr) inputs.router_logits = logits->view();
   runner.forward_host(inputs, ForwardOutputs{out.output.view(), out.ids.view(), out.weights.view()});
   return out;
+}
+
+// The layer on `tp` simulated GPU ranks against the CPU runner on the same rank weights: within the
+// dtype's tolerance, finite, the same routing, every rank the same output.
+void expect_cuda_matches_cpu(const LayerConfig& config, const std::function<LayerWeights(const ParallelConfig&)>& load,
+                             const LocalGroupInputs& inputs, int tp, DType dtype) {
+  LocalGroupOptions options;
+  options.tp_size = tp;
+  options.backend = BackendKind::cpu;
+  const auto ref = run_local_group(config, load, inputs, options);
+  options.backend = BackendKind::cuda;
+  options.placement = GpuPlacement::simulated;
+  const auto got = run_local_group(config, load, inputs, options);
+  EXPECT_EQ(count_non_finite(got[0].output), 0);
+  EXPECT_LT(relative_error(got[0].output, ref[0].output), tolerance(dtype));
+  EXPECT_TRUE(bitwise_equal(got[0].topk_ids.view(), ref[0].topk_ids.view()));
+  for (int r = 1; r < tp; ++r) EXPECT_TRUE(bitwise_equal(got[r].output.view(), got[0].output.view())) << "rank " << r;
 }
 
 // Every 7th scale byte of an MXFP4 expert tensor set to one of the edge exponents 0 (2^-127, the
@@ -80,20 +97,12 @@ TEST(CudaRunner, mxfp4_experts_match_the_cpu_runner) {
       set_edge_scales(weights.expert_down_scale);
       for (int64_t tokens : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{9}, int64_t{37}}) {
         for (int tp : {1, 2}) {
-          SCOPED_TRACE(std::string(to_string(config.activation)) + ", l " + std::to_string(config.latent_size) +
-                       ", " + name_of(dtype) + ", T " + std::to_string(tokens) + ", tp " + std::to_string(tp));
+          SCOPED_TRACE(std::string(to_string(config.activation)) + ", l " + std::to_string(config.latent_size) + ", " +
+                       name_of(dtype) + ", T " + std::to_string(tokens) + ", tp " + std::to_string(tp));
           const LocalGroupInputs inputs = latentmoe::testing::random_inputs(config, tokens, dtype, seed + tokens);
-          auto shard = [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, config, parallel); };
-          LocalGroupOptions options;
-          options.tp_size = tp;
-          options.backend = BackendKind::cpu;
-          const auto ref = run_local_group(config, shard, inputs, options);
-          options.backend = BackendKind::cuda;
-          options.placement = GpuPlacement::simulated;
-          const auto got = run_local_group(config, shard, inputs, options);
-          EXPECT_EQ(count_non_finite(got[0].output), 0);
-          EXPECT_LT(relative_error(got[0].output, ref[0].output), tolerance(dtype));
-          EXPECT_TRUE(bitwise_equal(got[0].topk_ids.view(), ref[0].topk_ids.view()));
+          expect_cuda_matches_cpu(
+              config, [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, config, parallel); },
+              inputs, tp, dtype);
         }
       }
     }
@@ -122,20 +131,12 @@ TEST(CudaRunner, a_sharded_k3_mxfp4_checkpoint_runs_at_every_tp) {
   const LocalGroupInputs inputs = latentmoe::testing::random_inputs(config, 37, DType::bf16, 29);
   for (int tp : {1, 2, 4, 8}) {
     SCOPED_TRACE("tp " + std::to_string(tp));
-    auto load = [&](const ParallelConfig& parallel) {
-      return load_layer_weights(checkpoint, config, prefix, parallel, DType::bf16);
-    };
-    LocalGroupOptions options;
-    options.tp_size = tp;
-    options.backend = BackendKind::cpu;
-    const auto ref = run_local_group(config, load, inputs, options);
-    options.backend = BackendKind::cuda;
-    options.placement = GpuPlacement::simulated;
-    const auto got = run_local_group(config, load, inputs, options);
-    EXPECT_EQ(count_non_finite(got[0].output), 0);
-    EXPECT_LT(relative_error(got[0].output, ref[0].output), tolerance(DType::bf16));
-    EXPECT_TRUE(bitwise_equal(got[0].topk_ids.view(), ref[0].topk_ids.view()));
-    for (int r = 1; r < tp; ++r) EXPECT_TRUE(bitwise_equal(got[r].output.view(), got[0].output.view())) << "rank " << r;
+    expect_cuda_matches_cpu(
+        config,
+        [&](const ParallelConfig& parallel) {
+          return load_layer_weights(checkpoint, config, prefix, parallel, DType::bf16);
+        },
+        inputs, tp, DType::bf16);
   }
   fs::remove_all(dir);
 }

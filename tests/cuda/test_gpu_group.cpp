@@ -152,8 +152,7 @@ void expect_tier0_up_projection_matches(int kTp, int64_t kLatent, int64_t max_la
     // Calls alternate between the paths on one group: the epochs and slots stay in step either way.
     for (const Case& c :
          {Case{1, true}, Case{5, false}, Case{8, true}, Case{3, true}, Case{9, true}, Case{2, true, false}}) {
-      const bool fused =
-          c.fused_on && c.skinny_on && c.tokens <= 8 && kLatent <= (max_latent >= 0 ? max_latent : 2048);
+      const bool fused = c.fused_on && c.skinny_on && c.tokens <= 8 && kLatent <= (max_latent >= 0 ? max_latent : 2048);
       SCOPED_TRACE(name_of(dtype) + ", l " + std::to_string(kLatent) + ", T " + std::to_string(c.tokens) +
                    (fused ? ", fused" : ", composed"));
       const HostTensor x = random_tensor(dtype, {c.tokens, kLatent}, 11 + static_cast<uint32_t>(c.tokens));

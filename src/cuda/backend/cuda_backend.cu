@@ -434,24 +434,35 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
     auto matrices = [](const TensorView& packed, const TensorView& scales, int64_t rows, int64_t cols) {
       return Mxfp4Matrices{packed.data_as<uint8_t>(), scales.data_as<uint8_t>(), rows, cols};
     };
-    const Mxfp4Matrices up = matrices(experts.up, experts.up_scale, intermediate, latent);
-    const Mxfp4Matrices gate =
-        gated ? matrices(experts.gate, experts.gate_scale, intermediate, latent) : Mxfp4Matrices{};
-    const Mxfp4Matrices down = matrices(experts.down, experts.down_scale, latent, intermediate);
+    Mxfp4GateUpCall gate_up;
+    gate_up.dtype = z.dtype();
+    gate_up.activation = activation;
+    gate_up.top_k = static_cast<int>(k);
+    gate_up.num_experts = static_cast<int>(num_experts);
+    gate_up.ld_z = z.stride(0);
+    gate_up.up = matrices(experts.up, experts.up_scale, intermediate, latent);
+    if (gated) gate_up.gate = matrices(experts.gate, experts.gate_scale, intermediate, latent);
+    gate_up.act = act;
+    Mxfp4DownCall down;
+    down.dtype = z.dtype();
+    down.top_k = gate_up.top_k;
+    down.num_experts = gate_up.num_experts;
+    down.act = act;
+    down.down = matrices(experts.down, experts.down_scale, latent, intermediate);
+    down.ld_out = out.stride(0);
     // The decode kernels take up to kMxfp4DecodeMaxRows tokens; more run through them in consecutive
     // batches of that many (each batch reads its touched experts again: correct at any token count,
     // but far from the weight-read floor above decode sizes until the prefill kernels exist,
     // docs/MXFP4.md).
     for (int64_t first = 0; first < num_tokens; first += kMxfp4DecodeMaxRows) {
-      const int64_t tokens = std::min<int64_t>(kMxfp4DecodeMaxRows, num_tokens - first);
-      const auto* ids = topk_ids.data_as<int32_t>() + first * k;
-      const float* weights = topk_weights.data_as<float>() + first * k;
-      const void* z_rows = static_cast<const char*>(z.data()) + first * z.stride(0) * dtype_size(z.dtype());
-      void* out_rows = static_cast<char*>(out.data()) + first * out.stride(0) * dtype_size(out.dtype());
-      mxfp4_routed_gate_up(z.dtype(), activation, ids, static_cast<int>(k), static_cast<int>(num_experts), z_rows,
-                           z.stride(0), tokens, gated ? &gate : nullptr, up, act, s.current);
-      mxfp4_routed_down(z.dtype(), ids, weights, static_cast<int>(k), static_cast<int>(num_experts), act, tokens, down,
-                        out_rows, out.stride(0), s.current);
+      const int tokens = static_cast<int>(std::min<int64_t>(kMxfp4DecodeMaxRows, num_tokens - first));
+      gate_up.tokens = down.tokens = tokens;
+      gate_up.ids = down.ids = topk_ids.data_as<int32_t>() + first * k;
+      gate_up.z = static_cast<const char*>(z.data()) + first * z.stride(0) * dtype_size(z.dtype());
+      down.weights = topk_weights.data_as<float>() + first * k;
+      down.out = static_cast<char*>(out.data()) + first * out.stride(0) * dtype_size(out.dtype());
+      mxfp4_routed_gate_up(gate_up, s.current);
+      mxfp4_routed_down(down, s.current);
     }
     return;
   }
@@ -752,10 +763,9 @@ void CudaBackend::up_projection_all_gather(Communicator& comm, const TensorView&
   const bool fusable =
       group != nullptr && s.skinny(rows) && rows <= s.fused_up_projection_max_tokens &&
       (s.fused_up_projection_max_latent >= 0 ? x.size(1) <= s.fused_up_projection_max_latent
-                                              : skinny_pays(*s.dispatch, SkinnyOp::tier0_push, rows, x.size(1), 0)) &&
-      x.dtype() == out.dtype() &&
-      w_shard.dtype() == out.dtype() && shard.dtype() == out.dtype() && x.stride(1) == 1 && w_shard.stride(1) == 1 &&
-      shard.stride(1) == 1 && out.stride(1) == 1 &&
+                                             : skinny_pays(*s.dispatch, SkinnyOp::tier0_push, rows, x.size(1), 0)) &&
+      x.dtype() == out.dtype() && w_shard.dtype() == out.dtype() && shard.dtype() == out.dtype() && x.stride(1) == 1 &&
+      w_shard.stride(1) == 1 && shard.stride(1) == 1 && out.stride(1) == 1 &&
       skinny_supported(x.dtype(), rows, x.size(1), {{x.data(), x.stride(0)}, {w_shard.data(), w_shard.stride(0)}});
   if (!fusable) {
     Backend::up_projection_all_gather(comm, x, w_shard, shard, out);

@@ -48,18 +48,21 @@ __device__ __forceinline__ float e8m0_scale(uint8_t s) {
   return __int_as_float(s == 0 ? 0x00400000 : static_cast<int>(s) << 23);
 }
 
-// The dot product of group q of a packed row with x[32 q .. 32 q + 31] (fp32, shared or global).
-__device__ __forceinline__ float group_dot(const uint8_t* packed_row, const uint8_t* scale_row, int64_t q,
-                                           const float* x, const float* table) {
+// The dot product of group q of a packed row with x[32 q .. 32 q + 31]: X is float (the gate/up
+// kernel's staged latent row, in shared memory) or the storage type (the down kernel's act row, read
+// through L1), widened to fp32 per element.
+template <class X>
+__device__ __forceinline__ float group_dot(const uint8_t* packed_row, const uint8_t* scale_row, int64_t q, const X* x,
+                                           const float* table) {
   const uint4 raw = *reinterpret_cast<const uint4*>(packed_row + q * (kGroup / 2));
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-  const float* xs = x + q * kGroup;
+  const X* xs = x + q * kGroup;
   float partial = 0.0f;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
 #pragma unroll
     for (int nibble = 0; nibble < 8; ++nibble) {
-      partial = fmaf(table[(words[w] >> (4 * nibble)) & 0xF], xs[w * 8 + nibble], partial);
+      partial = fmaf(table[(words[w] >> (4 * nibble)) & 0xF], to_float(xs[w * 8 + nibble]), partial);
     }
   }
   return partial * e8m0_scale(scale_row[q]);
@@ -71,19 +74,8 @@ __device__ __forceinline__ float warp_sum(float value) {
   return value;
 }
 
-struct GateUpParams {
-  const int32_t* ids;
-  int top_k, num_experts;
-  const void* z;
-  int64_t ld_z;
-  Mxfp4Matrices gate, up;  // gate.packed == nullptr: relu2
-  void* act;
-  Activation activation;
-  float beta, linear_beta;
-};
-
 template <class T>
-__global__ void __launch_bounds__(kThreads) mxfp4_gate_up_kernel(GateUpParams p) {
+__global__ void __launch_bounds__(kThreads) mxfp4_gate_up_kernel(Mxfp4GateUpCall p) {
   extern __shared__ float z_row[];  // [l]
   __shared__ float table[16];
   const int64_t pair = blockIdx.x;
@@ -115,46 +107,19 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gate_up_kernel(GateUpParams p)
     gate = warp_sum(gate);
     if (lane == 0) {
       float value;
-      if (p.activation == Activation::relu2) {
+      if (p.activation.activation == Activation::relu2) {
         value = act::relu2(up);
       } else {
-        value = act::gated(gate, up, p.activation == Activation::situ, p.beta, p.linear_beta);
+        value = act::gated(gate, up, p.activation.activation == Activation::situ, p.activation.situ_beta,
+                           p.activation.situ_linear_beta);
       }
       static_cast<T*>(p.act)[pair * intermediate + row] = from_float<T>(value);
     }
   }
 }
 
-struct DownParams {
-  const int32_t* ids;
-  const float* weights;
-  int top_k, num_experts;
-  const void* act;
-  Mxfp4Matrices down;
-  void* out;
-  int64_t ld_out;
-};
-
-// The act row, read through L1 (fp32 conversion per element): the down projection's x.
 template <class T>
-__device__ __forceinline__ float group_dot_act(const uint8_t* packed_row, const uint8_t* scale_row, int64_t q,
-                                               const T* act_row, const float* table) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(packed_row + q * (kGroup / 2));
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-  const T* xs = act_row + q * kGroup;
-  float partial = 0.0f;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-#pragma unroll
-    for (int nibble = 0; nibble < 8; ++nibble) {
-      partial = fmaf(table[(words[w] >> (4 * nibble)) & 0xF], to_float(xs[w * 8 + nibble]), partial);
-    }
-  }
-  return partial * e8m0_scale(scale_row[q]);
-}
-
-template <class T>
-__global__ void __launch_bounds__(kThreads) mxfp4_down_kernel(DownParams p) {
+__global__ void __launch_bounds__(kThreads) mxfp4_down_kernel(Mxfp4DownCall p) {
   __shared__ float table[16];
   fill_e2m1_table(table);
   __syncthreads();
@@ -174,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_down_kernel(DownParams p) {
       const uint8_t* scales = p.down.scales + matrix_row * groups;
       const T* act_row = static_cast<const T*>(p.act) + pair * intermediate;
       float dot = 0.0f;
-      for (int64_t q = lane; q < groups; q += 32) dot += group_dot_act(packed, scales, q, act_row, table);
+      for (int64_t q = lane; q < groups; q += 32) dot += group_dot(packed, scales, q, act_row, table);
       total = fmaf(p.weights[pair], warp_sum(dot), total);
     }
     if (lane == 0) static_cast<T*>(p.out)[token * p.ld_out + row] = from_float<T>(total);
@@ -191,66 +156,54 @@ void check_matrices(const Mxfp4Matrices& m, const char* what) {
 
 }  // namespace
 
-void mxfp4_routed_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const int32_t* ids,
-                          int top_k, int num_experts, const void* z, int64_t ld_z, int64_t rows,
-                          const Mxfp4Matrices* gate, const Mxfp4Matrices& up, void* act, cudaStream_t stream) {
-  if (rows == 0) return;
-  LATENTMOE_CHECK(rows >= 1 && rows <= kMxfp4DecodeMaxRows, "MXFP4 routed experts: ", rows, " tokens; the decode ",
-                  "kernels take 1..", kMxfp4DecodeMaxRows);
-  check_matrices(up, "up");
-  const bool gated = activation.activation != Activation::relu2;
-  LATENTMOE_CHECK(gated == (gate != nullptr), "MXFP4 routed experts: ", to_string(activation.activation),
-                  gated ? " needs" : " takes no", " gate weights");
-  if (gate != nullptr) {
-    check_matrices(*gate, "gate");
-    LATENTMOE_CHECK(gate->rows == up.rows && gate->cols == up.cols, "MXFP4 routed experts: gate and up differ");
+void mxfp4_routed_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream) {
+  if (call.tokens == 0) return;
+  LATENTMOE_CHECK(call.tokens >= 1 && call.tokens <= kMxfp4DecodeMaxRows, "MXFP4 routed experts: ", call.tokens,
+                  " tokens; the decode kernels take 1..", kMxfp4DecodeMaxRows);
+  check_matrices(call.up, "up");
+  const bool gated = call.activation.activation != Activation::relu2;
+  LATENTMOE_CHECK(gated == (call.gate.packed != nullptr),
+                  "MXFP4 routed experts: ", to_string(call.activation.activation), gated ? " needs" : " takes no",
+                  " gate weights");
+  if (gated) {
+    check_matrices(call.gate, "gate");
+    LATENTMOE_CHECK(call.gate.rows == call.up.rows && call.gate.cols == call.up.cols,
+                    "MXFP4 routed experts: gate and up differ");
   }
-  if (mxfp4_mma_supported(dtype, rows, top_k, z, ld_z)) {
-    mxfp4_mma_gate_up(dtype, activation, ids, top_k, num_experts, z, ld_z, rows, gate, up, act, stream);
+  if (mxfp4_mma_supported(call.dtype, call.tokens, call.top_k, call.z, call.ld_z)) {
+    mxfp4_mma_gate_up(call, stream);
     return;
   }
-  GateUpParams p{ids,
-                 top_k,
-                 num_experts,
-                 z,
-                 ld_z,
-                 gate != nullptr ? *gate : Mxfp4Matrices{},
-                 up,
-                 act,
-                 activation.activation,
-                 activation.situ_beta,
-                 activation.situ_linear_beta};
-  const dim3 grid(static_cast<unsigned>(rows * top_k),
-                  static_cast<unsigned>((up.rows + kRowsPerCta - 1) / kRowsPerCta));
-  const size_t shared = static_cast<size_t>(up.cols) * sizeof(float);
-  dispatch_compute_dtype(dtype, "MXFP4 routed experts", [&](auto tag) {
+  const dim3 grid(static_cast<unsigned>(call.tokens * call.top_k),
+                  static_cast<unsigned>((call.up.rows + kRowsPerCta - 1) / kRowsPerCta));
+  const size_t shared = static_cast<size_t>(call.up.cols) * sizeof(float);
+  dispatch_compute_dtype(call.dtype, "MXFP4 routed experts", [&](auto tag) {
     using T = decltype(tag);
     if (shared > 48 * 1024) {
       LATENTMOE_CUDA_CHECK(cudaFuncSetAttribute(mxfp4_gate_up_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 static_cast<int>(shared)));
     }
-    mxfp4_gate_up_kernel<T><<<grid, kThreads, shared, stream>>>(p);
+    mxfp4_gate_up_kernel<T><<<grid, kThreads, shared, stream>>>(call);
   });
   LATENTMOE_CUDA_CHECK_LAUNCH("mxfp4_gate_up_kernel");
 }
 
-void mxfp4_routed_down(DType dtype, const int32_t* ids, const float* weights, int top_k, int num_experts,
-                       const void* act, int64_t rows, const Mxfp4Matrices& down, void* out, int64_t ld_out,
-                       cudaStream_t stream) {
-  if (rows == 0) return;
-  LATENTMOE_CHECK(rows >= 1 && rows <= kMxfp4DecodeMaxRows, "MXFP4 routed experts: ", rows, " tokens; the decode ",
-                  "kernels take 1..", kMxfp4DecodeMaxRows);
-  check_matrices(down, "down");
-  LATENTMOE_CHECK(ld_out >= down.rows, "MXFP4 routed experts: output row stride ", ld_out, " < ", down.rows);
-  if (mxfp4_mma_supported(dtype, rows, top_k, act, down.cols)) {
-    mxfp4_mma_down(dtype, ids, weights, top_k, num_experts, act, rows, down, out, ld_out, stream);
+void mxfp4_routed_down(const Mxfp4DownCall& call, cudaStream_t stream) {
+  if (call.tokens == 0) return;
+  LATENTMOE_CHECK(call.tokens >= 1 && call.tokens <= kMxfp4DecodeMaxRows, "MXFP4 routed experts: ", call.tokens,
+                  " tokens; the decode kernels take 1..", kMxfp4DecodeMaxRows);
+  check_matrices(call.down, "down");
+  LATENTMOE_CHECK(call.ld_out >= call.down.rows, "MXFP4 routed experts: output row stride ", call.ld_out, " < ",
+                  call.down.rows);
+  if (mxfp4_mma_supported(call.dtype, call.tokens, call.top_k, call.act, call.down.cols)) {
+    mxfp4_mma_down(call, stream);
     return;
   }
-  DownParams p{ids, weights, top_k, num_experts, act, down, out, ld_out};
-  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((down.rows + kRowsPerCta - 1) / kRowsPerCta));
-  dispatch_compute_dtype(dtype, "MXFP4 routed experts", [&](auto tag) {
+  const dim3 grid(static_cast<unsigned>(call.tokens),
+                  static_cast<unsigned>((call.down.rows + kRowsPerCta - 1) / kRowsPerCta));
+  dispatch_compute_dtype(call.dtype, "MXFP4 routed experts", [&](auto tag) {
     using T = decltype(tag);
-    mxfp4_down_kernel<T><<<grid, kThreads, 0, stream>>>(p);
+    mxfp4_down_kernel<T><<<grid, kThreads, 0, stream>>>(call);
   });
   LATENTMOE_CUDA_CHECK_LAUNCH("mxfp4_down_kernel");
 }

@@ -32,18 +32,35 @@ struct Mxfp4Matrices {
   int64_t cols = 0;
 };
 
-// act [rows * top_k, I] (dtype bf16/f16/f32): row p = t * top_k + j for every pair whose expert
-// ids[p] lies in [0, num_experts) (other rows are not written). z [rows, l] (dtype), row stride
-// ld_z. gate: nullptr for relu2. I = up.rows, l = up.cols.
-void mxfp4_routed_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const int32_t* ids,
-                          int top_k, int num_experts, const void* z, int64_t ld_z, int64_t rows,
-                          const Mxfp4Matrices* gate, const Mxfp4Matrices& up, void* act, cudaStream_t stream);
+// One gate/up call: act [tokens * top_k, I] (dtype bf16/f16/f32): row p = t * top_k + j for every
+// pair whose expert ids[p] lies in [0, num_experts) (other rows are not written). z [tokens, l]
+// (dtype), row stride ld_z. gate.packed == nullptr: relu2. I = up.rows, l = up.cols. Passed to the
+// kernels as it is.
+struct Mxfp4GateUpCall {
+  DType dtype = DType::bf16;
+  ::latentmoe::detail::ActivationParams activation;
+  const int32_t* ids = nullptr;  // [tokens, top_k]
+  int tokens = 0, top_k = 0, num_experts = 0;
+  const void* z = nullptr;
+  int64_t ld_z = 0;
+  Mxfp4Matrices gate, up;
+  void* act = nullptr;
+};
+void mxfp4_routed_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream);
 
-// out [rows, l] (dtype, row stride ld_out): every row written (0 for a token with no real expert).
-// act [rows * top_k, I] as mxfp4_routed_gate_up left it; weights [rows, top_k] f32. l = down.rows,
-// I = down.cols.
-void mxfp4_routed_down(DType dtype, const int32_t* ids, const float* weights, int top_k, int num_experts,
-                       const void* act, int64_t rows, const Mxfp4Matrices& down, void* out, int64_t ld_out,
-                       cudaStream_t stream);
+// One down call: out [tokens, l] (dtype, row stride ld_out): every row written (0 for a token with no
+// real expert). act [tokens * top_k, I] as mxfp4_routed_gate_up left it; weights [tokens, top_k] f32.
+// l = down.rows, I = down.cols. Passed to the kernels as it is.
+struct Mxfp4DownCall {
+  DType dtype = DType::bf16;
+  const int32_t* ids = nullptr;
+  const float* weights = nullptr;
+  int tokens = 0, top_k = 0, num_experts = 0;
+  const void* act = nullptr;
+  Mxfp4Matrices down;
+  void* out = nullptr;
+  int64_t ld_out = 0;
+};
+void mxfp4_routed_down(const Mxfp4DownCall& call, cudaStream_t stream);
 
 }  // namespace latentmoe::cuda

@@ -42,6 +42,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
+#include "cuda/common/mma.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/mxfp4_decode_mma.h"
 #include "latentmoe/error.h"
@@ -53,8 +54,8 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 16;
 constexpr int kGroup = 32;
-constexpr int kChunk = 2;  // consecutive scale groups a warp takes at a time (one 32-byte sector of a row)
-constexpr int kMaxTokens = 8;       // the MMA's N
+constexpr int kChunk = 2;            // consecutive scale groups a warp takes at a time (one 32-byte sector of a row)
+constexpr int kMaxTokens = 8;        // the MMA's N
 constexpr int kMaxPairs = kThreads;  // tokens * top_k: one thread per pair in the routing prologues
 
 // 2^(s - 127) as a float, exactly: s 1..254 normal, s 0 the subnormal 2^-127 (0xFF is refused at load).
@@ -86,24 +87,6 @@ __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
     __half2 value = *reinterpret_cast<const __half2*>(&bits);
     value = __hmul2(value, __half2(__ushort_as_half(0x7400), __ushort_as_half(0x7400)));  // 2^14
     return *reinterpret_cast<const uint32_t*>(&value);
-  }
-}
-
-template <class T>
-__device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                            uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 }
 
@@ -184,19 +167,8 @@ __device__ __forceinline__ uint4 load_x(const T* row, int64_t q, int t) {
 
 // ---- gate/up -------------------------------------------------------------------------------------
 
-struct GateUpParams {
-  const int32_t* ids;
-  int tokens, top_k, num_experts;
-  const void* z;
-  int64_t ld_z;
-  Mxfp4Matrices gate, up;  // gate.packed == nullptr: relu2
-  void* act;
-  Activation activation;
-  float beta, linear_beta;
-};
-
 template <class T, bool kGated>
-__global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParams p) {
+__global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
   __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
   const int pair = blockIdx.y;
@@ -224,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParam
   // whole sectors), double-buffered: the loads of a warp's next chunk are issued before the MMAs of
   // its current one.
   const int64_t chunks = (groups + kChunk - 1) / kChunk;
-  auto load = [&](GroupOperands (&u)[kChunk], GroupOperands (&v)[kChunk], int64_t chunk) {
+  auto load = [&](GroupOperands(&u)[kChunk], GroupOperands(&v)[kChunk], int64_t chunk) {
     load_chunk(u, up_rows, chunk * kChunk, groups);
     if constexpr (kGated) load_chunk(v, gate_rows, chunk * kChunk, groups);
 #pragma unroll
@@ -234,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParam
       v[j].x = u[j].x;
     }
   };
-  auto compute = [&](const GroupOperands (&u)[kChunk], const GroupOperands (&v)[kChunk]) {
+  auto compute = [&](const GroupOperands(&u)[kChunk], const GroupOperands(&v)[kChunk]) {
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       group_mma<T>(up, u[j], 1.0f, 1.0f);
@@ -267,7 +239,8 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParam
     const int token = 2 * (l % 4) + (i & 1);
     const int64_t row = static_cast<int64_t>(blockIdx.x) * kTileRows + l / 4 + (i >= 2 ? 8 : 0);
     if (token < p.tokens && act_row[token] != INT_MAX && row < p.up.rows) {
-      const float value = kGated ? act::gated(v, u, p.activation == Activation::situ, p.beta, p.linear_beta)
+      const float value = kGated ? act::gated(v, u, p.activation.activation == Activation::situ, p.activation.situ_beta,
+                                              p.activation.situ_linear_beta)
                                  : act::relu2(u);
       static_cast<T*>(p.act)[static_cast<int64_t>(act_row[token]) * p.up.rows + row] = from_float<T>(value);
     }
@@ -275,17 +248,6 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(GateUpParam
 }
 
 // ---- down ----------------------------------------------------------------------------------------
-
-struct DownParams {
-  const int32_t* ids;
-  const float* weights;
-  int tokens, top_k, num_experts;
-  const void* act;
-  Mxfp4Matrices down;
-  void* out;
-  int64_t ld_out;
-  int split;  // CTAs per cluster
-};
 
 // The touched experts of the call in order of first naming, and per expert and token the act row (the
 // first pair by which the token names it, -1: it does not) and the summed routing weight.
@@ -297,7 +259,7 @@ struct ExpertList {
 };
 
 // Built by every CTA from ids (one thread per pair); `first_pair` is shared scratch of num_experts ints.
-__device__ void build_expert_list(const DownParams& p, ExpertList& list, int* first_pair, int* slot_of_pair) {
+__device__ void build_expert_list(const Mxfp4DownCall& p, ExpertList& list, int* first_pair, int* slot_of_pair) {
   const int pairs = p.tokens * p.top_k;
   for (int e = threadIdx.x; e < p.num_experts; e += kThreads) first_pair[e] = INT_MAX;
   for (int i = threadIdx.x; i < pairs * kMaxTokens; i += kThreads) {  // slots < count <= pairs
@@ -345,14 +307,13 @@ __device__ void build_expert_list(const DownParams& p, ExpertList& list, int* fi
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) {
+__global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
   extern __shared__ int first_pair[];  // [num_experts]
   __shared__ ExpertList list;
   __shared__ int slot_of_pair[kMaxPairs];
   __shared__ float partial[kWarps][4][32];
   build_expert_list(p, list, first_pair, slot_of_pair);
 
-  const int split = p.split;
   const int rank = static_cast<int>(blockIdx.x) % split;
   const int64_t tile = blockIdx.x / split;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -367,7 +328,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) 
   const int per_warp = (items + warps_total - 1) / warps_total;
   const int begin = min(items, (rank * kWarps + warp) * per_warp), end = min(items, begin + per_warp);
   int slot = chunks > 0 ? begin / chunks : 0, chunk = begin - slot * chunks;
-  auto load = [&](GroupOperands (&op)[kChunk], float2& weight) {
+  auto load = [&](GroupOperands(&op)[kChunk], float2& weight) {
     const int64_t q0 = static_cast<int64_t>(chunk) * kChunk;
     const TileRows rows = tile_rows(p.down, static_cast<int64_t>(list.expert[slot]) * p.down.rows + row0, row0, t);
     load_chunk(op, rows, q0, groups);
@@ -384,7 +345,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(DownParams p) 
     }
   };
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  auto compute = [&](const GroupOperands (&op)[kChunk], float2 weight) {
+  auto compute = [&](const GroupOperands(&op)[kChunk], float2 weight) {
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) group_mma<T>(acc, op[j], weight.x, weight.y);
   };
@@ -425,8 +386,8 @@ template <class Kernel>
 void open_shared(Kernel kernel, size_t bytes) {
   static_assert(sizeof(ExpertList) < 48 * 1024);
   if (bytes + sizeof(ExpertList) + 4096 > 48 * 1024) {
-    LATENTMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(bytes)));
+    LATENTMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   }
 }
 
@@ -437,58 +398,44 @@ bool mxfp4_mma_supported(DType dtype, int64_t tokens, int top_k, const void* x, 
          tokens * top_k <= kMaxPairs && aligned16(x, ld_x, 2) && current_compute_capability() >= 80;
 }
 
-void mxfp4_mma_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const int32_t* ids,
-                       int top_k, int num_experts, const void* z, int64_t ld_z, int64_t tokens,
-                       const Mxfp4Matrices* gate, const Mxfp4Matrices& up, void* act, cudaStream_t stream) {
-  LATENTMOE_CHECK(mxfp4_mma_supported(dtype, tokens, top_k, z, ld_z), "MXFP4 tensor-core gate/up: unsupported call");
-  const int64_t tiles = (up.rows + kTileRows - 1) / kTileRows;
-  LATENTMOE_CHECK(tiles <= INT_MAX, "MXFP4 gate/up: ", up.rows, " rows exceed the grid");
-  GateUpParams p{ids,
-                 static_cast<int>(tokens),
-                 top_k,
-                 num_experts,
-                 z,
-                 ld_z,
-                 gate != nullptr ? *gate : Mxfp4Matrices{},
-                 up,
-                 act,
-                 activation.activation,
-                 activation.situ_beta,
-                 activation.situ_linear_beta};
-  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(tokens * top_k));
+void mxfp4_mma_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream) {
+  LATENTMOE_CHECK(mxfp4_mma_supported(call.dtype, call.tokens, call.top_k, call.z, call.ld_z),
+                  "MXFP4 tensor-core gate/up: unsupported call");
+  const int64_t tiles = (call.up.rows + kTileRows - 1) / kTileRows;
+  LATENTMOE_CHECK(tiles <= INT_MAX, "MXFP4 gate/up: ", call.up.rows, " rows exceed the grid");
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(call.tokens * call.top_k));
   auto launch = [&](auto kernel) {
-    launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), 0, stream, p);
+    launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), 0, stream, call);
   };
-  const bool gated = gate != nullptr;
-  if (dtype == DType::bf16) {
-    gated ? launch(mxfp4_mma_gate_up_kernel<__nv_bfloat16, true>) : launch(mxfp4_mma_gate_up_kernel<__nv_bfloat16, false>);
+  const bool gated = call.gate.packed != nullptr;
+  if (call.dtype == DType::bf16) {
+    gated ? launch(mxfp4_mma_gate_up_kernel<__nv_bfloat16, true>)
+          : launch(mxfp4_mma_gate_up_kernel<__nv_bfloat16, false>);
   } else {
     gated ? launch(mxfp4_mma_gate_up_kernel<__half, true>) : launch(mxfp4_mma_gate_up_kernel<__half, false>);
   }
 }
 
-void mxfp4_mma_down(DType dtype, const int32_t* ids, const float* weights, int top_k, int num_experts,
-                    const void* act, int64_t tokens, const Mxfp4Matrices& down, void* out, int64_t ld_out,
-                    cudaStream_t stream) {
-  LATENTMOE_CHECK(mxfp4_mma_supported(dtype, tokens, top_k, act, down.cols), "MXFP4 tensor-core down: unsupported call");
-  const int64_t tiles = (down.rows + kTileRows - 1) / kTileRows;
-  LATENTMOE_CHECK((down.cols / kGroup + kChunk - 1) / kChunk <= INT_MAX / kMaxPairs, "MXFP4 down: ", down.cols,
-                  " columns exceed the kernel's 32-bit work count");
+void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
+  LATENTMOE_CHECK(mxfp4_mma_supported(call.dtype, call.tokens, call.top_k, call.act, call.down.cols),
+                  "MXFP4 tensor-core down: unsupported call");
+  const int64_t tiles = (call.down.rows + kTileRows - 1) / kTileRows;
+  LATENTMOE_CHECK((call.down.cols / kGroup + kChunk - 1) / kChunk <= INT_MAX / kMaxPairs,
+                  "MXFP4 down: ", call.down.cols, " columns exceed the kernel's 32-bit work count");
   // Enough CTAs for every SM twice over: clusters of up to 8 CTAs share a tile (sm_90 and later).
   int split = 1;
   if (current_compute_capability() >= 90) {
     const int64_t target = 2 * static_cast<int64_t>(current_sm_count());
     while (split < 8 && tiles * split < target) split *= 2;
   }
-  LATENTMOE_CHECK(tiles * split <= INT_MAX, "MXFP4 down: ", down.rows, " rows exceed the grid");
-  const size_t shared = static_cast<size_t>(num_experts) * sizeof(int);
-  DownParams p{ids, weights, static_cast<int>(tokens), top_k, num_experts, act, down, out, ld_out, split};
+  LATENTMOE_CHECK(tiles * split <= INT_MAX, "MXFP4 down: ", call.down.rows, " rows exceed the grid");
+  const size_t shared = static_cast<size_t>(call.num_experts) * sizeof(int);
   auto launch = [&](auto kernel) {
     open_shared(kernel, shared);
     launch_kernel_clustered("mxfp4_mma_down_kernel", false, static_cast<unsigned>(split), kernel,
-                            dim3(static_cast<unsigned>(tiles * split)), dim3(kThreads), shared, stream, p);
+                            dim3(static_cast<unsigned>(tiles * split)), dim3(kThreads), shared, stream, call, split);
   };
-  if (dtype == DType::bf16) {
+  if (call.dtype == DType::bf16) {
     launch(mxfp4_mma_down_kernel<__nv_bfloat16>);
   } else {
     launch(mxfp4_mma_down_kernel<__half>);

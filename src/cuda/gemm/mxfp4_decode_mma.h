@@ -16,12 +16,7 @@ namespace latentmoe::cuda {
 // the activations' rows (x, row stride ld_x elements) 16-byte aligned, compute capability 8.0 or later.
 bool mxfp4_mma_supported(DType dtype, int64_t tokens, int top_k, const void* x, int64_t ld_x);
 
-void mxfp4_mma_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const int32_t* ids,
-                       int top_k, int num_experts, const void* z, int64_t ld_z, int64_t tokens,
-                       const Mxfp4Matrices* gate, const Mxfp4Matrices& up, void* act, cudaStream_t stream);
-
-void mxfp4_mma_down(DType dtype, const int32_t* ids, const float* weights, int top_k, int num_experts,
-                    const void* act, int64_t tokens, const Mxfp4Matrices& down, void* out, int64_t ld_out,
-                    cudaStream_t stream);
+void mxfp4_mma_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream);
+void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream);
 
 }  // namespace latentmoe::cuda

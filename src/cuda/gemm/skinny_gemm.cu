@@ -56,6 +56,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
+#include "cuda/common/mma.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/grouped_gemm_common.cuh"
 #include "cuda/gemm/grouped_gemm_launch.cuh"
@@ -216,26 +217,6 @@ __device__ __forceinline__ void copy_wait() {
 }
 
 __device__ __forceinline__ uint4 load_input(const void* pointer) { return __ldg(static_cast<const uint4*>(pointer)); }
-
-template <class T>
-__device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                            uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-#endif
-}
 
 // One 32-element chunk: rows g (lo) and g + 8 (hi) against column g's input (x), two k16 steps.
 template <class T>
