@@ -74,7 +74,7 @@ void set_edge_scales(HostTensor& scales) {
 
 // MXFP4 routed experts (issue 16) on the decode kernels, decoded in registers (bf16, f16: the
 // tensor-core kernels; f32: the CUDA-core ones): the whole layer at tp 1 and on 2 simulated ranks
-// against the CPU runner (which decodes exactly), both families (situ with a gate, relu2 without),
+// against the CPU runner (which decodes exactly), situ and silu with a gate, relu2 without,
 // 1..8 tokens (tokens sharing experts), and 9 and 37 (run through the decode kernels 8 tokens at a
 // time), a latent long enough for the unrolled loop and its remainder (544 = 17 groups over 8 warps),
 // edge scale bytes.
@@ -84,6 +84,7 @@ TEST(CudaRunner, mxfp4_experts_match_the_cpu_runner) {
   kimi.experts_format = ExpertWeightFormat::mxfp4;
   LayerConfig kimi_long = resized(kimi_k3_config(), {48, 544, 9, 4, 320, 40});
   kimi_long.experts_format = ExpertWeightFormat::mxfp4;
+  kimi_long.activation = Activation::silu;  // the third activation kind
   LayerConfig nemotron = nemotron3_super_config();
   nemotron.zero_expert_num = 2;
   nemotron = resized(nemotron, {48, 32, 5, 3, 256, 72});
