@@ -4,12 +4,10 @@
 # clock the expert GEMMs actually ran at can be read off the trace. Writes $OUT/clock_trace.csv and
 # one log per case with its start and end timestamps.
 #   scripts/gpu_clock_trace.sh BIN_DIR ITERATIONS "preset:tp:tokens ..."
-set -u
-bin=$1
+# The GPU scripts' preamble (bin, out, environment), with this script's own second and third arguments.
+source "$(dirname "$0")/gpu_script_env.sh" "$1" "" ""
 iterations=$2
 cases=$3
-out=${OUT:-/tmp/latentmoe_out}
-mkdir -p "$out"
 nvidia-smi -q -d POWER,CLOCK,PERFORMANCE > "$out/smi_before.txt" 2>&1
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
   --format=csv,noheader -lms 20 > "$out/clock_trace.csv" 2>&1 &
