@@ -265,9 +265,8 @@ void CudaBackend::copy(const TensorView& src, const TensorView& dst) {
 }
 
 void CudaBackend::check_layer(const LayerConfig& config, DType dtype, int tp_size) {
-  // MXFP4 experts run on the decode kernels (gemm/mxfp4_decode.h), decoded in registers; never
-  // through a dequantised copy (four times the experts' memory). Above their token bound, forward
-  // refuses (the tensor-core kernels are issue 16's next step).
+  // MXFP4 experts run on the decode kernels (gemm/mxfp4_decode.h), decoded in registers, in batches of
+  // their token bound above it; never through a dequantised copy (four times the experts' memory).
   LATENTMOE_CHECK(tp_size >= 1, "CUDA prepare: tp_size ", tp_size, " must be positive");
   LATENTMOE_CHECK(is_compute_dtype(dtype), "CUDA prepare: ", dtype_name(dtype), " is not a compute dtype");
   // The kernels' own limits, reported when the runner is built rather than at the first forward.

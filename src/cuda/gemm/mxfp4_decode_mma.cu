@@ -33,7 +33,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
 #include <climits>
 #include <type_traits>
 
@@ -42,6 +41,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
+#include "cuda/common/matrix.h"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/mxfp4_decode_mma.h"
@@ -378,10 +378,6 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(Mxfp4DownCall 
   cluster_barrier(split);  // the peers' shared memory stays alive until rank 0 has read it
 }
 
-bool aligned16(const void* pointer, int64_t ld_elements, size_t element) {
-  return reinterpret_cast<uintptr_t>(pointer) % 16 == 0 && (static_cast<size_t>(ld_elements) * element) % 16 == 0;
-}
-
 template <class Kernel>
 void open_shared(Kernel kernel, size_t bytes) {
   static_assert(sizeof(ExpertList) < 48 * 1024);
@@ -395,7 +391,7 @@ void open_shared(Kernel kernel, size_t bytes) {
 
 bool mxfp4_mma_supported(DType dtype, int64_t tokens, int top_k, const void* x, int64_t ld_x) {
   return (dtype == DType::bf16 || dtype == DType::f16) && tokens >= 1 && tokens <= kMaxTokens &&
-         tokens * top_k <= kMaxPairs && aligned16(x, ld_x, 2) && current_compute_capability() >= 80;
+         tokens * top_k <= kMaxPairs && rows_aligned(x, ld_x, 2, 16) && current_compute_capability() >= 80;
 }
 
 void mxfp4_mma_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream) {

@@ -56,6 +56,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
+#include "cuda/common/matrix.h"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/grouped_gemm_common.cuh"
@@ -699,10 +700,6 @@ Launch choose_launch(const void* kernel, int64_t units, int64_t steps, size_t ta
 
 bool routed_call(const SkinnyRouting& routing) { return routing.topk_ids != nullptr; }
 
-bool aligned16(const void* data, int64_t ld, size_t element) {
-  return reinterpret_cast<uintptr_t>(data) % 16 == 0 && (static_cast<size_t>(ld) * element) % 16 == 0;
-}
-
 void check_common(const char* what, DType dtype, const SkinnyRouting& routing, int64_t rows,
                   const SkinnyWeights& weights, std::initializer_list<SkinnyRows> operands) {
   LATENTMOE_CHECK(skinny_supported(dtype, rows, weights.k, operands), what, ": ", rows, " rows of ", dtype_name(dtype),
@@ -740,7 +737,7 @@ bool skinny_supported(DType dtype, int64_t rows, int64_t k, std::initializer_lis
   if (dtype != DType::bf16 && dtype != DType::f16) return false;
   if (rows < 1 || rows > kSkinnyMaxRows || k < 8 || k % 8 != 0 || k > INT_MAX / 2) return false;
   for (const SkinnyRows& operand : operands) {
-    if (operand.data != nullptr && !aligned16(operand.data, operand.ld, dtype_size(dtype))) return false;
+    if (operand.data != nullptr && !rows_aligned(operand.data, operand.ld, dtype_size(dtype), 16)) return false;
   }
   return current_compute_capability() >= 80;  // mma.sync bf16/f16
 }
