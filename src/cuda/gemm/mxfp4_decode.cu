@@ -24,6 +24,7 @@
 #include "cuda/common/dtype_dispatch.cuh"
 #include "cuda/gemm/mxfp4_decode.h"
 #include "cuda/gemm/mxfp4_decode_mma.h"
+#include "cuda/gemm/mxfp4_device.cuh"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {
@@ -31,8 +32,8 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRowsPerCta = 32;  // 4 rows per warp
-constexpr int kGroup = 32;       // columns per scale
+constexpr int kRowsPerCta = 32;      // 4 rows per warp
+constexpr int kGroup = kMxfp4Group;  // columns per scale
 
 // The 16 E2M1 values (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), staged in shared memory.
 __device__ __forceinline__ void fill_e2m1_table(float* table) {
@@ -41,11 +42,6 @@ __device__ __forceinline__ void fill_e2m1_table(float* table) {
     const float magnitude = kMagnitudes[threadIdx.x & 7];
     table[threadIdx.x] = (threadIdx.x & 8) ? -magnitude : magnitude;
   }
-}
-
-// 2^(s - 127) as a float, exactly: s 1..254 normal, s 0 the subnormal 2^-127 (0xFF is refused at load).
-__device__ __forceinline__ float e8m0_scale(uint8_t s) {
-  return __int_as_float(s == 0 ? 0x00400000 : static_cast<int>(s) << 23);
 }
 
 // The dot product of group q of a packed row with x[32 q .. 32 q + 31]: X is float (the gate/up

@@ -45,6 +45,7 @@
 #include "cuda/common/mma.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/mxfp4_decode_mma.h"
+#include "cuda/gemm/mxfp4_device.cuh"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {
@@ -53,15 +54,10 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 16;
-constexpr int kGroup = 32;
+constexpr int kGroup = kMxfp4Group;  // columns per scale
 constexpr int kChunk = 2;            // consecutive scale groups a warp takes at a time (one 32-byte sector of a row)
 constexpr int kMaxTokens = 8;        // the MMA's N
 constexpr int kMaxPairs = kThreads;  // tokens * top_k: one thread per pair in the routing prologues
-
-// 2^(s - 127) as a float, exactly: s 1..254 normal, s 0 the subnormal 2^-127 (0xFF is refused at load).
-__device__ __forceinline__ float e8m0_scale(uint32_t s) {
-  return __int_as_float(max(static_cast<int>(s) << 23, 0x00400000));  // s >= 1: s << 23 >= 0x00800000
-}
 
 template <int kShift>
 __device__ __forceinline__ uint32_t shift_left(uint32_t w) {
