@@ -140,7 +140,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   const int64_t max_tokens = *std::max_element(options.tokens.begin(), options.tokens.end());
   const double element = static_cast<double>(dtype_size(dtype));
   // Bytes per expert weight: MXFP4 is half a byte of code and 1/32 of a scale byte.
-  const double expert_element = options.experts == "mxfp4" ? 0.5 + 1.0 / 32.0 : element;
+  const double expert_element = mxfp4 ? 0.5 + 1.0 / kMxfp4GroupSize : element;
   const int num_matrices = config.is_gated() ? 3 : 2;
   const bool gated = config.is_gated(), shared = config.has_shared_expert();
 
@@ -174,12 +174,12 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     };
     if (gated) {
       expert_gate = bytes({num_experts, inter, l / 2}, 0x3A);
-      gate_scale = bytes({num_experts, inter, l / 32}, 0x79);
+      gate_scale = bytes({num_experts, inter, l / kMxfp4GroupSize}, 0x79);
     }
     expert_up = bytes({num_experts, inter, l / 2}, 0x3A);
-    up_scale = bytes({num_experts, inter, l / 32}, 0x79);
+    up_scale = bytes({num_experts, inter, l / kMxfp4GroupSize}, 0x79);
     expert_down = bytes({num_experts, l, inter / 2}, 0x3A);
-    down_scale = bytes({num_experts, l, inter / 32}, 0x79);
+    down_scale = bytes({num_experts, l, inter / kMxfp4GroupSize}, 0x79);
   } else {
     if (gated) expert_gate = matrix({num_experts, inter, l}, l, 5);
     expert_up = matrix({num_experts, inter, l}, l, 6);
