@@ -60,6 +60,8 @@ class RecordingClock final : public bench::RunClock {
   void start() override { log += '['; }
   void stop() override { log += ']'; }
   double elapsed_us() override { return 10.0 * static_cast<double>(++calls); }
+  void hold() override { log += 'h'; }
+  void open() override { log += 'o'; }
   std::string log;
   int calls = 0;
 };
@@ -73,7 +75,8 @@ TEST(GroupTiming, flushes_and_prepares_outside_the_timed_region_and_drops_the_wa
       [&] { clock.log += 'b'; });
   seat.finish();
   EXPECT_EQ(times, (std::vector<double>{30.0, 40.0, 50.0}));
-  EXPECT_EQ(clock.log, "fpw[b]fpw[b]fpw[b]fpw[b]fpw[b]");
+  // The first run is not held at the start gate; every later one is, and opened after it is enqueued.
+  EXPECT_EQ(clock.log, "fpw[b]fpwh[b]ofpwh[b]ofpwh[b]ofpwh[b]o");
 }
 
 TEST(GroupTiming, no_flush_when_the_runs_say_so_and_no_run_without_iterations) {
@@ -82,6 +85,9 @@ TEST(GroupTiming, no_flush_when_the_runs_say_so_and_no_run_without_iterations) {
   RecordingClock clock;
   bench::time_group_runs(clock, seat, bench::Runs{.warmup = 0, .iterations = 1, .flush_l2 = false}, nullptr, [] {});
   EXPECT_EQ(clock.log, "w[]");
+  clock.log.clear();
+  bench::time_group_runs(clock, seat, bench::Runs{.warmup = 0, .iterations = 2, .flush_l2 = false}, nullptr, [] {});
+  EXPECT_EQ(clock.log, "w[]wh[]o");
   EXPECT_THROW(bench::time_group_runs(clock, seat, bench::Runs{.warmup = 0, .iterations = 0}, nullptr, [] {}), Error);
   seat.finish();
 }
@@ -114,6 +120,53 @@ TEST(GroupTiming, every_rank_starts_each_run_after_every_rank_prepared) {
   for (auto& thread : threads) thread.join();
   EXPECT_FALSE(early.load());
   EXPECT_EQ(prepared.load(), kRanks * kRuns);
+}
+
+// A clock whose gate opening checks that every rank has enqueued (here: run) its body for this run.
+class GateCheckingClock final : public bench::RunClock {
+ public:
+  GateCheckingClock(const std::atomic<int>& bodies, int ranks, std::atomic<bool>& early)
+      : bodies_(bodies), ranks_(ranks), early_(early) {}
+  void flush() override {}
+  void wait() override {}
+  void start() override {}
+  void stop() override {}
+  double elapsed_us() override { return 1.0; }
+  void hold() override { ++held_; }
+  void open() override {
+    // Run number held_ (the first run, not held, is number 0): every rank's bodies of runs 0..held_.
+    if (bodies_.load() < (held_ + 1) * ranks_) early_ = true;
+  }
+
+ private:
+  const std::atomic<int>& bodies_;
+  int ranks_;
+  std::atomic<bool>& early_;
+  int held_ = 0;
+};
+
+TEST(GroupTiming, the_start_gate_opens_only_once_every_rank_has_enqueued_its_run) {
+  constexpr int kRanks = 3, kRuns = 5;
+  bench::Rendezvous rendezvous(kRanks);
+  std::atomic<int> bodies{0};
+  std::atomic<bool> early{false};
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kRanks; ++rank) {
+    threads.emplace_back([&, rank] {
+      bench::Rendezvous::Seat seat(rendezvous);
+      GateCheckingClock clock(bodies, kRanks, early);
+      bench::time_group_runs(clock, seat, bench::Runs{.warmup = 2, .iterations = kRuns - 2, .flush_l2 = false}, nullptr,
+                             [&] {
+                               // A slow rank: the gate must not open before it has enqueued.
+                               if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+                               ++bodies;
+                             });
+      seat.finish();
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_FALSE(early.load());
+  EXPECT_EQ(bodies.load(), kRanks * kRuns);
 }
 
 TEST(GroupTiming, a_rank_that_fails_leaves_the_rendezvous_so_its_peers_finish) {

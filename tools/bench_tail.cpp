@@ -357,7 +357,7 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
 #endif
     const auto first_of_device = std::find(group.rank_device.begin(), group.rank_device.end(), device);
     const bool flushes = first_of_device - group.rank_device.begin() == rank;
-    const std::unique_ptr<bench::RunClock> clock = make_clock(plan.backend, backend.stream(), flushes);
+    const std::unique_ptr<bench::RunClock> clock = make_clock(plan.backend, group, backend.stream(), flushes);
     if (rank == 0) support = runner.tier_support();
     const float eps = static_cast<float>(config.rms_norm_eps);
     seat.wait();  // every rank built

@@ -48,6 +48,9 @@ BenchGroup make_bench_group(BackendKind backend, int tp, DType dtype, int64_t ca
   LATENTMOE_CHECK(request.one_shot || placement == GpuPlacement::devices,
                   "--collectives nccl needs one GPU per rank (--placement devices): ", why);
   std::fprintf(stderr, "latentmoe bench tail: tp %d: %s\n", tp, why.c_str());
+#ifdef LATENTMOE_WITH_CUDA
+  group.gate = std::make_shared<bench::StartGate>();
+#endif
   GpuGroupOptions options;
   options.device = request.device;
   options.dtype = dtype;
@@ -116,10 +119,11 @@ void fill_uniform(bench_access::Backend& backend, const TensorView& view, uint64
 #endif
 }
 
-std::unique_ptr<bench::RunClock> make_clock(BackendKind backend, StreamHandle stream, bool flush) {
+std::unique_ptr<bench::RunClock> make_clock(BackendKind backend, const BenchGroup& group, StreamHandle stream,
+                                            bool flush) {
   if (backend == BackendKind::cpu) return std::make_unique<bench::HostClock>();
 #ifdef LATENTMOE_WITH_CUDA
-  return std::make_unique<bench::EventClock>(static_cast<cudaStream_t>(stream), flush);
+  return std::make_unique<bench::EventClock>(static_cast<cudaStream_t>(stream), flush, group.gate.get());
 #else
   no_cuda();
 #endif

@@ -13,11 +13,17 @@
 #include "latentmoe/communicator.h"
 #include "latentmoe/runner.h"
 
+namespace latentmoe::bench {
+class StartGate;  // harness/start_gate.h (CUDA builds)
+}  // namespace latentmoe::bench
+
 namespace latentmoe::tools {
 
 // The ranks of one benchmark group and where they run.
 struct BenchGroup {
   std::vector<std::unique_ptr<Communicator>> comms;
+  // CUDA: the start gate every rank's clock holds its timed runs at (group_timing.h); null on the CPU.
+  std::shared_ptr<bench::StartGate> gate;
   // "simulated": every rank on one device (ranks as threads on the CPU; on one GPU with the
   // simulated GPU group's collectives); "devices": one device per rank.
   std::string placement;
@@ -54,8 +60,10 @@ std::unique_ptr<bench_access::Backend> make_scratch_backend(BackendKind backend,
 // on every backend), issued on backend's stream (view lives on backend's device).
 void fill_uniform(bench_access::Backend& backend, const TensorView& view, uint64_t seed, float scale, float offset);
 
-// The clock of one rank's stream: CUDA events, flushing the L2 when `flush` (the host clock on the CPU).
-std::unique_ptr<bench::RunClock> make_clock(BackendKind backend, StreamHandle stream, bool flush);
+// The clock of one rank's stream: CUDA events, flushing the L2 when `flush`, holding each timed run at
+// group.gate (the host clock on the CPU).
+std::unique_ptr<bench::RunClock> make_clock(BackendKind backend, const BenchGroup& group, StreamHandle stream,
+                                            bool flush);
 
 // The copy bandwidth of `device`, bytes read + written per second, the median of `runs`: a 2 GiB
 // device-to-device copy on CUDA, a 64 MiB memcpy on the CPU.

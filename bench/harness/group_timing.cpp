@@ -15,10 +15,16 @@ std::vector<double> time_group_runs(RunClock& clock, Rendezvous::Seat& seat, con
     if (runs.flush_l2) clock.flush();
     if (prepare) prepare();
     clock.wait();
-    seat.wait();  // every rank starts its timed run together
+    seat.wait();  // every rank has prepared
+    const bool held = run > 0;
+    if (held) clock.hold();
     clock.start();
     body();
     clock.stop();
+    if (held) {
+      seat.wait();  // every rank has enqueued its run: release the GPUs together
+      clock.open();
+    }
     const double us = clock.elapsed_us();
     if (run >= runs.warmup) times.push_back(us);
   }

@@ -1,6 +1,8 @@
 // Timing the ranks of a group together: one thread per rank, every timed run starting on all ranks
-// at once (a host rendezvous after each rank has flushed its cache and prepared its inputs, outside
-// the timed region), so that a collective's time is not its wait for a peer that has not started.
+// at once, so that a collective's time is not its wait for a peer that has not started: a host
+// rendezvous after each rank has flushed its cache and prepared its inputs (outside the timed region),
+// then, on CUDA, a start gate (start_gate.h) that holds every GPU until every rank has enqueued its
+// run (host threads leave a rendezvous microseconds apart; the GPUs leave the gate together).
 // No CUDA here: the clock is an interface (HostClock below for the CPU backend, EventClock in
 // timing.h for a CUDA stream), so one loop serves both backends.
 #pragma once
@@ -26,6 +28,10 @@ class RunClock {
   virtual void stop() = 0;
   // Microseconds from start() to stop(); waits for stop() to complete.
   virtual double elapsed_us() = 0;
+  // The group's start gate: hold() enqueues a wait at the gate for this clock's next ticket, open()
+  // opens the gate to it (every rank's clock counts the same tickets). Nothing on the host clock.
+  virtual void hold() {}
+  virtual void open() {}
 };
 
 // The CPU backend's clock: the host's steady clock around work that is done when its call returns.
@@ -76,7 +82,10 @@ class Rendezvous {
 
 // One rank's share of a group measurement: runs.warmup + runs.iterations times
 //   clock.flush() (if runs.flush_l2), prepare(), clock.wait(), seat.wait(),
-//   clock.start(), body(), clock.stop(), clock.elapsed_us();
+//   [clock.hold()], clock.start(), body(), clock.stop(), [seat.wait(), clock.open()], clock.elapsed_us();
+// the bracketed steps in every run but the first: the first run of a measurement is not held, so that
+// a library's first use of a kernel (a driver call that may wait for the GPU to idle) never waits
+// behind a held GPU;
 // every rank of the group calls it with the same runs. Returns this rank's timed runs in µs (the
 // warm-ups dropped); median_of_slowest over the ranks' vectors is the group's time.
 std::vector<double> time_group_runs(RunClock& clock, Rendezvous::Seat& seat, const Runs& runs,

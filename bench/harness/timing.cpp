@@ -78,7 +78,8 @@ std::vector<double> Timer::times_us(cudaStream_t stream, const std::function<voi
   return times;
 }
 
-EventClock::EventClock(cudaStream_t stream, bool flush_l2, size_t flush_bytes) : stream_(stream) {
+EventClock::EventClock(cudaStream_t stream, bool flush_l2, StartGate* gate, size_t flush_bytes)
+    : stream_(stream), gate_(gate) {
   if (flush_l2) {
     flush_ = DeviceMemory((flush_bytes == 0 ? default_flush_bytes() : flush_bytes) / 16 * 16);
     sink_ = DeviceMemory(16);
@@ -109,7 +110,17 @@ double EventClock::elapsed_us() {
   LATENTMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
   // A failed launch of the timed work that nothing checked surfaces here.
   LATENTMOE_CUDA_CHECK(cudaGetLastError());
+  LATENTMOE_CHECK(gate_ == nullptr || !gate_->timed_out(),
+                  "bench: a GPU waited at the group's start gate past its timeout (a rank never released it)");
   return 1000.0 * ms;
+}
+
+void EventClock::hold() {
+  if (gate_ != nullptr) gate_->hold(stream_, ++ticket_);
+}
+
+void EventClock::open() {
+  if (gate_ != nullptr) gate_->open(ticket_);
 }
 
 Graph::Graph(cudaStream_t stream, const std::function<void()>& body) {

@@ -25,6 +25,7 @@
 #include "cuda/common/cuda_check.h"  // LATENTMOE_CUDA_CHECK, LATENTMOE_CUBLAS_CHECK
 #include "harness/group_timing.h"
 #include "harness/runs.h"
+#include "harness/start_gate.h"
 
 namespace latentmoe::bench {
 
@@ -86,11 +87,12 @@ class Timer {
 
 // A RunClock on one CUDA stream (group_timing.h): CUDA events around the work, and the L2 flush by
 // reading (as Timer) when `flush_l2`; a group of ranks sharing one GPU flushes on one rank only.
+// `gate`: the group's start gate, shared by every rank's clock (null: hold and open do nothing).
 // Allocates at construction (before any rank of a group runs), never afterwards.
 class EventClock final : public RunClock {
  public:
   // flush_bytes 0: default_flush_bytes().
-  EventClock(cudaStream_t stream, bool flush_l2, size_t flush_bytes = 0);
+  EventClock(cudaStream_t stream, bool flush_l2, StartGate* gate = nullptr, size_t flush_bytes = 0);
   ~EventClock() override;
   EventClock(const EventClock&) = delete;
   EventClock& operator=(const EventClock&) = delete;
@@ -100,9 +102,13 @@ class EventClock final : public RunClock {
   void start() override;
   void stop() override;
   double elapsed_us() override;
+  void hold() override;
+  void open() override;
 
  private:
   cudaStream_t stream_;
+  StartGate* gate_;
+  uint32_t ticket_ = 0;
   DeviceMemory flush_;
   DeviceMemory sink_;
   cudaEvent_t start_ = nullptr;

@@ -12,7 +12,10 @@ each rank), the replicated W_up [d, l] and the latent norm's weight; then
     all_reduce       all_reduce of a [T, d] message
 Timing as latentmoe's: before every run each rank restores its partials and flushes the L2 (reads a
 buffer twice its size), all ranks meet (a barrier, then a device synchronise), CUDA events around the
-work on the rank's stream; warm-ups first; time_us is the median over the runs of the slowest rank's
+work on the rank's stream; warm-ups first. Like latentmoe's start gate, the GPUs, not the host threads,
+start each run together (after the first): the stream sleeps ~100 µs (torch.cuda._sleep) while the host
+enqueues the run, then an all-reduce of one element lines the GPUs up (they leave an NCCL collective
+within about a microsecond of each other), then the start event; time_us is the median over the runs of the slowest rank's
 time, time_us_per_rank each rank's median. Rank 0 writes JSON rows of latentmoe's schema (paths
 torch_unfused, torch_ar_then_rmsnorm, torch_all_reduce; placement "devices", backend "torch"), which
 bench/plot_tail.py draws beside latentmoe's rows. It needs one GPU per rank (NCCL refuses two ranks on
@@ -38,8 +41,12 @@ def rms_norm(x, gamma):
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + EPS) * gamma).to(x.dtype)
 
 
+SLEEP_CYCLES = 200_000  # ~100 µs at the H200's 1.98 GHz: longer than a host enqueues one run
+
+
 def time_runs(prepare, body, warmup, iterations, flush, sink):
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    align = torch.zeros(1, device="cuda")
     times = []
     for run in range(warmup + iterations):
         sink += flush.sum(dtype=torch.int64)  # read the flush buffer through the L2
@@ -47,6 +54,9 @@ def time_runs(prepare, body, warmup, iterations, flush, sink):
         torch.cuda.synchronize()
         dist.barrier()
         torch.cuda.synchronize()
+        if run > 0:  # the first run as latentmoe's: not held
+            torch.cuda._sleep(SLEEP_CYCLES)
+            dist.all_reduce(align)
         start.record()
         body()
         stop.record()

@@ -31,6 +31,9 @@ struct LamportPeers {
   const volatile int* abort = nullptr;  // the group's abort flag (host-mapped): non-zero releases every wait
   int* status = nullptr;                // this rank's error word (host-mapped): 0, or lamport_status()
   uint64_t timeout_ns = 0;              // the longest a wait may spin before the call fails
+  // How many ranks of the group share this rank's GPU (a simulated group: all of them): a spinning
+  // kernel takes at most 1 / (2 x this) of the SMs, so a peer's kernel on the same GPU can always start.
+  int ranks_per_gpu = 1;
 };
 
 enum class LamportOp : int { all_reduce = 1, reduce_scatter = 2, all_gather = 3, barrier = 4 };

@@ -108,6 +108,7 @@ class SimulatedGpuCommunicator final : public cuda::LamportCommunicator {
     peers_.abort = m.device_flags;
     peers_.status = m.device_flags + 1 + rank;
     peers_.timeout_ns = m.timeout_ns;
+    peers_.ranks_per_gpu = m.size;
   }
 
   int size() const override { return memory_->size; }
