@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -185,6 +186,47 @@ TEST(ShardLayout, unpacked_chunks_are_row_blocks_and_differ_from_column_blocks_a
   EXPECT_EQ(packed_index(0, 0, 3, 8, 4), 0);
   EXPECT_EQ(packed_index(0, 2, 3, 8, 4), 6);   // column block 1 starts after block 0's 3 rows x 2
   EXPECT_EQ(packed_index(2, 7, 3, 8, 4), 23);  // the last element stays last
+}
+
+TEST(OneShotTokens, the_default_is_64_and_the_variable_must_be_a_positive_integer) {
+  const char* saved = std::getenv("LATENTMOE_ONE_SHOT_MAX_TOKENS");
+  const std::string saved_value = saved != nullptr ? saved : "";
+  ::unsetenv("LATENTMOE_ONE_SHOT_MAX_TOKENS");
+  EXPECT_EQ(default_one_shot_tokens(), kDefaultOneShotTokens);
+  EXPECT_EQ(kDefaultOneShotTokens, 64);
+  ::setenv("LATENTMOE_ONE_SHOT_MAX_TOKENS", "256", 1);
+  EXPECT_EQ(default_one_shot_tokens(), 256);
+  for (const char* bad : {"0", "-3", "12x", "x", "2000000"}) {
+    ::setenv("LATENTMOE_ONE_SHOT_MAX_TOKENS", bad, 1);
+    EXPECT_THAT([] { default_one_shot_tokens(); },
+                ::testing::ThrowsMessage<Error>(HasSubstr("LATENTMOE_ONE_SHOT_MAX_TOKENS must be an integer")))
+        << bad;
+  }
+  if (saved != nullptr) {
+    ::setenv("LATENTMOE_ONE_SHOT_MAX_TOKENS", saved_value.c_str(), 1);
+  } else {
+    ::unsetenv("LATENTMOE_ONE_SHOT_MAX_TOKENS");
+  }
+}
+
+TEST(OneShotTokens, an_nccl_group_is_one_shot_up_to_the_bound_and_nccl_above) {
+  GpuGroupOptions options;
+  size_nccl_group(options, 4096, 7168 + 3584, 64);
+  EXPECT_EQ(options.capacity_elements, 64 * (7168 + 3584));
+  EXPECT_EQ(options.max_elements, 4096 * (7168 + 3584));
+  size_nccl_group(options, 8, 100, 64);  // fewer tokens than the bound: every message one-shot
+  EXPECT_EQ(options.capacity_elements, 800);
+  EXPECT_EQ(options.max_elements, 800);
+  EXPECT_THROW(size_nccl_group(options, 0, 100, 64), Error);
+  EXPECT_THROW(size_nccl_group(options, 8, 100, 0), Error);
+  // What the tiers then get: tier 0 and the rest one-shot up to 64 tokens, NCCL's staging above.
+  const LayerConfig config = latentmoe::testing::kimi_like_config();  // d 40, l 24
+  size_nccl_group(options, 100, config.hidden_size + config.latent_size, 4);
+  TierSupport support;
+  const GpuGroupLimits limits{DType::bf16, true, options.capacity_elements * 2, options.max_elements};
+  apply_gpu_group_limits(support, config, DType::bf16, 2, limits);
+  EXPECT_THAT(support.collectives, HasSubstr("NCCL above"));
+  EXPECT_EQ(support[TailTier::native].max_tokens, 100 * 64 / 40);
 }
 
 TEST(GpuGroupLimits, one_shot_only_bounds_every_tier_by_its_widest_message) {

@@ -104,6 +104,10 @@ Plan plan_of(const BenchTailOptions& options) {
   plan.group.placement = options.placement;
   plan.group.one_shot = options.collectives == "one_shot";
   plan.group.device = options.device;
+  LATENTMOE_CHECK(options.one_shot_max_tokens >= 0, "--one-shot-max-tokens ", options.one_shot_max_tokens,
+                  " is negative");
+  plan.group.one_shot_tokens =
+      options.one_shot_max_tokens > 0 ? options.one_shot_max_tokens : default_one_shot_tokens();
   parse_gpu_placement(options.placement);  // names the accepted placements
 
   plan.backend = resolve_backend_kind(requested);
@@ -275,6 +279,7 @@ TailPoint make_point(const Block& block, const Plan& plan, int64_t tokens, int64
   point.tokens = tokens;
   point.dtype = plan.dtype_label;
   point.collectives = plan.collectives;
+  point.one_shot_max_tokens = plan.group.one_shot_tokens;
   point.fused_up_projection_max_tokens = plan.backend == BackendKind::cpu ? 0 : plan.fused_up_projection_max_tokens;
   point.fused_up_projection_max_latent = plan.backend == BackendKind::cpu ? -1 : plan.fused_up_projection_max_latent;
   point.hidden_size = block.config.hidden_size;
@@ -323,8 +328,8 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
   const int tp = block.tp;
   const int64_t max_tokens = plan.tokens.back();
   // The widest message of a layer of T tokens: [T, d] or tier 0's [T, l + d/tp]; T (d + l) holds both.
-  BenchGroup group = make_bench_group(plan.backend, tp, plan.dtype,
-                                      max_tokens * (config.hidden_size + config.latent_size), plan.group);
+  BenchGroup group =
+      make_bench_group(plan.backend, tp, plan.dtype, max_tokens, config.hidden_size + config.latent_size, plan.group);
   std::vector<PointTimes> times(static_cast<size_t>(tp));
   bench::Rendezvous rendezvous(tp);
   TierSupport support;
@@ -478,7 +483,8 @@ std::string repro_line(const Plan& plan, const BenchTailOptions& options) {
   if (options.max_seconds > 0) line << " --max-seconds " << options.max_seconds;
   if (plan.backend != BackendKind::cpu) {
     line << " --placement " << options.placement << " --collectives " << options.collectives
-         << " --fused-up-projection-max-tokens " << options.fused_up_projection_max_tokens;
+         << " --one-shot-max-tokens " << plan.group.one_shot_tokens << " --fused-up-projection-max-tokens "
+         << options.fused_up_projection_max_tokens;
     if (options.fused_up_projection_max_latent >= 0) {
       line << " --fused-up-projection-max-latent " << options.fused_up_projection_max_latent;
     }

@@ -33,7 +33,7 @@ void check_group_request(BackendKind backend, const GroupRequest& request) {
   }
 }
 
-BenchGroup make_bench_group(BackendKind backend, int tp, DType dtype, int64_t capacity_elements,
+BenchGroup make_bench_group(BackendKind backend, int tp, DType dtype, int64_t max_tokens, int64_t per_token_elements,
                             const GroupRequest& request) {
   check_group_request(backend, request);
   BenchGroup group;
@@ -54,11 +54,15 @@ BenchGroup make_bench_group(BackendKind backend, int tp, DType dtype, int64_t ca
   GpuGroupOptions options;
   options.device = request.device;
   options.dtype = dtype;
-  options.capacity_elements = capacity_elements;
+  options.capacity_elements = max_tokens * per_token_elements;
   options.timeout = default_collective_timeout();
   if (placement == GpuPlacement::devices) {
-    options.max_elements = capacity_elements;
+    size_nccl_group(options, max_tokens, per_token_elements, request.one_shot_tokens);
     options.one_shot = request.one_shot;
+    if (request.one_shot) {
+      std::fprintf(stderr, "latentmoe bench tail: tp %d: one-shot collectives up to %lld tokens, NCCL above\n", tp,
+                   static_cast<long long>(request.one_shot_tokens));
+    }
     group.comms = make_nccl_gpu_group(tp, options);
     group.placement = "devices";
     for (int rank = 0; rank < tp; ++rank) group.rank_device.push_back(rank);

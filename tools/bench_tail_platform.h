@@ -35,13 +35,16 @@ struct GroupRequest {
   std::string placement = "auto";  // auto|simulated|devices (latentmoe/gpu_group.h's GpuPlacement)
   bool one_shot = true;            // false: every collective through NCCL (devices only): the NCCL baseline
   int device = 0;                  // simulated ranks: the GPU they share
+  int64_t one_shot_tokens = 64;    // ranks on GPUs of their own: one-shot up to this many tokens, NCCL above
 };
 
-// `tp` ranks whose collectives carry up to `capacity_elements` elements of `dtype` per rank. CUDA:
+// `tp` ranks whose collectives carry layers of up to `max_tokens` tokens of `per_token_elements`
+// (d + l) elements of `dtype` per rank: all of it one-shot on simulated ranks; on GPUs of their own
+// one-shot up to request.one_shot_tokens tokens and NCCL above (size_nccl_group). CUDA:
 // simulated on request.device, or on GPUs 0..tp-1 (one thread per GPU, NCCL) when `devices` (or `auto`
 // finds tp GPUs with peer access and NCCL); one line on stderr says which. The CPU: threads over the
 // in-process group ("simulated"; `devices` is refused).
-BenchGroup make_bench_group(BackendKind backend, int tp, DType dtype, int64_t capacity_elements,
+BenchGroup make_bench_group(BackendKind backend, int tp, DType dtype, int64_t max_tokens, int64_t per_token_elements,
                             const GroupRequest& request);
 
 // Checks a request before anything runs (throws Error naming the option).

@@ -181,6 +181,7 @@ nlohmann::json to_json(const TailRunInfo& info, const std::vector<TailPoint>& po
       row["touched_experts"] = point.touched_experts;
       row["placement"] = point.placement;
       row["collectives"] = point.collectives;
+      row["one_shot_max_tokens"] = point.one_shot_max_tokens;
       row["fused_up_projection_max_tokens"] = point.fused_up_projection_max_tokens;
       row["fused_up_projection_max_latent"] = point.fused_up_projection_max_latent;
       row["backend"] = info.backend;

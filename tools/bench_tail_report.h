@@ -68,6 +68,7 @@ struct TailPoint {
   std::string dtype;
   std::string placement = "simulated";          // "simulated" (every rank on one device) or "devices" (one per rank)
   std::string collectives = "one_shot";         // "one_shot" (the group's one-shot kernels, NCCL above) or "nccl"
+  int64_t one_shot_max_tokens = 0;              // ranks on GPUs of their own: one-shot up to this many tokens
   int fused_up_projection_max_tokens = 0;       // CUDA: tier 0's fused up-projection bound; the CPU: 0
   int64_t fused_up_projection_max_latent = -1;  // CUDA: its latent bound, -1: the dispatch's rule
   int64_t hidden_size = 0, latent_size = 0;

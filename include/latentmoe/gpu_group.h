@@ -81,6 +81,20 @@ struct GpuGroupOptions {
 // The default timeout, or LATENTMOE_COLLECTIVE_TIMEOUT_MS when set (a positive integer).
 std::chrono::milliseconds default_collective_timeout();
 
+// How many tokens of a layer the one-shot collectives of a group of GPUs of their own (NCCL groups)
+// carry by default; NCCL carries larger messages. The one-shot kernels win on latency and lose on
+// bandwidth: on two H200s (docs/PERFORMANCE.md, "Two real H200s") NCCL's all-reduce was faster from a
+// few hundred KB on. A group for layers of hidden size d and latent l then gets
+//   capacity_elements = min(T, one_shot_tokens) x (d + l),  max_elements = T x (d + l)
+// for T tokens (one_shot_group_elements below); tier 0, whose collective must be one-shot, runs up to
+// that many tokens. Simulated groups have no NCCL path and carry every message one-shot.
+inline constexpr int64_t kDefaultOneShotTokens = 64;
+// kDefaultOneShotTokens, or LATENTMOE_ONE_SHOT_MAX_TOKENS when set (an integer in 1..1048576).
+int64_t default_one_shot_tokens();
+// Sets options.capacity_elements and options.max_elements for layers of `per_token_elements` (d + l)
+// and up to `max_tokens` tokens: the one-shot path up to `one_shot_tokens` of them, NCCL above.
+void size_nccl_group(GpuGroupOptions& options, int64_t max_tokens, int64_t per_token_elements, int64_t one_shot_tokens);
+
 // Throws Error without CUDA or a GPU, for tp_size outside 1..16, or a capacity below 1.
 std::vector<std::unique_ptr<Communicator>> make_simulated_gpu_group(int tp_size, const GpuGroupOptions& options);
 

@@ -5,8 +5,8 @@
 //   ncclComm_t comm = ...;  // the engine's, initialised with NCCL_NVLS_ENABLE=0 in the environment
 //   latentmoe::GpuGroupOptions options;
 //   options.dtype = latentmoe::DType::bf16;
-//   options.capacity_elements = 64 * (d + l);   // one-shot up to 64 tokens
-//   options.max_elements = 4096 * std::max(d, l);  // NCCL above, up to 4096 tokens
+//   latentmoe::size_nccl_group(options, 4096, d + l, latentmoe::default_one_shot_tokens());
+//                                // one-shot up to 64 tokens (latentmoe/gpu_group.h), NCCL above, up to 4096
 //   auto communicator = latentmoe::make_nccl_communicator(comm, options);  // collective: every rank calls it
 //   latentmoe::Runner runner(config, parallel, weights, *communicator, runner_options);
 #pragma once

@@ -1,8 +1,9 @@
-// The portable part of latentmoe/gpu_group.h: the timeout default, the placements, and the stand-ins
+// The portable part of latentmoe/gpu_group.h: the timeout and one-shot defaults, the placements, and the stand-ins
 // that report a build without CUDA (src/cuda/comm/simulated_group.cpp and nccl_group.cpp define the
 // groups otherwise).
 #include "latentmoe/gpu_group.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -20,6 +21,25 @@ std::chrono::milliseconds default_collective_timeout() {
   LATENTMOE_CHECK(end != value && *end == '\0' && ms > 0 && ms <= 3600000,
                   "LATENTMOE_COLLECTIVE_TIMEOUT_MS must be an integer in 1..3600000 (milliseconds)");
   return std::chrono::milliseconds(ms);
+}
+
+int64_t default_one_shot_tokens() {
+  const char* value = std::getenv("LATENTMOE_ONE_SHOT_MAX_TOKENS");
+  if (value == nullptr || *value == '\0') return kDefaultOneShotTokens;
+  char* end = nullptr;
+  const long long tokens = std::strtoll(value, &end, 10);
+  LATENTMOE_CHECK(end != value && *end == '\0' && tokens >= 1 && tokens <= 1048576,
+                  "LATENTMOE_ONE_SHOT_MAX_TOKENS must be an integer in 1..1048576 (tokens)");
+  return tokens;
+}
+
+void size_nccl_group(GpuGroupOptions& options, int64_t max_tokens, int64_t per_token_elements,
+                     int64_t one_shot_tokens) {
+  LATENTMOE_CHECK(max_tokens >= 1 && per_token_elements >= 1 && one_shot_tokens >= 1, "GPU group: sized for ",
+                  max_tokens, " tokens of ", per_token_elements, " elements, the one-shot path for ", one_shot_tokens,
+                  " (each must be at least 1)");
+  options.capacity_elements = std::min(max_tokens, one_shot_tokens) * per_token_elements;
+  options.max_elements = max_tokens * per_token_elements;
 }
 
 std::string_view to_string(GpuPlacement placement) {

@@ -55,10 +55,14 @@ std::vector<RankResult> run_local_group(const LayerConfig& config,
     GpuGroupOptions group_options;
     group_options.dtype = dtype;
     // The largest message: [T, d] (the final all-reduce) or tier 0's [T, l + d/tp]; T (d + l) holds both.
-    group_options.capacity_elements = std::max<int64_t>(num_tokens, 1) * (config.hidden_size + config.latent_size);
+    // Simulated ranks carry all of it one-shot; ranks on GPUs of their own up to the default one-shot
+    // token count, NCCL above (latentmoe/gpu_group.h).
+    const int64_t per_token = config.hidden_size + config.latent_size;
+    group_options.capacity_elements = std::max<int64_t>(num_tokens, 1) * per_token;
     group_options.max_elements = group_options.capacity_elements;
     group_options.timeout = default_collective_timeout();
     if (resolve_gpu_placement(options.placement, options.tp_size) == GpuPlacement::devices) {
+      size_nccl_group(group_options, std::max<int64_t>(num_tokens, 1), per_token, default_one_shot_tokens());
       group = make_nccl_gpu_group(options.tp_size, group_options);
       rank_per_device = true;
     } else {
