@@ -12,8 +12,9 @@
 #   run        latentmoe demo on every GPU (--placement auto), then `latentmoe run` of its saved files
 #              at tp N on the GPUs against the CPU backend at tp N (scripts/compare_outputs.py)
 #   bench_tail latentmoe bench tail at tp 2, 4, 8 (those N allows): one GPU per rank with the one-shot
-#              kernels, then every collective through NCCL (--collectives nccl), the PyTorch peer
-#              (torchrun), and the plot with the peer
+#              kernels (NCCL above their default bound), then every collective through NCCL
+#              (--collectives nccl), then the one-shot kernels at every size (--one-shot-max-tokens
+#              4096), the PyTorch peer (torchrun), and the plot with the peer
 #   tune       latentmoe tune at the same tp sizes: the table for this machine (tune_h200_tpN.json)
 source "$(dirname "$0")/gpu_script_env.sh" "$@"
 gpus=$(nvidia-smi -L | grep -c '^GPU')
@@ -94,6 +95,11 @@ if has bench_tail; then
       --placement devices --collectives nccl --tp "$tps" --max-seconds 200 --commit "$commit" \
       --json "$out/tail_nccl.json" > "$out/tail_nccl.txt" 2>&1
     echo "bench tail (nccl) rc=$?"; tail -n 3 "$out/tail_nccl.txt"
+    # The one-shot kernels at every token count (past the default bound): where NCCL overtakes them.
+    LATENTMOE_COLLECTIVE_TIMEOUT_MS=10000 timeout 300 "$bin/latentmoe" bench tail --backend cuda \
+      --placement devices --one-shot-max-tokens 4096 --tp "$tps" --max-seconds 200 --commit "$commit" \
+      --json "$out/tail_one_shot_all.json" > "$out/tail_one_shot_all.txt" 2>&1
+    echo "bench tail (one-shot at every size) rc=$?"; tail -n 3 "$out/tail_one_shot_all.txt"
     for tp in ${tps//,/ }; do
       timeout 240 torchrun --nproc-per-node "$tp" bench/peers/torch_tail.py --commit "$commit" \
         --json "$out/torch_tail_tp$tp.json" > "$out/torch_tail_tp$tp.txt" 2>&1
