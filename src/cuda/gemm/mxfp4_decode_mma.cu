@@ -119,46 +119,62 @@ __device__ __forceinline__ void group_mma(float (&acc)[4], const GroupOperands& 
   acc[3] = fmaf(d[3], scale_hi * factor_odd, acc[3]);
 }
 
-// One lane's rows of a 16-row tile of one MXFP4 matrix: rows g and g + 8 (null past the matrix), their
-// code bytes 4t .. 4t + 3 of group 0 and their scale bytes of group 0.
+// One lane's rows of a 16-row tile of one MXFP4 matrix: rows g and g + 8 of the expert whose first row
+// is `first_row`, each clamped to the matrix's last row (a row past it is read but never stored: the
+// kernels store only rows < rows), so every load is unconditional; their code bytes 4t .. 4t + 3 of
+// group 0 and their scale bytes of group 0.
 struct TileRows {
-  const uint8_t* code_lo = nullptr;
-  const uint8_t* code_hi = nullptr;
-  const uint8_t* scale_lo = nullptr;
-  const uint8_t* scale_hi = nullptr;
+  const uint8_t* code_lo;
+  const uint8_t* code_hi;
+  const uint8_t* scale_lo;
+  const uint8_t* scale_hi;
 };
 
-__device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int64_t matrix_row0, int64_t row0, int t) {
+__device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int64_t first_row, int64_t row0, int t) {
   const int64_t row_bytes = m.cols / 2, groups = m.cols / kGroup;
-  TileRows r;
-  if (row0 < m.rows) {
-    r.code_lo = m.packed + matrix_row0 * row_bytes + 4 * t;
-    r.scale_lo = m.scales + matrix_row0 * groups;
-  }
-  if (row0 + 8 < m.rows) {
-    r.code_hi = m.packed + (matrix_row0 + 8) * row_bytes + 4 * t;
-    r.scale_hi = m.scales + (matrix_row0 + 8) * groups;
-  }
-  return r;
+  const int64_t lo = first_row + min(row0, m.rows - 1), hi = first_row + min(row0 + 8, m.rows - 1);
+  return TileRows{m.packed + lo * row_bytes + 4 * t, m.packed + hi * row_bytes + 4 * t, m.scales + lo * groups,
+                  m.scales + hi * groups};
 }
 
-// Codes and scales of groups q0 .. q0 + kChunk - 1 (zero past the matrix's groups or rows).
+// Codes and scales of groups q0 .. q0 + kChunk - 1. A whole chunk (the rule: q0 is warp-uniform) loads
+// from immediate offsets with no test; the last, partial one reads its missing groups as zero codes.
 __device__ __forceinline__ void load_chunk(GroupOperands (&op)[kChunk], const TileRows& r, int64_t q0, int64_t groups) {
-  const uint8_t* code_lo = r.code_lo + q0 * (kGroup / 2);
-  const uint8_t* code_hi = r.code_hi + q0 * (kGroup / 2);
+  if (q0 + kChunk <= groups) {
+    const uint8_t* code_lo = r.code_lo + q0 * (kGroup / 2);
+    const uint8_t* code_hi = r.code_hi + q0 * (kGroup / 2);
+    const uint8_t* scale_lo = r.scale_lo + q0;
+    const uint8_t* scale_hi = r.scale_hi + q0;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      op[j].code_lo = load_u32(code_lo + j * (kGroup / 2));
+      op[j].code_hi = load_u32(code_hi + j * (kGroup / 2));
+      op[j].scale_lo = __ldg(scale_lo + j);
+      op[j].scale_hi = __ldg(scale_hi + j);
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < kChunk; ++j) {
     const bool valid = q0 + j < groups;
-    op[j].code_lo = valid && r.code_lo != nullptr ? load_u32(code_lo + j * (kGroup / 2)) : 0u;
-    op[j].code_hi = valid && r.code_hi != nullptr ? load_u32(code_hi + j * (kGroup / 2)) : 0u;
-    op[j].scale_lo = valid && r.scale_lo != nullptr ? __ldg(r.scale_lo + q0 + j) : 0u;
-    op[j].scale_hi = valid && r.scale_hi != nullptr ? __ldg(r.scale_hi + q0 + j) : 0u;
+    op[j].code_lo = valid ? load_u32(r.code_lo + (q0 + j) * (kGroup / 2)) : 0u;
+    op[j].code_hi = valid ? load_u32(r.code_hi + (q0 + j) * (kGroup / 2)) : 0u;
+    op[j].scale_lo = valid ? __ldg(r.scale_lo + q0 + j) : 0u;
+    op[j].scale_hi = valid ? __ldg(r.scale_hi + q0 + j) : 0u;
   }
 }
 
+// The activation values of chunk q0 for this lane's token (zero when it takes no part, and past the
+// groups).
 template <class T>
-__device__ __forceinline__ uint4 load_x(const T* row, int64_t q, int t) {
-  return *reinterpret_cast<const uint4*>(row + q * kGroup + 8 * t);
+__device__ __forceinline__ void load_x_chunk(GroupOperands (&op)[kChunk], const T* row, bool active, int64_t q0,
+                                             int64_t groups, int t) {
+  const bool whole = q0 + kChunk <= groups;
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+    op[j].x = active && (whole || q0 + j < groups) ? *reinterpret_cast<const uint4*>(row + (q0 + j) * kGroup + 8 * t)
+                                                   : uint4{0, 0, 0, 0};
+  }
 }
 
 // ---- gate/up -------------------------------------------------------------------------------------
@@ -181,12 +197,12 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(Mxfp4GateUp
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTileRows + g;
-  const int64_t matrix_row0 = static_cast<int64_t>(expert) * p.up.rows + row0;
+  const int64_t first_row = static_cast<int64_t>(expert) * p.up.rows;
   const int64_t groups = p.up.cols / kGroup;
   const bool token_active = g < p.tokens && act_row[g] != INT_MAX;
   const T* z_row = static_cast<const T*>(p.z) + (token_active ? g * p.ld_z : 0);
-  const TileRows up_rows = tile_rows(p.up, matrix_row0, row0, t);
-  const TileRows gate_rows = kGated ? tile_rows(p.gate, matrix_row0, row0, t) : TileRows{};
+  const TileRows up_rows = tile_rows(p.up, first_row, row0, t);
+  const TileRows gate_rows = kGated ? tile_rows(p.gate, first_row, row0, t) : up_rows;
   float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   // Chunks of kChunk consecutive groups per warp (chunk c: groups kChunk c ..; the lanes of a row read
   // whole sectors), double-buffered: the loads of a warp's next chunk are issued before the MMAs of
@@ -195,12 +211,9 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(Mxfp4GateUp
   auto load = [&](GroupOperands(&u)[kChunk], GroupOperands(&v)[kChunk], int64_t chunk) {
     load_chunk(u, up_rows, chunk * kChunk, groups);
     if constexpr (kGated) load_chunk(v, gate_rows, chunk * kChunk, groups);
+    load_x_chunk(u, z_row, token_active, chunk * kChunk, groups, t);
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      const int64_t q = chunk * kChunk + j;
-      u[j].x = token_active && q < groups ? load_x(z_row, q, t) : uint4{0, 0, 0, 0};
-      v[j].x = u[j].x;
-    }
+    for (int j = 0; j < kChunk; ++j) v[j].x = u[j].x;
   };
   auto compute = [&](const GroupOperands(&u)[kChunk], const GroupOperands(&v)[kChunk]) {
 #pragma unroll
@@ -324,17 +337,23 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(Mxfp4DownCall 
   const int per_warp = (items + warps_total - 1) / warps_total;
   const int begin = min(items, (rank * kWarps + warp) * per_warp), end = min(items, begin + per_warp);
   int slot = chunks > 0 ? begin / chunks : 0, chunk = begin - slot * chunks;
+  // The current expert's rows, activation row and weights, recomputed only when the slot changes.
+  int rows_slot = -1, act_row = -1;
+  TileRows rows{};
+  const T* act = nullptr;
+  float2 slot_weight = make_float2(0.0f, 0.0f);
   auto load = [&](GroupOperands(&op)[kChunk], float2& weight) {
-    const int64_t q0 = static_cast<int64_t>(chunk) * kChunk;
-    const TileRows rows = tile_rows(p.down, static_cast<int64_t>(list.expert[slot]) * p.down.rows + row0, row0, t);
-    load_chunk(op, rows, q0, groups);
-    const int act_row = g < p.tokens ? list.act_row[slot][g] : -1;
-    const T* act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols;
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      op[j].x = act_row >= 0 && q0 + j < groups ? load_x(act, q0 + j, t) : uint4{0, 0, 0, 0};
+    if (slot != rows_slot) {
+      rows_slot = slot;
+      rows = tile_rows(p.down, static_cast<int64_t>(list.expert[slot]) * p.down.rows, row0, t);
+      act_row = g < p.tokens ? list.act_row[slot][g] : -1;
+      act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols;
+      slot_weight = make_float2(list.weight[slot][2 * t], list.weight[slot][2 * t + 1]);
     }
-    weight = make_float2(list.weight[slot][2 * t], list.weight[slot][2 * t + 1]);
+    const int64_t q0 = static_cast<int64_t>(chunk) * kChunk;
+    load_chunk(op, rows, q0, groups);
+    load_x_chunk(op, act, act_row >= 0, q0, groups, t);
+    weight = slot_weight;
     if (++chunk == chunks) {  // the next item
       chunk = 0;
       ++slot;
