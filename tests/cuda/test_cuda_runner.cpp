@@ -72,12 +72,12 @@ void set_edge_scales(HostTensor& scales) {
   for (int64_t i = 0; i < scales.numel(); i += 7) bytes[i] = kEdges[(i / 7) % 5];
 }
 
-// MXFP4 routed experts (issue 16) on the decode kernels, decoded in registers (bf16, f16: the
-// tensor-core kernels; f32: the CUDA-core ones): the whole layer at tp 1 and on 2 simulated ranks
-// against the CPU runner (which decodes exactly), situ and silu with a gate, relu2 without,
-// 1..8 tokens (tokens sharing experts), and 9 and 37 (run through the decode kernels 8 tokens at a
-// time), a latent long enough for the unrolled loop and its remainder (544 = 17 groups over 8 warps),
-// edge scale bytes.
+// MXFP4 routed experts (issue 16), decoded in registers: the whole layer at tp 1 and on 2 simulated
+// ranks against the CPU runner (which decodes exactly), situ and silu with a gate, relu2 without,
+// 1..8 tokens on the decode kernels (bf16, f16: tensor cores; f32: CUDA cores; tokens sharing experts),
+// 9, 37 and 150 tokens on the grouped tensor-core GEMMs (bf16, f16; f32 in batches of 8 on the decode
+// kernels), a latent long enough for the unrolled loop and its remainder (544 = 17 groups over 8 warps;
+// a partial last k-tile of the grouped GEMM), edge scale bytes.
 TEST(CudaRunner, mxfp4_experts_match_the_cpu_runner) {
   LATENTMOE_REQUIRE_GPU();
   LayerConfig kimi = resized(kimi_k3_config(), {40, 64, 6, 3, 256, 40});
@@ -96,7 +96,9 @@ TEST(CudaRunner, mxfp4_experts_match_the_cpu_runner) {
       set_edge_scales(weights.expert_gate_scale);
       set_edge_scales(weights.expert_up_scale);
       set_edge_scales(weights.expert_down_scale);
-      for (int64_t tokens : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{9}, int64_t{37}}) {
+      // 1-8 tokens: the decode kernels; 9, 37 and 150 the grouped tensor-core GEMMs' three MXFP4 tile shapes
+      // (about 5, 18 and 75 rows per expert here); f32 runs above 8 tokens in batches of 8.
+      for (int64_t tokens : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{9}, int64_t{37}, int64_t{150}}) {
         for (int tp : {1, 2}) {
           SCOPED_TRACE(std::string(to_string(config.activation)) + ", l " + std::to_string(config.latent_size) + ", " +
                        name_of(dtype) + ", T " + std::to_string(tokens) + ", tp " + std::to_string(tp));

@@ -413,6 +413,13 @@ void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorV
   s.blas->gemm(problem, s.blas_buffer(), kBlasWorkspaceBytes, s.current);
 }
 
+struct CudaBackend::RoutedBuffers {
+  void* layout = nullptr;
+  void* act_rows = nullptr;
+  void* y_rows = nullptr;
+  void* grouped = nullptr;
+};
+
 void CudaBackend::routed_experts(const ActivationParams& activation, const TensorView& z, const TensorView& topk_ids,
                                  const TensorView& topk_weights, const MlpWeights& experts, const TensorView& out) {
   State& s = *state_;
@@ -504,27 +511,8 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   LATENTMOE_CHECK(k >= 1 && k <= kMaxRouteTopK, "CUDA routed experts: top_k ", k, " is outside 1..", kMaxRouteTopK);
   s.mark_slot(s.routed_slots, "routed_experts");
 
-  // The workspace prepare() sized must hold this call's layout and rows.
-  const size_t element = dtype_size(z.dtype());
-  const int64_t num_pairs = num_tokens * k;
-  const size_t layout_needed =
-      moe_layout_workspace_bytes(num_tokens, static_cast<int>(k), static_cast<int>(num_experts));
-  const size_t act_needed = static_cast<size_t>(num_pairs * intermediate) * element;
-  const size_t y_needed = static_cast<size_t>(num_pairs * latent) * element;
-  const size_t grouped_needed =
-      grouped_gemm_workspace_bytes(num_tokens, static_cast<int>(k), static_cast<int>(num_experts));
-  LATENTMOE_CHECK(s.prepared && layout_needed <= s.layout_bytes && act_needed <= s.act_bytes && y_needed <= s.y_bytes &&
-                      grouped_needed <= s.grouped_bytes,
-                  "CUDA routed experts: the workspace prepared for max_tokens = ", s.spec.max_tokens,
-                  " (E = ", s.spec.num_experts, ", k = ", s.spec.top_k, ", l = ", s.spec.latent_size,
-                  ", I_r = ", s.spec.expert_intermediate, ") does not fit ", num_tokens,
-                  " tokens with E = ", num_experts, ", k = ", k, ", l = ", latent, ", I_r = ", intermediate,
-                  "; call prepare() with the layer's shapes before forward");
-  auto* base = static_cast<char*>(s.routed_workspace.get());
-  void* layout_workspace = base;
-  void* act_rows = base + s.layout_bytes;
-  void* y_rows = base + s.layout_bytes + s.act_bytes;
-  void* grouped_workspace = base + s.layout_bytes + s.act_bytes + s.y_bytes;
+  const RoutedBuffers buffers = routed_buffers(z.dtype(), num_tokens, k, num_experts, intermediate, latent);
+  void* act_rows = buffers.act_rows;
 
   // Decode: two skinny kernels do the whole step, the distinct experts found from topk_ids and the
   // combine folded into the down projection (act rows indexed by pair).
@@ -548,8 +536,6 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
                 s.current, s.skinny_shape);
     return;
   }
-  const MoeLayout layout = build_moe_layout(topk_ids.data_as<const int32_t>(), num_tokens, static_cast<int>(k),
-                                            static_cast<int>(num_experts), layout_workspace, s.layout_bytes, s.current);
   ExpertGemmWeights weights;
   weights.gate = gated ? experts.gate.data() : nullptr;
   weights.up = experts.up.data();
@@ -557,11 +543,48 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   weights.intermediate = intermediate;
   weights.latent = latent;
   weights.num_experts = static_cast<int>(num_experts);
-  grouped_gate_up(z.dtype(), activation, z.data(), layout, weights, act_rows, grouped_workspace, s.grouped_bytes,
+  grouped_routed_experts(activation, z, topk_ids, topk_weights, weights, out);
+}
+
+CudaBackend::RoutedBuffers CudaBackend::routed_buffers(DType dtype, int64_t num_tokens, int64_t k, int64_t num_experts,
+                                                       int64_t intermediate, int64_t latent) {
+  State& s = *state_;
+  // The workspace prepare() sized must hold this call's layout and rows.
+  const size_t element = dtype_size(dtype);
+  const int64_t num_pairs = num_tokens * k;
+  const size_t layout_needed =
+      moe_layout_workspace_bytes(num_tokens, static_cast<int>(k), static_cast<int>(num_experts));
+  const size_t act_needed = static_cast<size_t>(num_pairs * intermediate) * element;
+  const size_t y_needed = static_cast<size_t>(num_pairs * latent) * element;
+  const size_t grouped_needed =
+      grouped_gemm_workspace_bytes(num_tokens, static_cast<int>(k), static_cast<int>(num_experts));
+  LATENTMOE_CHECK(s.prepared && layout_needed <= s.layout_bytes && act_needed <= s.act_bytes && y_needed <= s.y_bytes &&
+                      grouped_needed <= s.grouped_bytes,
+                  "CUDA routed experts: the workspace prepared for max_tokens = ", s.spec.max_tokens,
+                  " (E = ", s.spec.num_experts, ", k = ", s.spec.top_k, ", l = ", s.spec.latent_size,
+                  ", I_r = ", s.spec.expert_intermediate, ") does not fit ", num_tokens,
+                  " tokens with E = ", num_experts, ", k = ", k, ", l = ", latent, ", I_r = ", intermediate,
+                  "; call prepare() with the layer's shapes before forward");
+  auto* base = static_cast<char*>(s.routed_workspace.get());
+  return RoutedBuffers{base, base + s.layout_bytes, base + s.layout_bytes + s.act_bytes,
+                       base + s.layout_bytes + s.act_bytes + s.y_bytes};
+}
+
+void CudaBackend::grouped_routed_experts(const ActivationParams& activation, const TensorView& z,
+                                         const TensorView& topk_ids, const TensorView& topk_weights,
+                                         const ExpertGemmWeights& weights, const TensorView& out) {
+  State& s = *state_;
+  const int64_t num_tokens = z.size(0), k = topk_ids.size(1);
+  const RoutedBuffers buffers =
+      routed_buffers(z.dtype(), num_tokens, k, weights.num_experts, weights.intermediate, weights.latent);
+  const MoeLayout layout = build_moe_layout(topk_ids.data_as<const int32_t>(), num_tokens, static_cast<int>(k),
+                                            weights.num_experts, buffers.layout, s.layout_bytes, s.current);
+  grouped_gate_up(z.dtype(), activation, z.data(), layout, weights, buffers.act_rows, buffers.grouped, s.grouped_bytes,
                   s.current);
-  grouped_down(z.dtype(), act_rows, layout, weights, y_rows, grouped_workspace, s.grouped_bytes, s.current);
-  launch_combine(z.dtype(), y_rows, layout.pair_rows, topk_weights.data_as<const float>(), static_cast<int>(k), output,
-                 s.current);
+  grouped_down(z.dtype(), buffers.act_rows, layout, weights, buffers.y_rows, buffers.grouped, s.grouped_bytes,
+               s.current);
+  launch_combine(z.dtype(), buffers.y_rows, layout.pair_rows, topk_weights.data_as<const float>(), static_cast<int>(k),
+                 as_rows(out, "routed expert output"), s.current);
 }
 
 void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView& x, const MlpWeights& mlp,

@@ -32,6 +32,8 @@
 
 namespace latentmoe::cuda {
 
+struct ExpertGemmWeights;  // cuda/gemm/grouped_gemm.h
+
 // The shapes the internal workspaces are sized for (core/backend.h).
 using WorkspaceSpec = ::latentmoe::detail::WorkspaceSpec;
 
@@ -150,6 +152,16 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
 
  private:
   struct State;
+  struct RoutedBuffers;
+  // This call's parts of the routed workspace (MoE layout, act rows, y rows, grouped-GEMM workspace),
+  // checked against what prepare() sized.
+  RoutedBuffers routed_buffers(DType dtype, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                               int64_t intermediate, int64_t latent);
+  // The grouped path of the routed experts (weights in the compute dtype or MXFP4): the MoE layout, the
+  // gate/up and down grouped GEMMs, the combine into `out`.
+  void grouped_routed_experts(const ::latentmoe::detail::ActivationParams& activation, const TensorView& z,
+                              const TensorView& topk_ids, const TensorView& topk_weights,
+                              const ExpertGemmWeights& weights, const TensorView& out);
   std::unique_ptr<State> state_;
 };
 

@@ -140,6 +140,22 @@ namespace {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// The mma.sync tile shape MXFP4 weights run with: the bf16 choice's row count, without wgmma (the
+// decode into shared memory is written for the mma.sync stages) and with three shapes instantiated.
+GemmVariant mxfp4_variant(GemmVariant variant) {
+  switch (variant) {
+    case GemmVariant::mma_s:
+    case GemmVariant::mma_s_wide:
+    case GemmVariant::mma_s_k128:
+      return GemmVariant::mma_s_wide;
+    case GemmVariant::mma_m32:
+    case GemmVariant::mma_m:
+      return GemmVariant::mma_m;
+    default:
+      return GemmVariant::mma_l4;
+  }
+}
+
 void check_common(DType dtype, const MoeLayout& layout, const ExpertGemmWeights& w, const char* what) {
   LATENTMOE_CHECK(is_compute_dtype(dtype), what, ": dtype ", dtype_name(dtype),
                   " is not a compute dtype (f32, bf16, f16)");
@@ -171,10 +187,21 @@ void attach_split_k(gg::MmaLaunch& launch, void* workspace, size_t workspace_byt
 void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& args, int64_t num_tokens,
          int64_t intermediate, int64_t latent, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const bool down = mode == gg::Mode::plain;
+  const bool mxfp4 = args.s0 != nullptr;
   GemmVariant variant = choice.variant;
   if (variant == GemmVariant::automatic) {
     variant = choose_variant(dtype, down, mode == gg::Mode::gated, num_tokens, args.top_k, args.num_experts,
                              intermediate, latent);
+    if (mxfp4) variant = mxfp4_variant(variant);
+  }
+  if (mxfp4) {
+    LATENTMOE_CHECK(grouped_mxfp4_supported(dtype, intermediate, latent),
+                    "grouped GEMM: MXFP4 experts need bf16 or f16 activations, compute capability 8.0 and l, I_r "
+                    "multiples of 32 (dtype ",
+                    dtype_name(dtype), ", l ", latent, ", I_r ", intermediate, ")");
+    LATENTMOE_CHECK(
+        aligned16(args.a) && aligned16(args.out) && aligned16(args.w0) && (args.w1 == nullptr || aligned16(args.w1)),
+        "grouped GEMM: MXFP4 experts need 16-byte aligned activations, outputs and codes");
   }
   const bool tensor_core_ok = dtype != DType::f32 && current_compute_capability() >= 80 && args.n % 8 == 0 &&
                               args.k % 8 == 0 && aligned16(args.a) && aligned16(args.w0) &&
@@ -200,6 +227,10 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.prefer_two_tiles = down;
   launch.k_splits = choice.k_splits;
   attach_split_k(launch, workspace, workspace_bytes);
+  if (mxfp4) {
+    gg::launch_mma_mxfp4(dtype, variant, mode, args, launch, stream);
+    return;
+  }
   if (variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall) {
     LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the ", detail::to_string(variant),
                     " variant needs an sm_90 device and sm_90a code");
@@ -228,6 +259,11 @@ void grouped_gate_up_variant(GemmChoice choice, DType dtype, const latentmoe::de
   args.a = z;
   args.w0 = gated ? w.gate : w.up;
   args.w1 = gated ? w.up : nullptr;
+  if (w.mxfp4()) {
+    LATENTMOE_CHECK(!gated || w.gate_scales != nullptr, "grouped_gate_up: the MXFP4 gate scales are missing");
+    args.s0 = gated ? w.gate_scales : w.up_scales;
+    args.s1 = gated ? w.up_scales : nullptr;
+  }
   args.out = act_rows;
   args.expert_offsets = layout.expert_offsets;
   args.sorted_pairs = layout.sorted_pairs;
@@ -252,6 +288,10 @@ void grouped_down_variant(GemmChoice choice, DType dtype, const void* act_rows, 
   gg::KernelArgs args;
   args.a = act_rows;
   args.w0 = w.down;
+  if (w.mxfp4()) {
+    LATENTMOE_CHECK(w.down_scales != nullptr, "grouped_down: the MXFP4 down scales are missing");
+    args.s0 = w.down_scales;
+  }
   args.out = y_rows;
   args.expert_offsets = layout.expert_offsets;
   args.sorted_pairs = nullptr;
@@ -276,6 +316,11 @@ void grouped_down(DType dtype, const void* act_rows, const MoeLayout& layout, co
                   void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   detail::grouped_down_variant(detail::GemmVariant::automatic, dtype, act_rows, layout, w, y_rows, workspace,
                                workspace_bytes, stream);
+}
+
+bool grouped_mxfp4_supported(DType dtype, int64_t intermediate, int64_t latent) {
+  return (dtype == DType::bf16 || dtype == DType::f16) && current_compute_capability() >= 80 &&
+         intermediate % 32 == 0 && latent % 32 == 0;
 }
 
 size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_experts) {

@@ -33,7 +33,20 @@ struct ExpertGemmWeights {
   int64_t intermediate = 0;    // I_r
   int64_t latent = 0;          // l
   int num_experts = 0;         // E (must equal layout.num_experts)
+  // MXFP4 experts (latentmoe/mxfp4.h): gate, up and down hold the packed E2M1 codes ([E, I_r, l/2] and
+  // [E, l, I_r/2], U8) and these their E8M0 scales ([E, I_r, l/32], [E, l, I_r/32]); null: the
+  // weights are in the compute dtype. Only where grouped_mxfp4_supported() holds.
+  const uint8_t* gate_scales = nullptr;
+  const uint8_t* up_scales = nullptr;
+  const uint8_t* down_scales = nullptr;
+  bool mxfp4() const { return up_scales != nullptr; }
 };
+
+// Whether the grouped GEMMs take MXFP4 experts of this shape here: bf16 or f16 activations, a GPU of
+// compute capability 8.0 or later, l and I_r multiples of 32. The tensor-core kernels then decode the
+// codes into each shared-memory stage (grouped_gemm_mma.cuh); the weights are never dequantised in
+// memory. The tile shape follows the bf16 kernels' choice, restricted to mma.sync tiles.
+bool grouped_mxfp4_supported(DType dtype, int64_t intermediate, int64_t latent);
 
 // act_rows [T*k, I_r]: for grouped row i of expert e (expert_offsets[e] <= i < expert_offsets[e+1]),
 // a[i] = act(u·Wg_e^T, u·Wu_e^T) with u = z[sorted_pairs[i] / top_k] (z [T, l]); fp32 accumulation, the

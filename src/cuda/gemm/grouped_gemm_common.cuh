@@ -23,7 +23,11 @@ struct KernelArgs {
   const void* a = nullptr;   // rows of A: z [T, K] (gathered through sorted_pairs) or act_rows [R, K]
   const void* w0 = nullptr;  // [E, N, K]: gate (gated), up (relu2) or down (plain)
   const void* w1 = nullptr;  // [E, N, K]: up (gated only)
-  void* out = nullptr;       // [R, N]
+  // MXFP4 weights (latentmoe/mxfp4.h; the tensor-core kernel's kMxfp4 instances only): w0 and w1 hold
+  // the packed E2M1 codes [E, N, K/2] and these their E8M0 scales [E, N, K/32].
+  const uint8_t* s0 = nullptr;
+  const uint8_t* s1 = nullptr;
+  void* out = nullptr;  // [R, N]
   const int32_t* expert_offsets = nullptr;
   const int32_t* sorted_pairs = nullptr;  // nullptr: A row = grouped row (down)
   int top_k = 1;

@@ -38,6 +38,9 @@ void launch_mma_bf16(detail::GemmVariant variant, Mode mode, KernelArgs args, co
                      cudaStream_t stream);
 void launch_mma_f16(detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
                     cudaStream_t stream);
+// MXFP4 weights (args.s0 set), dtype bf16 or f16, variant mma_s_wide, mma_m or mma_l4.
+void launch_mma_mxfp4(DType dtype, detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
+                      cudaStream_t stream);
 
 // n-tiles per CTA (1 or 2), from the shape and the expected number of m-tiles.
 int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,

@@ -15,6 +15,14 @@
 // Every warp holds the gate and up accumulators of the same output columns and applies the activation
 // in registers.
 //
+// MXFP4 weights (kMxfp4): the B operand is the experts' packed E2M1 codes and E8M0 scales. A thread
+// loads the code word and scale byte of its 16-byte chunks of step s + kStages - 1 into registers when
+// step s begins, and only after step s's MMAs decodes them (mxfp4_decode8: exact values times the
+// group's power of two) and stores them into that step's swizzled stage, which every warp finished
+// reading in step s - 1; the barrier at the top of the step that reads it makes the stores visible.
+// So the weight loads fly behind a step of tensor work, and everything after the stage is the bf16
+// kernel's. The codes are a quarter of the bf16 weights' bytes.
+//
 // Programmatic dependent launch (sm_90): the gate/up kernel lets the down kernel launch early; the down
 // kernel finds its tile and starts streaming its weights (which no earlier kernel writes) before
 // griddepcontrol.wait, and reads activation rows and writes its output only after it. Without the
@@ -23,6 +31,7 @@
 
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/grouped_gemm_common.cuh"
+#include "cuda/gemm/mxfp4_device.cuh"
 
 namespace latentmoe::cuda::gg {
 
@@ -116,7 +125,7 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * kBlockK + ((chunk ^ (row & 7)) << 3);
 }
 
-template <class T, class Cfg, Mode kMode>
+template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_kernel(const KernelArgs args) {
   constexpr int kBM = Cfg::kBlockM;
   constexpr int kBN = Cfg::kBlockN;
@@ -199,6 +208,52 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   const uint32_t s_b_u32 = smem_u32(s_b);
   const uint64_t weight_policy = evict_first_policy();
 
+  // MXFP4: this thread's chunks of one step in registers (the file comment).
+  const uint8_t* c_gate_or_w = nullptr;
+  const uint8_t* c_up = nullptr;
+  const uint8_t* sc_gate_or_w = nullptr;
+  const uint8_t* sc_up = nullptr;
+  if constexpr (kMxfp4) {
+    const size_t codes_stride = static_cast<size_t>(n) * (k / 2), scales_stride = static_cast<size_t>(n) * (k / 32);
+    c_gate_or_w = static_cast<const uint8_t*>(args.w0) + expert * codes_stride + b_chunk * 4;
+    sc_gate_or_w = args.s0 + expert * scales_stride;
+    if (kGated) {
+      c_up = static_cast<const uint8_t*>(args.w1) + expert * codes_stride + b_chunk * 4;
+      sc_up = args.s1 + expert * scales_stride;
+    }
+  }
+  uint32_t b_codes[kMxfp4 ? kBIters : 1];
+  uint32_t b_scales[kMxfp4 ? kBIters : 1];
+  auto fetch_b = [&](int step) {
+    const int nt = step / num_k_tiles;
+    const int k0 = (kt_first + step - nt * num_k_tiles) * kBK;
+    const int n0 = (nt_first + nt) * kOutPerTile;
+    const int kk = k0 + b_k_offset;
+    const bool k_ok = kk < k;
+#pragma unroll
+    for (int it = 0; it < kBIters; ++it) {
+      const int row = b_row0 + it * kRowStep;
+      const bool is_up = kGated && row >= kBN / 2;
+      const int col = n0 + (is_up ? row - kBN / 2 : row);
+      const bool ok = k_ok && col < n;
+      b_codes[it] = 0;
+      b_scales[it] = 0;
+      if (ok) {
+        b_codes[it] = __ldg(reinterpret_cast<const unsigned int*>((is_up ? c_up : c_gate_or_w) +
+                                                                  static_cast<size_t>(col) * (k / 2) + k0 / 2));
+        b_scales[it] = __ldg((is_up ? sc_up : sc_gate_or_w) + static_cast<size_t>(col) * (k / 32) + kk / 32);
+      }
+    }
+  };
+  auto store_b = [&](int stage) {
+#pragma unroll
+    for (int it = 0; it < kBIters; ++it) {
+      const int row = b_row0 + it * kRowStep;
+      const uint4 v = mxfp4_decode8<T>(b_codes[it], b_scales[it]);
+      *reinterpret_cast<uint4*>(s_b + stage * kBN * kBK + swizzle<kBK>(row, b_chunk)) = v;
+    }
+  };
+
   auto load_b = [&](int stage, int step) {
     const int nt = step / num_k_tiles;
     const int k0 = (kt_first + step - nt * num_k_tiles) * kBK;
@@ -234,7 +289,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   // A stages (one group).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_steps) load_b(s, s);
+    if (s < num_steps) {
+      if constexpr (kMxfp4) {
+        fetch_b(s);
+        store_b(s);
+      } else {
+        load_b(s, s);
+      }
+    }
     cp_async_commit();
   }
   if (!args.wait_before_tile) {
@@ -302,7 +364,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
       {
         const int next = step + kStages - 1;
         if (next < num_steps) {
-          load_b(next % kStages, next);
+          if constexpr (kMxfp4) {
+            fetch_b(next);
+          } else {
+            load_b(next % kStages, next);
+          }
           load_a(next % kStages, next);
         }
         cp_async_commit();
@@ -334,6 +400,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
             }
           }
         }
+      }
+      if constexpr (kMxfp4) {
+        const int next = step + kStages - 1;
+        if (next < num_steps) store_b(next % kStages);
       }
     }
     // After the last k-tile of n-tile nt: accumulator (i, j, q) is row warp_row0 + 16i + lane/4 (+8 for q >= 2),

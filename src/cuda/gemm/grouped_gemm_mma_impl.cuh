@@ -21,10 +21,10 @@ using CfgL4 = MmaConfig<96, 128, 64, 2, 4, 4, 2>;     // 8 warps (112 KB, 2 CTAs
 using CfgL = MmaConfig<128, 128, 64, 2, 4, 3, 2>;     // 8 warps (96 KB, 2 CTAs/SM)
 using CfgXL = MmaConfig<128, 256, 64, 2, 4, 3, 1>;    // 8 warps (144 KB, 1 CTA/SM)
 
-template <class T, class Cfg, Mode kMode>
+template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
 void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
   static std::atomic<uint64_t> done_mask{0};
-  auto kernel = grouped_mma_kernel<T, Cfg, kMode>;
+  auto kernel = grouped_mma_kernel<T, Cfg, kMode, kMxfp4>;
   ensure_smem_limit(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, &done_mask);
   const int out_per_tile = kMode == Mode::gated ? Cfg::kBlockN / 2 : Cfg::kBlockN;
   args.n_tiles = (args.n + out_per_tile - 1) / out_per_tile;
@@ -100,6 +100,39 @@ void launch_variant(detail::GemmVariant variant, const KernelArgs& args, const M
   }
   ::latentmoe::detail::throw_error("grouped GEMM: variant ", detail::to_string(variant),
                                    " is not a tensor-core variant");
+}
+
+// MXFP4 weights: the three tile shapes the automatic choice maps every problem to (grouped_gemm.cu;
+// the 128-row mma_l spilled 124 bytes with the code registers, the 96-row mma_l4 does not).
+template <class T, Mode kMode>
+void launch_mxfp4_variant(detail::GemmVariant variant, const KernelArgs& args, const MmaLaunch& launch,
+                          cudaStream_t stream) {
+  using V = detail::GemmVariant;
+  switch (variant) {
+    case V::mma_s_wide:
+      return launch_cfg<T, CfgSWide, kMode, true>(args, launch, stream);
+    case V::mma_m:
+      return launch_cfg<T, CfgM, kMode, true>(args, launch, stream);
+    case V::mma_l4:
+      return launch_cfg<T, CfgL4, kMode, true>(args, launch, stream);
+    default:
+      break;
+  }
+  ::latentmoe::detail::throw_error("grouped GEMM: variant ", detail::to_string(variant),
+                                   " has no MXFP4 instance (mma_s_wide, mma_m, mma_l4)");
+}
+
+template <class T>
+void launch_mma_mxfp4(detail::GemmVariant variant, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                      cudaStream_t stream) {
+  switch (mode) {
+    case Mode::gated:
+      return launch_mxfp4_variant<T, Mode::gated>(variant, args, launch, stream);
+    case Mode::relu2:
+      return launch_mxfp4_variant<T, Mode::relu2>(variant, args, launch, stream);
+    case Mode::plain:
+      return launch_mxfp4_variant<T, Mode::plain>(variant, args, launch, stream);
+  }
 }
 
 template <class T>

@@ -59,33 +59,6 @@ constexpr int kChunk = 2;            // consecutive scale groups a warp takes at
 constexpr int kMaxTokens = 8;        // the MMA's N
 constexpr int kMaxPairs = kThreads;  // tokens * top_k: one thread per pair in the routing prologues
 
-template <int kShift>
-__device__ __forceinline__ uint32_t shift_left(uint32_t w) {
-  if constexpr (kShift >= 0) {
-    return w << kShift;
-  } else {
-    return w >> -kShift;
-  }
-}
-
-// Nibbles i and i + 4 of `w` (E2M1: bit 3 the sign, bits 2..0 the magnitude) as a 2-element register
-// of T (nibble i in the low half), exact: the magnitude bits become the low exponent bits and the top
-// mantissa bit of a number that is E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (f16), then one multiply.
-template <class T, int kI>
-__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const uint32_t bits = (shift_left<6 - 4 * kI>(w) & 0x01C001C0u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
-    __nv_bfloat162 value = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-    value = __hmul2(value, __nv_bfloat162(__ushort_as_bfloat16(0x7E80), __ushort_as_bfloat16(0x7E80)));  // 2^126
-    return *reinterpret_cast<const uint32_t*>(&value);
-  } else {
-    const uint32_t bits = (shift_left<9 - 4 * kI>(w) & 0x0E000E00u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
-    __half2 value = *reinterpret_cast<const __half2*>(&bits);
-    value = __hmul2(value, __half2(__ushort_as_half(0x7400), __ushort_as_half(0x7400)));  // 2^14
-    return *reinterpret_cast<const uint32_t*>(&value);
-  }
-}
-
 // One lane's share of one scale group: the code words of rows g and g + 8, their scale bytes, and the
 // 8 activation values of token g (zero for a token beyond the call's or one that does not take part).
 struct GroupOperands {

@@ -1,7 +1,12 @@
-// Device helpers both MXFP4 decode kernel families share (mxfp4_decode.cu, mxfp4_decode_mma.cu).
+// Device helpers the MXFP4 kernels share (mxfp4_decode.cu, mxfp4_decode_mma.cu, and the grouped
+// tensor-core GEMM's MXFP4 weights, grouped_gemm_mma.cuh).
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "latentmoe/mxfp4.h"
 
@@ -13,6 +18,65 @@ inline constexpr int kMxfp4Group = static_cast<int>(kMxfp4GroupSize);
 // 2^(s - 127) as a float, exactly: s 1..254 normal, s 0 the subnormal 2^-127 (0xFF is refused at load).
 __device__ __forceinline__ float e8m0_scale(uint32_t s) {
   return __int_as_float(max(static_cast<int>(s) << 23, 0x00400000));  // s >= 1: s << 23 >= 0x00800000
+}
+
+template <int kShift>
+__device__ __forceinline__ uint32_t shift_left(uint32_t w) {
+  if constexpr (kShift >= 0) {
+    return w << kShift;
+  } else {
+    return w >> -kShift;
+  }
+}
+
+// Nibbles i and i + 4 of `w` (E2M1: bit 3 the sign, bits 2..0 the magnitude) as a 2-element register
+// of T (nibble i in the low half), exact: the magnitude bits become the low exponent bits and the top
+// mantissa bit of a number that is E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (f16), then one multiply.
+template <class T, int kI>
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t bits = (shift_left<6 - 4 * kI>(w) & 0x01C001C0u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
+    __nv_bfloat162 value = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+    value = __hmul2(value, __nv_bfloat162(__ushort_as_bfloat16(0x7E80), __ushort_as_bfloat16(0x7E80)));  // 2^126
+    return *reinterpret_cast<const uint32_t*>(&value);
+  } else {
+    const uint32_t bits = (shift_left<9 - 4 * kI>(w) & 0x0E000E00u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
+    __half2 value = *reinterpret_cast<const __half2*>(&bits);
+    value = __hmul2(value, __half2(__ushort_as_half(0x7400), __ushort_as_half(0x7400)));  // 2^14
+    return *reinterpret_cast<const uint32_t*>(&value);
+  }
+}
+
+// The 8 consecutive values of one code word (value i in nibble i, the even column low) times the group's
+// scale 2^(s - 127), as 8 elements of T in column order (16 bytes). bf16: the product is exact where it
+// is a bf16 (every scale byte but 254 and 253 with the largest codes, which overflow to infinity); f16:
+// exact for products inside f16's range, smaller ones round to f16 subnormals or zero, larger ones
+// overflow (the scale is applied in fp32, then rounded once).
+template <class T>
+__device__ __forceinline__ uint4 mxfp4_decode8(uint32_t code, uint32_t scale_byte) {
+  const uint32_t p0 = e2m1_pair<T, 0>(code), p1 = e2m1_pair<T, 1>(code);  // (v0, v4), (v1, v5)
+  const uint32_t p2 = e2m1_pair<T, 2>(code), p3 = e2m1_pair<T, 3>(code);  // (v2, v6), (v3, v7)
+  uint32_t words[4] = {__byte_perm(p0, p1, 0x5410), __byte_perm(p2, p3, 0x5410), __byte_perm(p0, p1, 0x7632),
+                       __byte_perm(p2, p3, 0x7632)};
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    // 2^(s - 127) as a bf16: exponent field s, or the subnormal 2^-127 for s = 0.
+    const uint16_t bits = static_cast<uint16_t>(scale_byte != 0 ? scale_byte << 7 : 0x0040u);
+    const __nv_bfloat162 scale(__ushort_as_bfloat16(bits), __ushort_as_bfloat16(bits));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]), scale);
+      words[i] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+  } else {
+    const float scale = e8m0_scale(scale_byte);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
+      const __half2 h = __floats2half2_rn(v.x * scale, v.y * scale);
+      words[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
 }  // namespace latentmoe::cuda
