@@ -431,6 +431,22 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
     const int64_t intermediate = experts.up.size(1), latent = 2 * experts.up.size(2);
     if (num_tokens == 0) return;
     s.mark_slot(s.routed_slots, "routed_experts");
+    if (num_tokens > kMxfp4DecodeMaxRows && grouped_mxfp4_supported(z.dtype(), intermediate, latent)) {
+      // Above decode sizes: the grouped tensor-core GEMMs, which decode the codes into each shared-memory
+      // stage (gemm/grouped_gemm_mma.cuh): each touched expert is read once per tile of its rows.
+      ExpertGemmWeights weights;
+      weights.gate = gated ? experts.gate.data() : nullptr;
+      weights.up = experts.up.data();
+      weights.down = experts.down.data();
+      weights.gate_scales = gated ? experts.gate_scale.data_as<uint8_t>() : nullptr;
+      weights.up_scales = experts.up_scale.data_as<uint8_t>();
+      weights.down_scales = experts.down_scale.data_as<uint8_t>();
+      weights.intermediate = intermediate;
+      weights.latent = latent;
+      weights.num_experts = static_cast<int>(num_experts);
+      grouped_routed_experts(activation, z, topk_ids, topk_weights, weights, out);
+      return;
+    }
     // The activations of at most kMxfp4DecodeMaxRows tokens at a time (the workspace holds max_tokens').
     const int64_t chunk_tokens = std::min<int64_t>(num_tokens, kMxfp4DecodeMaxRows);
     const size_t act_needed = static_cast<size_t>(chunk_tokens * k * intermediate) * dtype_size(z.dtype());
@@ -456,10 +472,9 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
     down.act = act;
     down.down = matrices(experts.down, experts.down_scale, latent, intermediate);
     down.ld_out = out.stride(0);
-    // The decode kernels take up to kMxfp4DecodeMaxRows tokens; more run through them in consecutive
-    // batches of that many (each batch reads its touched experts again: correct at any token count,
-    // but far from the weight-read floor above decode sizes until the prefill kernels exist,
-    // docs/MXFP4.md).
+    // The decode kernels take up to kMxfp4DecodeMaxRows tokens; more, where the grouped kernels do not
+    // take them (f32 activations), run through them in consecutive batches of that many, each batch
+    // reading its touched experts again.
     for (int64_t first = 0; first < num_tokens; first += kMxfp4DecodeMaxRows) {
       const int tokens = static_cast<int>(std::min<int64_t>(kMxfp4DecodeMaxRows, num_tokens - first));
       gate_up.tokens = down.tokens = tokens;
