@@ -16,6 +16,7 @@
 
 #include "cuda/gemm/grouped_gemm.h"
 #include "latentmoe/error.h"
+#include "latentmoe/mxfp4.h"
 
 namespace latentmoe::cuda {
 namespace {
@@ -62,6 +63,29 @@ HostArray random_array(DType dtype, size_t count, float scale, std::mt19937& rng
     const float v = round_through(dtype, dist(rng));
     out.values[i] = v;
     store_from_float(out.bytes.data(), dtype, static_cast<int64_t>(i), v);
+  }
+  return out;
+}
+
+// MXFP4 weights [rows, cols] (cols a multiple of 32): random codes (every code appears), scale bytes
+// `scale_lo`..`scale_lo + 2`, and the exact values they decode to.
+struct Mxfp4Array {
+  std::vector<double> values;
+  std::vector<unsigned char> codes;   // [rows, cols / 2]
+  std::vector<unsigned char> scales;  // [rows, cols / 32]
+};
+
+Mxfp4Array random_mxfp4(int64_t rows, int64_t cols, int scale_lo, std::mt19937& rng) {
+  Mxfp4Array out;
+  std::uniform_int_distribution<int> byte(0, 255), scale(scale_lo, scale_lo + 2);
+  out.codes.resize(rows * cols / 2);
+  out.scales.resize(rows * cols / 32);
+  for (auto& c : out.codes) c = static_cast<unsigned char>(byte(rng));
+  for (auto& c : out.scales) c = static_cast<unsigned char>(scale(rng));
+  out.values.resize(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    mxfp4_decode_row(out.codes.data() + r * cols / 2, out.scales.data() + r * cols / 32, 0, cols,
+                     out.values.data() + r * cols);
   }
   return out;
 }
@@ -145,7 +169,8 @@ double tolerance(DType dtype) { return dtype == DType::f32 ? 1e-5 : 1e-2; }
 // Everything one problem needs on the host and the device.
 class Problem {
  public:
-  Problem(const Case& c, uint32_t seed) : c_(c), rng_(seed) {
+  // mxfp4: the expert weights in MXFP4 (I_r and l multiples of 32), their decoded values the reference's.
+  Problem(const Case& c, uint32_t seed, bool mxfp4 = false) : c_(c), rng_(seed), mxfp4_(mxfp4) {
     act_.activation = c.activation;
     act_.situ_beta = 4.0f;
     act_.situ_linear_beta = 25.0f;
@@ -157,6 +182,19 @@ class Problem {
     if (gated()) gate_ = random_array(c.dtype, E * I * l, 2.0f * w_scale, rng_);
     up_ = random_array(c.dtype, E * I * l, 2.0f * w_scale, rng_);
     down_ = random_array(c.dtype, E * l * I, 1.0f / std::sqrt(static_cast<float>(I)), rng_);
+    if (mxfp4) {
+      // Scales near 2^-6 (gate/up) and 2^-5 (down): values up to 6 x 2^-4, sums of order one.
+      auto adopt = [&](HostArray& host, std::unique_ptr<DeviceMem>& d_scales, int64_t rows, int64_t cols, int lo) {
+        Mxfp4Array m = random_mxfp4(rows, cols, lo, rng_);
+        host.values = std::move(m.values);
+        host.bytes = std::move(m.codes);
+        d_scales = std::make_unique<DeviceMem>(m.scales.size());
+        cudaMemcpy(d_scales->get(), m.scales.data(), m.scales.size(), cudaMemcpyHostToDevice);
+      };
+      if (gated()) adopt(gate_, d_gate_scales_, E * I, l, 119);
+      adopt(up_, d_up_scales_, E * I, l, 119);
+      adopt(down_, d_down_scales_, E * l, I, 120);
+    }
     d_gate_ = std::make_unique<DeviceMem>(gate_.bytes.size());
     d_up_ = std::make_unique<DeviceMem>(up_.bytes.size());
     d_down_ = std::make_unique<DeviceMem>(down_.bytes.size());
@@ -212,6 +250,11 @@ class Problem {
     w.intermediate = c_.intermediate;
     w.latent = c_.latent;
     w.num_experts = c_.num_experts;
+    if (mxfp4_) {
+      w.gate_scales = gated() ? static_cast<const uint8_t*>(d_gate_scales_->get()) : nullptr;
+      w.up_scales = static_cast<const uint8_t*>(d_up_scales_->get());
+      w.down_scales = static_cast<const uint8_t*>(d_down_scales_->get());
+    }
     return w;
   }
 
@@ -304,6 +347,8 @@ class Problem {
   HostLayout layout_;
   std::unique_ptr<DeviceMem> d_gate_, d_up_, d_down_, d_z_, d_act_, d_y_, d_offsets_, d_sorted_, d_pair_rows_,
       d_workspace_;
+  bool mxfp4_ = false;
+  std::unique_ptr<DeviceMem> d_gate_scales_, d_up_scales_, d_down_scales_;
 };
 
 class GroupedGemmCase : public ::testing::TestWithParam<Case> {};
@@ -371,6 +416,43 @@ INSTANTIATE_TEST_SUITE_P(
         // 16 rows per expert and 384+ output columns: the automatic choice is wgmma on an H200.
         Case{"bf16_silu_t64_i384_l512_auto", DType::bf16, Activation::silu, 64, 8, 0, 2, 384, 512, -1}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// MXFP4 weights on the tensor-core kernels (issue 16's prefill path): the three instantiated tile shapes,
+// several n-tiles per CTA, forced split-K, the automatic choice, against the fp64 loop over the decoded
+// weights; odd shapes (a partial n-tile, l of 5 and 17 scale groups: a partial last k-tile); other
+// variants and f32 are refused.
+TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Case cases[] = {
+      // name, dtype, act, T, E, Z, k, I_r, l, heavy
+      Case{"mxfp4_bf16_situ_t17_i192_l1024", DType::bf16, Activation::situ, 17, 8, 1, 3, 192, 1024, -1},
+      Case{"mxfp4_f16_relu2_t133_i192_l544_heavy", DType::f16, Activation::relu2, 133, 8, 2, 2, 192, 544, 3},
+      Case{"mxfp4_bf16_silu_t300_i96_l160", DType::bf16, Activation::silu, 300, 4, 0, 2, 96, 160, -1},
+  };
+  for (const Case& c : cases) {
+    ASSERT_TRUE(grouped_mxfp4_supported(c.dtype, c.intermediate, c.latent)) << c.name;
+    Problem problem(c, 99u + static_cast<uint32_t>(c.num_tokens), /*mxfp4=*/true);
+    const GemmChoice choices[] = {GemmChoice(GemmVariant::automatic),     GemmChoice(GemmVariant::mma_s_wide),
+                                  GemmChoice(GemmVariant::mma_s_wide, 3), GemmChoice(GemmVariant::mma_s_wide, 0, 2),
+                                  GemmChoice(GemmVariant::mma_m),         GemmChoice(GemmVariant::mma_m, 3),
+                                  GemmChoice(GemmVariant::mma_l4),        GemmChoice(GemmVariant::mma_l4, 2)};
+    for (const GemmChoice& choice : choices) {
+      const std::string what = c.name + " / " + detail::to_string(choice.variant) + " x" +
+                               std::to_string(choice.n_tiles_per_cta) + " split " + std::to_string(choice.k_splits);
+      problem.poison();
+      problem.run(choice, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+      problem.check(what);
+    }
+    problem.poison();
+    problem.run_public(nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    problem.check(c.name + " / public");
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mma_l), nullptr), Error) << c.name;
+  }
+  EXPECT_FALSE(grouped_mxfp4_supported(DType::f32, 192, 1024));
+  EXPECT_FALSE(grouped_mxfp4_supported(DType::bf16, 200, 1024));  // I_r not a multiple of 32
+}
 
 // Captures `enqueue` into a CUDA graph once and replays it three times, with a new layout and new inputs
 // written into the same buffers before the second and third replay, checking every replay.

@@ -16,12 +16,15 @@
 // in registers.
 //
 // MXFP4 weights (kMxfp4): the B operand is the experts' packed E2M1 codes and E8M0 scales. A thread
-// loads the code word and scale byte of its 16-byte chunks of step s + kStages - 1 into registers when
-// step s begins, and only after step s's MMAs decodes them (mxfp4_decode8: exact values times the
-// group's power of two) and stores them into that step's swizzled stage, which every warp finished
-// reading in step s - 1; the barrier at the top of the step that reads it makes the stores visible.
-// So the weight loads fly behind a step of tensor work, and everything after the stage is the bf16
-// kernel's. The codes are a quarter of the bf16 weights' bytes.
+// owns whole scale groups of the B tile (16 code bytes, 32 values of one weight row): it copies each
+// one's codes (16 bytes) and the aligned 4-byte word holding its scale byte with cp.async into a ring
+// of kStages raw stages, as the bf16 kernel copies its weights, kStages - 1 steps ahead. At the end of
+// step s, once its own copies of step s + 1 have landed (a thread's cp.async data is visible to it
+// after its own wait, so no barrier), it decodes them (mxfp4_decode8: exact values times the group's
+// power of two) into the swizzled bf16 tile (s + 1) % 2 of a double buffer, which every warp finished
+// reading in step s - 1; the barrier at the top of step s + 1 publishes it. From there on the MMAs are
+// the bf16 kernel's. The decode of step 0 runs at the end of the prologue. The raw ring is per
+// thread (nobody reads another's groups), so it needs no barrier either.
 //
 // Programmatic dependent launch (sm_90): the gate/up kernel lets the down kernel launch early; the down
 // kernel finds its tile and starts streaming its weights (which no earlier kernel writes) before
@@ -46,6 +49,10 @@ struct MmaConfig {
   static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the register budget must allow
   static constexpr int kThreads = kWarpsM * kWarpsN * 32;
   static constexpr int kSmemBytes = kStages * (kBlockM + kBlockN) * kBlockK * 2;
+  // MXFP4 weights: A's stages, a double-buffered bf16 B tile, and the raw ring (per scale group 16 code
+  // bytes and a 4-byte scale word).
+  static constexpr int kSmemBytesMxfp4 =
+      kStages * kBlockM * kBlockK * 2 + 2 * kBlockN * kBlockK * 2 + kStages * (kBlockN * kBlockK / 32) * 20;
   static_assert(kBlockK % 64 == 0, "the swizzle needs rows of at least 8 16-byte chunks");
   static_assert(kBlockM % (16 * kWarpsM) == 0, "warp rows must be whole 16-row sub-tiles");
   static_assert(kBlockN % (16 * kWarpsN) == 0, "warp columns must be whole pairs of 8-column tiles");
@@ -70,6 +77,10 @@ __device__ __forceinline__ void cp_async_16_stream(uint32_t dst, const void* src
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
                "r"(bytes), "l"(policy));
+}
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -142,7 +153,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* s_a = reinterpret_cast<T*>(smem_raw);  // [kStages][kBM][kBK]
-  T* s_b = s_a + kStages * kBM * kBK;       // [kStages][kBN][kBK]
+  T* s_b = s_a + kStages * kBM * kBK;       // [kStages][kBN][kBK] (MXFP4: [2][kBN][kBK])
+  // MXFP4 only: the raw ring, [kStages][kBN * kBK / 32] groups of 16 code bytes, then as many scale words.
+  constexpr int kGroupsK = kBK / 32;
+  constexpr int kUnits = kBN * kGroupsK;  // scale groups per B tile
+  unsigned char* s_raw = reinterpret_cast<unsigned char*>(s_b + (kMxfp4 ? 2 : kStages) * kBN * kBK);
   __shared__ TileInfo s_tile;
   __shared__ int s_scan[kThreads / 32];
   __shared__ int s_row_src[kBM];
@@ -208,52 +223,67 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   const uint32_t s_b_u32 = smem_u32(s_b);
   const uint64_t weight_policy = evict_first_policy();
 
-  // MXFP4: this thread's chunks of one step in registers (the file comment).
+  // MXFP4 (the file comment): this thread's scale groups of the B tile, copied raw, decoded later.
   const uint8_t* c_gate_or_w = nullptr;
   const uint8_t* c_up = nullptr;
   const uint8_t* sc_gate_or_w = nullptr;
   const uint8_t* sc_up = nullptr;
   if constexpr (kMxfp4) {
+    static_assert(kUnits % kThreads == 0, "B tile scale groups must divide evenly over the threads");
     const size_t codes_stride = static_cast<size_t>(n) * (k / 2), scales_stride = static_cast<size_t>(n) * (k / 32);
-    c_gate_or_w = static_cast<const uint8_t*>(args.w0) + expert * codes_stride + b_chunk * 4;
+    c_gate_or_w = static_cast<const uint8_t*>(args.w0) + expert * codes_stride;
     sc_gate_or_w = args.s0 + expert * scales_stride;
     if (kGated) {
-      c_up = static_cast<const uint8_t*>(args.w1) + expert * codes_stride + b_chunk * 4;
+      c_up = static_cast<const uint8_t*>(args.w1) + expert * codes_stride;
       sc_up = args.s1 + expert * scales_stride;
     }
   }
-  uint32_t b_codes[kMxfp4 ? kBIters : 1];
-  uint32_t b_scales[kMxfp4 ? kBIters : 1];
-  auto fetch_b = [&](int step) {
+  const uint32_t s_raw_u32 = smem_u32(s_raw);
+  // Unit u = tid + i * kThreads: tile row u / kGroupsK, scale group u % kGroupsK of the k-tile. Calls
+  // f(i, row, group, col, kk, ok) for step `step`'s units of this thread.
+  auto for_each_unit = [&](int step, auto&& f) {
     const int nt = step / num_k_tiles;
     const int k0 = (kt_first + step - nt * num_k_tiles) * kBK;
     const int n0 = (nt_first + nt) * kOutPerTile;
-    const int kk = k0 + b_k_offset;
-    const bool k_ok = kk < k;
 #pragma unroll
-    for (int it = 0; it < kBIters; ++it) {
-      const int row = b_row0 + it * kRowStep;
+    for (int i = 0; i < kUnits / kThreads; ++i) {
+      const int u = tid + i * kThreads;
+      const int row = u / kGroupsK, group = u % kGroupsK;
       const bool is_up = kGated && row >= kBN / 2;
       const int col = n0 + (is_up ? row - kBN / 2 : row);
-      const bool ok = k_ok && col < n;
-      b_codes[it] = 0;
-      b_scales[it] = 0;
-      if (ok) {
-        b_codes[it] = __ldg(reinterpret_cast<const unsigned int*>((is_up ? c_up : c_gate_or_w) +
-                                                                  static_cast<size_t>(col) * (k / 2) + k0 / 2));
-        b_scales[it] = __ldg((is_up ? sc_up : sc_gate_or_w) + static_cast<size_t>(col) * (k / 32) + kk / 32);
-      }
+      const int kk = k0 + group * 32;
+      f(i, row, group, is_up, col, kk, kk < k && col < n);
     }
   };
-  auto store_b = [&](int stage) {
+  auto copy_raw = [&](int stage, int step) {
+    for_each_unit(step, [&](int i, int, int, bool is_up, int col, int kk, bool ok) {
+      const int u = tid + i * kThreads;
+      const uint8_t* codes = (is_up ? c_up : c_gate_or_w) + static_cast<size_t>(col) * (k / 2) + kk / 2;
+      cp_async_16_stream(s_raw_u32 + (stage * kUnits + u) * 16, ok ? codes : c_gate_or_w, ok, weight_policy);
+      // The scale byte's aligned word (it never reaches past the byte, so never past the array).
+      const uintptr_t scale =
+          reinterpret_cast<uintptr_t>((is_up ? sc_up : sc_gate_or_w) + static_cast<size_t>(col) * (k / 32) + kk / 32);
+      cp_async_4(s_raw_u32 + kStages * kUnits * 16 + (stage * kUnits + u) * 4,
+                 ok ? reinterpret_cast<const void*>(scale & ~uintptr_t{3}) : c_gate_or_w, ok);
+    });
+  };
+  auto decode_raw = [&](int stage, int step) {
+    for_each_unit(step, [&](int i, int row, int group, bool is_up, int col, int kk, bool) {
+      const int u = tid + i * kThreads;
+      const uint4 codes = *reinterpret_cast<const uint4*>(s_raw + (stage * kUnits + u) * 16);
+      const uint32_t word =
+          *reinterpret_cast<const uint32_t*>(s_raw + kStages * kUnits * 16 + (stage * kUnits + u) * 4);
+      const uintptr_t scale =
+          reinterpret_cast<uintptr_t>((is_up ? sc_up : sc_gate_or_w) + static_cast<size_t>(col) * (k / 32) + kk / 32);
+      const uint32_t scale_byte = (word >> ((scale & 3) * 8)) & 0xFFu;
+      T* tile = s_b + (step % 2) * kBN * kBK;
+      const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
 #pragma unroll
-    for (int it = 0; it < kBIters; ++it) {
-      const int row = b_row0 + it * kRowStep;
-      const uint4 v = mxfp4_decode8<T>(b_codes[it], b_scales[it]);
-      *reinterpret_cast<uint4*>(s_b + stage * kBN * kBK + swizzle<kBK>(row, b_chunk)) = v;
-    }
+      for (int c = 0; c < 4; ++c) {
+        *reinterpret_cast<uint4*>(tile + swizzle<kBK>(row, group * 4 + c)) = mxfp4_decode8<T>(words[c], scale_byte);
+      }
+    });
   };
-
   auto load_b = [&](int stage, int step) {
     const int nt = step / num_k_tiles;
     const int k0 = (kt_first + step - nt * num_k_tiles) * kBK;
@@ -291,8 +321,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_steps) {
       if constexpr (kMxfp4) {
-        fetch_b(s);
-        store_b(s);
+        copy_raw(s, s);
       } else {
         load_b(s, s);
       }
@@ -317,6 +346,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
     if (s < num_steps) load_a(s, s);
   }
   cp_async_commit();
+  if constexpr (kMxfp4) {
+    // Step 0's weights, decoded by the threads that copied them; the first barrier publishes them.
+    if (num_steps > 0) {
+      cp_async_wait<0>();
+      decode_raw(0, 0);
+    }
+  }
 
   float acc[kMt][kNt][4];
   auto zero_accumulators = [&] {
@@ -365,7 +401,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
         const int next = step + kStages - 1;
         if (next < num_steps) {
           if constexpr (kMxfp4) {
-            fetch_b(next);
+            copy_raw(next % kStages, next);
           } else {
             load_b(next % kStages, next);
           }
@@ -376,7 +412,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
       if (mt_valid > 0) {
         const int stage = step % kStages;
         const uint32_t a_stage = s_a_u32 + stage * kBM * kBK * 2 + a_lane_row;
-        const uint32_t b_stage = s_b_u32 + stage * kBN * kBK * 2;
+        const uint32_t b_stage = s_b_u32 + (kMxfp4 ? step % 2 : stage) * kBN * kBK * 2;
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
           // Every row a lane addresses is congruent to lane mod 8, so the swizzled chunk depends on kk and
@@ -402,8 +438,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
         }
       }
       if constexpr (kMxfp4) {
-        const int next = step + kStages - 1;
-        if (next < num_steps) store_b(next % kStages);
+        // Step + 1's raw groups were committed kStages - 2 groups ago: wait for them, decode them.
+        if (step + 1 < num_steps) {
+          cp_async_wait<kStages - 2>();
+          decode_raw((step + 1) % kStages, step + 1);
+        }
       }
     }
     // After the last k-tile of n-tile nt: accumulator (i, j, q) is row warp_row0 + 16i + lane/4 (+8 for q >= 2),

@@ -25,7 +25,8 @@ template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
 void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
   static std::atomic<uint64_t> done_mask{0};
   auto kernel = grouped_mma_kernel<T, Cfg, kMode, kMxfp4>;
-  ensure_smem_limit(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, &done_mask);
+  constexpr int kSmem = kMxfp4 ? Cfg::kSmemBytesMxfp4 : Cfg::kSmemBytes;
+  ensure_smem_limit(reinterpret_cast<const void*>(kernel), kSmem, &done_mask);
   const int out_per_tile = kMode == Mode::gated ? Cfg::kBlockN / 2 : Cfg::kBlockN;
   args.n_tiles = (args.n + out_per_tile - 1) / out_per_tile;
   const int num_k_tiles = (args.k + Cfg::kBlockK - 1) / Cfg::kBlockK;
@@ -72,7 +73,7 @@ void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
   LATENTMOE_CHECK(blocks < (int64_t{1} << 31), "grouped GEMM: too many tiles (", blocks, ")");
 
   launch_kernel("grouped GEMM (tensor-core kernel)", launch.programmatic, kernel, dim3(static_cast<unsigned>(blocks)),
-                dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, args);
+                dim3(Cfg::kThreads), kSmem, stream, args);
 }
 
 template <class T, Mode kMode>
