@@ -351,6 +351,23 @@ class Problem {
   std::unique_ptr<DeviceMem> d_gate_scales_, d_up_scales_, d_down_scales_;
 };
 
+// Runs every choice on fresh poison and checks it, then the public entry points (automatic choice,
+// workspace as sized).
+void check_choices(Problem& problem, const std::string& name, const std::vector<GemmChoice>& choices) {
+  for (const GemmChoice& choice : choices) {
+    const std::string what = name + " / " + detail::to_string(choice.variant) + " x" +
+                             std::to_string(choice.n_tiles_per_cta) + " split " + std::to_string(choice.k_splits);
+    problem.poison();
+    problem.run(choice, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+    problem.check(what);
+  }
+  problem.poison();
+  problem.run_public(nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  problem.check(name + " / public");
+}
+
 class GroupedGemmCase : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GroupedGemmCase, every_variant_matches_fp64_reference) {
@@ -372,19 +389,7 @@ TEST_P(GroupedGemmCase, every_variant_matches_fp64_reference) {
       choices.emplace_back(v, 0, 3);
     }
   }
-  for (const GemmChoice& choice : choices) {
-    const std::string what = c.name + " / " + detail::to_string(choice.variant) + " x" +
-                             std::to_string(choice.n_tiles_per_cta) + " split " + std::to_string(choice.k_splits);
-    problem.poison();
-    problem.run(choice, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
-    problem.check(what);
-  }
-  // The public entry points (automatic choice, workspace as sized).
-  problem.poison();
-  problem.run_public(nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  problem.check(c.name + " / public");
+  check_choices(problem, c.name, choices);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -436,18 +441,7 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
                                   GemmChoice(GemmVariant::mma_s_wide, 3), GemmChoice(GemmVariant::mma_s_wide, 0, 2),
                                   GemmChoice(GemmVariant::mma_m),         GemmChoice(GemmVariant::mma_m, 3),
                                   GemmChoice(GemmVariant::mma_l4),        GemmChoice(GemmVariant::mma_l4, 2)};
-    for (const GemmChoice& choice : choices) {
-      const std::string what = c.name + " / " + detail::to_string(choice.variant) + " x" +
-                               std::to_string(choice.n_tiles_per_cta) + " split " + std::to_string(choice.k_splits);
-      problem.poison();
-      problem.run(choice, nullptr);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
-      problem.check(what);
-    }
-    problem.poison();
-    problem.run_public(nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    problem.check(c.name + " / public");
+    check_choices(problem, c.name, {std::begin(choices), std::end(choices)});
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mma_l), nullptr), Error) << c.name;
   }
   EXPECT_FALSE(grouped_mxfp4_supported(DType::f32, 192, 1024));

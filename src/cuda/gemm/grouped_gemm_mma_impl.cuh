@@ -76,76 +76,60 @@ void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
                 dim3(Cfg::kThreads), kSmem, stream, args);
 }
 
-template <class T, Mode kMode>
+// kMxfp4: MXFP4 weights, instantiated for the three tile shapes the automatic choice maps every problem
+// to (grouped_gemm.cu; the 128-row mma_l spilled with the MXFP4 copies, the 96-row mma_l4 does not).
+template <class T, Mode kMode, bool kMxfp4>
 void launch_variant(detail::GemmVariant variant, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
   using V = detail::GemmVariant;
-  switch (variant) {
-    case V::mma_s:
-      return launch_cfg<T, CfgS, kMode>(args, launch, stream);
-    case V::mma_s_wide:
-      return launch_cfg<T, CfgSWide, kMode>(args, launch, stream);
-    case V::mma_s_k128:
-      return launch_cfg<T, CfgSK128, kMode>(args, launch, stream);
-    case V::mma_m32:
-      return launch_cfg<T, CfgM32, kMode>(args, launch, stream);
-    case V::mma_l4:
-      return launch_cfg<T, CfgL4, kMode>(args, launch, stream);
-    case V::mma_m:
-      return launch_cfg<T, CfgM, kMode>(args, launch, stream);
-    case V::mma_l:
-      return launch_cfg<T, CfgL, kMode>(args, launch, stream);
-    case V::mma_xl:
-      return launch_cfg<T, CfgXL, kMode>(args, launch, stream);
-    default:
-      break;
-  }
-  ::latentmoe::detail::throw_error("grouped GEMM: variant ", detail::to_string(variant),
-                                   " is not a tensor-core variant");
-}
-
-// MXFP4 weights: the three tile shapes the automatic choice maps every problem to (grouped_gemm.cu;
-// the 128-row mma_l spilled 124 bytes with the code registers, the 96-row mma_l4 does not).
-template <class T, Mode kMode>
-void launch_mxfp4_variant(detail::GemmVariant variant, const KernelArgs& args, const MmaLaunch& launch,
-                          cudaStream_t stream) {
-  using V = detail::GemmVariant;
-  switch (variant) {
-    case V::mma_s_wide:
-      return launch_cfg<T, CfgSWide, kMode, true>(args, launch, stream);
-    case V::mma_m:
-      return launch_cfg<T, CfgM, kMode, true>(args, launch, stream);
-    case V::mma_l4:
-      return launch_cfg<T, CfgL4, kMode, true>(args, launch, stream);
-    default:
-      break;
-  }
-  ::latentmoe::detail::throw_error("grouped GEMM: variant ", detail::to_string(variant),
-                                   " has no MXFP4 instance (mma_s_wide, mma_m, mma_l4)");
-}
-
-template <class T>
-void launch_mma_mxfp4(detail::GemmVariant variant, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
-                      cudaStream_t stream) {
-  switch (mode) {
-    case Mode::gated:
-      return launch_mxfp4_variant<T, Mode::gated>(variant, args, launch, stream);
-    case Mode::relu2:
-      return launch_mxfp4_variant<T, Mode::relu2>(variant, args, launch, stream);
-    case Mode::plain:
-      return launch_mxfp4_variant<T, Mode::plain>(variant, args, launch, stream);
+  if constexpr (kMxfp4) {
+    switch (variant) {
+      case V::mma_s_wide:
+        return launch_cfg<T, CfgSWide, kMode, true>(args, launch, stream);
+      case V::mma_m:
+        return launch_cfg<T, CfgM, kMode, true>(args, launch, stream);
+      case V::mma_l4:
+        return launch_cfg<T, CfgL4, kMode, true>(args, launch, stream);
+      default:
+        break;
+    }
+    ::latentmoe::detail::throw_error("grouped GEMM: variant ", detail::to_string(variant),
+                                     " has no MXFP4 instance (mma_s_wide, mma_m, mma_l4)");
+  } else {
+    switch (variant) {
+      case V::mma_s:
+        return launch_cfg<T, CfgS, kMode>(args, launch, stream);
+      case V::mma_s_wide:
+        return launch_cfg<T, CfgSWide, kMode>(args, launch, stream);
+      case V::mma_s_k128:
+        return launch_cfg<T, CfgSK128, kMode>(args, launch, stream);
+      case V::mma_m32:
+        return launch_cfg<T, CfgM32, kMode>(args, launch, stream);
+      case V::mma_l4:
+        return launch_cfg<T, CfgL4, kMode>(args, launch, stream);
+      case V::mma_m:
+        return launch_cfg<T, CfgM, kMode>(args, launch, stream);
+      case V::mma_l:
+        return launch_cfg<T, CfgL, kMode>(args, launch, stream);
+      case V::mma_xl:
+        return launch_cfg<T, CfgXL, kMode>(args, launch, stream);
+      default:
+        break;
+    }
+    ::latentmoe::detail::throw_error("grouped GEMM: variant ", detail::to_string(variant),
+                                     " is not a tensor-core variant");
   }
 }
 
-template <class T>
+template <class T, bool kMxfp4 = false>
 void launch_mma(detail::GemmVariant variant, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
                 cudaStream_t stream) {
   switch (mode) {
     case Mode::gated:
-      return launch_variant<T, Mode::gated>(variant, args, launch, stream);
+      return launch_variant<T, Mode::gated, kMxfp4>(variant, args, launch, stream);
     case Mode::relu2:
-      return launch_variant<T, Mode::relu2>(variant, args, launch, stream);
+      return launch_variant<T, Mode::relu2, kMxfp4>(variant, args, launch, stream);
     case Mode::plain:
-      return launch_variant<T, Mode::plain>(variant, args, launch, stream);
+      return launch_variant<T, Mode::plain, kMxfp4>(variant, args, launch, stream);
   }
 }
 

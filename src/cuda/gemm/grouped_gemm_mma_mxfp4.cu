@@ -6,9 +6,9 @@ namespace latentmoe::cuda::gg {
 void launch_mma_mxfp4(DType dtype, detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
                       cudaStream_t stream) {
   if (dtype == DType::bf16) {
-    launch_mma_mxfp4<__nv_bfloat16>(variant, mode, args, launch, stream);
+    launch_mma<__nv_bfloat16, true>(variant, mode, args, launch, stream);
   } else {
-    launch_mma_mxfp4<__half>(variant, mode, args, launch, stream);
+    launch_mma<__half, true>(variant, mode, args, launch, stream);
   }
 }
 
