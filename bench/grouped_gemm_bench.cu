@@ -10,7 +10,11 @@
 //
 //   grouped_gemm_bench [--presets kimi-k3,nemotron3-super] [--tp-shards 8,1] [--tokens 1,8,64,256,1024,4096]
 //                      [--variants automatic|all|mma_s,mma_l,...] [--phases gate_up,down,both]
-//                      [--json FILE] [--commit SHA]
+//                      [--weights bf16|mxfp4] [--json FILE] [--commit SHA]
+// --weights mxfp4: the experts' weights as MXFP4 codes (random bytes) and E8M0 scales (2^-6), the
+// activations bf16; their bytes counted at 17/32 byte per weight; "all" then sweeps the three tile
+// shapes that have MXFP4 instances. (Below 64 tokens the layer runs MXFP4 on the decode kernels
+// instead: latentmoe bench layer --experts mxfp4 measures both.)
 // Timing, the repro line and the JSON go through the benchmark harness (bench/harness/timing.h).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -270,6 +274,7 @@ int run(int argc, char** argv) {
   std::string json_path;
   std::string commit = "unknown";
   std::string phases_arg = "gate_up,down,both";
+  std::string weights_arg = "bf16";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -290,12 +295,18 @@ int run(int argc, char** argv) {
       commit = next();
     else if (a == "--phases")
       phases_arg = next();
+    else if (a == "--weights")
+      weights_arg = next();
     else
       latentmoe::detail::throw_error("unknown argument ", a);
   }
+  LATENTMOE_CHECK(weights_arg == "bf16" || weights_arg == "mxfp4", "--weights ", weights_arg, " is not bf16 or mxfp4");
+  const bool mxfp4 = weights_arg == "mxfp4";
   // Variants swept: "automatic" (the library's choice), "all" (every tensor-core variant), or a list.
   std::vector<GemmChoice> variants;
-  if (variants_arg == "all") {
+  if (variants_arg == "all" && mxfp4) {
+    for (GemmVariant v : {GemmVariant::mma_s_wide, GemmVariant::mma_m, GemmVariant::mma_l4}) variants.emplace_back(v);
+  } else if (variants_arg == "all") {
     for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
       if ((v == GemmVariant::wgmma || v == GemmVariant::wgmma_tall) && !latentmoe::cuda::detail::wgmma_available())
         continue;
@@ -309,7 +320,8 @@ int run(int argc, char** argv) {
       .flag("--tp-shards", tp_arg)
       .flag("--tokens", tokens_arg)
       .flag("--variants", variants_arg)
-      .flag("--phases", phases_arg);
+      .flag("--phases", phases_arg)
+      .flag("--weights", weights_arg);
 
   int device = 0;
   LATENTMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -335,6 +347,7 @@ int run(int argc, char** argv) {
   report["copy_bandwidth_tb_per_s"] = copy_bw / 1e12;
   report["gemm_bf16_tflop_per_s"] = gemm_rate / 1e12;
   report["layouts_rotated"] = kNumLayouts;
+  report["weights"] = weights_arg;
   report["repro"] = repro.line();
   report["rows"] = nlohmann::json::array();
   // Rewritten after every row, so that a run cut short still leaves its rows.
@@ -354,17 +367,35 @@ int run(int argc, char** argv) {
       const int64_t ir = p.intermediate / tp;
       const int64_t l = p.latent;
       const size_t mat = static_cast<size_t>(p.num_experts) * ir * l;  // elements of one stacked matrix
-      DeviceMemory gate, up(mat * 2), down(mat * 2);
+      // bf16: 2 bytes per weight. MXFP4: half a byte of code (random bytes: random bf16 bits) and a
+      // scale byte per 32 weights.
+      const size_t mat_bytes = mxfp4 ? mat / 2 : mat * 2;
+      DeviceMemory gate, up(mat_bytes), down(mat_bytes), gate_scales, up_scales, down_scales;
+      auto fill_weights = [&](const DeviceMemory& m, float scale, uint64_t seed) {
+        fill(m.get(), m.bytes() / 2, scale, seed, stream);
+      };
       if (gated) {
-        gate = DeviceMemory(mat * 2);
-        fill(gate.get(), mat, 2.0f / std::sqrt(float(l)), 11, stream);
+        gate = DeviceMemory(mat_bytes);
+        fill_weights(gate, 2.0f / std::sqrt(float(l)), 11);
       }
-      fill(up.get(), mat, 2.0f / std::sqrt(float(l)), 12, stream);
-      fill(down.get(), mat, 1.0f / std::sqrt(float(ir)), 13, stream);
+      fill_weights(up, 2.0f / std::sqrt(float(l)), 12);
+      fill_weights(down, 1.0f / std::sqrt(float(ir)), 13);
+      if (mxfp4) {
+        LATENTMOE_CHECK(latentmoe::cuda::grouped_mxfp4_supported(DType::bf16, ir, l), p.name, " at tp-shard ", tp,
+                        ": MXFP4 needs I/tp (", ir, ") and l multiples of 32");
+        for (DeviceMemory* s : {&gate_scales, &up_scales, &down_scales}) {
+          if (s == &gate_scales && !gated) continue;
+          *s = DeviceMemory(mat / 32);
+          LATENTMOE_CUDA_CHECK(cudaMemsetAsync(s->get(), 0x79, mat / 32, stream));  // 2^-6
+        }
+      }
       ExpertGemmWeights w;
       w.gate = gate.get();
       w.up = up.get();
       w.down = down.get();
+      w.gate_scales = static_cast<const uint8_t*>(gate_scales.get());
+      w.up_scales = static_cast<const uint8_t*>(up_scales.get());
+      w.down_scales = static_cast<const uint8_t*>(down_scales.get());
       w.intermediate = ir;
       w.latent = l;
       w.num_experts = p.num_experts;
@@ -384,8 +415,9 @@ int run(int argc, char** argv) {
         r.tokens = tokens;
         r.touched = layouts.mean_touched;
         const double weight_mats = gated ? 2.0 : 1.0;
-        r.gu_bytes = r.touched * weight_mats * ir * l * 2 + tokens * l * 2.0 + pairs * ir * 2.0;
-        r.down_bytes = r.touched * ir * l * 2.0 + pairs * ir * 2.0 + pairs * l * 2.0;
+        const double weight_bytes = mxfp4 ? 0.5 + 1.0 / 32 : 2.0;
+        r.gu_bytes = r.touched * weight_mats * ir * l * weight_bytes + tokens * l * 2.0 + pairs * ir * 2.0;
+        r.down_bytes = r.touched * ir * l * weight_bytes + pairs * ir * 2.0 + pairs * l * 2.0;
         r.gu_flops = 2.0 * pairs * l * ir * weight_mats;
         r.down_flops = 2.0 * pairs * ir * l;
         r.gu_byte_floor_ms = r.gu_bytes / copy_bw * 1e3;
@@ -399,10 +431,11 @@ int run(int argc, char** argv) {
 
         for (const GemmChoice& v : variants) {
           const auto resolve = [&](bool is_down) {
+            const auto choose =
+                mxfp4 ? latentmoe::cuda::detail::choose_mxfp4_variant : latentmoe::cuda::detail::choose_variant;
             const GemmVariant resolved =
                 v.variant == GemmVariant::automatic
-                    ? latentmoe::cuda::detail::choose_variant(DType::bf16, is_down, gated && !is_down, tokens, p.top_k,
-                                                              p.num_experts, ir, l)
+                    ? choose(DType::bf16, is_down, gated && !is_down, tokens, p.top_k, p.num_experts, ir, l)
                     : v.variant;
             std::string name = latentmoe::cuda::detail::to_string(resolved);
             if (v.n_tiles_per_cta > 0) name += ":ng" + std::to_string(v.n_tiles_per_cta);

@@ -136,14 +136,11 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
   return GemmVariant::mma_l4;
 }
 
-namespace {
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
-// The mma.sync tile shape MXFP4 weights run with: the bf16 choice's row count, without wgmma (the
-// decode into shared memory is written for the mma.sync stages) and with three shapes instantiated.
-GemmVariant mxfp4_variant(GemmVariant variant) {
-  switch (variant) {
+GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
+                                 int64_t intermediate, int64_t latent) {
+  // The bf16 choice's row count, without wgmma (the decode into shared memory is written for the
+  // mma.sync stages) and on the three shapes instantiated.
+  switch (choose_variant(dtype, down, gated, num_tokens, top_k, num_experts, intermediate, latent)) {
     case GemmVariant::mma_s:
     case GemmVariant::mma_s_wide:
     case GemmVariant::mma_s_k128:
@@ -155,6 +152,10 @@ GemmVariant mxfp4_variant(GemmVariant variant) {
       return GemmVariant::mma_l4;
   }
 }
+
+namespace {
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 void check_common(DType dtype, const MoeLayout& layout, const ExpertGemmWeights& w, const char* what) {
   LATENTMOE_CHECK(is_compute_dtype(dtype), what, ": dtype ", dtype_name(dtype),
@@ -190,9 +191,10 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   const bool mxfp4 = args.s0 != nullptr;
   GemmVariant variant = choice.variant;
   if (variant == GemmVariant::automatic) {
-    variant = choose_variant(dtype, down, mode == gg::Mode::gated, num_tokens, args.top_k, args.num_experts,
-                             intermediate, latent);
-    if (mxfp4) variant = mxfp4_variant(variant);
+    variant = mxfp4 ? choose_mxfp4_variant(dtype, down, mode == gg::Mode::gated, num_tokens, args.top_k,
+                                           args.num_experts, intermediate, latent)
+                    : choose_variant(dtype, down, mode == gg::Mode::gated, num_tokens, args.top_k, args.num_experts,
+                                     intermediate, latent);
   }
   if (mxfp4) {
     LATENTMOE_CHECK(grouped_mxfp4_supported(dtype, intermediate, latent),
