@@ -138,19 +138,17 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
 
 GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                                  int64_t intermediate, int64_t latent) {
-  // The bf16 choice's row count, without wgmma (the decode into shared memory is written for the
-  // mma.sync stages) and on the three shapes instantiated.
-  switch (choose_variant(dtype, down, gated, num_tokens, top_k, num_experts, intermediate, latent)) {
-    case GemmVariant::mma_s:
-    case GemmVariant::mma_s_wide:
-    case GemmVariant::mma_s_k128:
-      return GemmVariant::mma_s_wide;
-    case GemmVariant::mma_m32:
-    case GemmVariant::mma_m:
-      return GemmVariant::mma_m;
-    default:
-      return GemmVariant::mma_l4;
-  }
+  // The mma.sync shapes with MXFP4 instances, by rows per touched expert as choose_variant picks them
+  // without wgmma (the decode into shared memory is written for the mma.sync stages). Measured on an
+  // H200 (grouped_gemm_bench --weights mxfp4 --variants all, docs/MXFP4.md): the best of the three at
+  // 64-4096 tokens of kimi-k3 tp-shard 8 and 1.
+  (void)dtype, (void)down, (void)gated, (void)intermediate, (void)latent;
+  const int64_t pairs = num_tokens * top_k;
+  const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, pairs));
+  const int64_t mean_rows = pairs / touched;
+  if (num_tokens <= 16 || mean_rows <= 16) return GemmVariant::mma_s_wide;
+  if (mean_rows <= 48) return GemmVariant::mma_m;
+  return GemmVariant::mma_l4;
 }
 
 namespace {

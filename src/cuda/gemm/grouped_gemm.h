@@ -114,8 +114,8 @@ int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident);
 // gated: the gate/up projection of silu/situ (two weight matrices); false for relu2's and for down.
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                            int64_t intermediate, int64_t latent);
-// The tile shape `automatic` takes with MXFP4 weights: choose_variant's row count on the mma.sync tile
-// shapes that have MXFP4 instances (mma_s_wide, mma_m, mma_l4).
+// The tile shape `automatic` takes with MXFP4 weights, by rows per touched expert: mma_s_wide up to 16,
+// mma_m up to 48, mma_l4 above (the mma.sync shapes that have MXFP4 instances).
 GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                                  int64_t intermediate, int64_t latent);
 
