@@ -59,7 +59,8 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   void bind_stream(StreamHandle stream) override;
   void synchronize() override;
 
-  // Refuses what the kernels cannot run (MXFP4 experts, top_k and E beyond their limits).
+  // Refuses what the kernels cannot run (top_k and E beyond their limits; MXFP4 experts run at any shape
+  // the loader accepts).
   void check_layer(const LayerConfig& config, DType dtype, int tp_size) override;
   // Sizes the workspaces for `spec` exactly (the rank context: the maximum over its layers; tests).
   void prepare(const WorkspaceSpec& spec) override;
