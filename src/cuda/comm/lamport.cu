@@ -17,20 +17,23 @@
 //     waits about one round trip per pack instead of one per element and source. A pack may be seen
 //     in parts; a part still holding the sentinel is polled again. The sums are the same, in the same
 //     order, as with one element per access.
-//   - During call e a rank clears (back to the sentinel) the slot of call e-1. Safe because a peer
-//     writes that slot again only in call e+2, which it reaches only after it has received this
-//     rank's message of call e+1, which this rank sends after call e has completed (the calls of one
-//     rank are stream-ordered kernels: each is a programmatic dependent that waits for the previous
-//     kernel before it touches memory, and none triggers its dependents early). Likewise a peer can
-//     be at most one call ahead, so it never writes the slot being read or cleared.
-//   - The epoch lives on the device: the last CTA of a call to arrive (state[1]) advances it and
-//     records how many bytes per region the call used (state[2 + slot]), so a captured CUDA graph
-//     replays correctly and the host keeps no per-call state.
+//   - A receiver clears each pack of its regions (back to the sentinel) as soon as it has read it in
+//     full, in the same call: the clearing costs what the call's own message does, whatever size the
+//     call before it had (clearing the previous call's slot instead made a one-row call after a
+//     64-token one clear megabytes with one CTA). Safe because a pack is cleared only once every part
+//     of it has arrived, and no peer writes that slot again before call e+3 (three in rotation), which
+//     it reaches only after receiving this rank's message of call e+2, which this rank sends after call
+//     e has completed (the calls of one rank are stream-ordered kernels: each is a programmatic
+//     dependent that waits for the previous kernel before it touches memory, and none triggers its
+//     dependents early). Likewise a peer can be at most one call ahead, so it never writes a slot
+//     being read or cleared.
+//   - The epoch lives on the device: the last CTA of a call to arrive (state[1]) advances it, so a
+//     captured CUDA graph replays correctly and the host keeps no per-call state.
 //   - An all-gather's send step may run in the kernel that produces the block instead (presend: a
 //     GEMM epilogue stores each element into every peer's region of the slot its own epoch names,
 //     lamport_device.cuh); the same argument holds, because that kernel runs after the rank's
 //     previous call has completed, and the all-gather kernel that follows it on the stream receives,
-//     clears and advances the epoch as usual.
+//     clears what it read and advances the epoch as usual.
 //   - Every wait is bounded: past timeout_ns on the global timer, or when the host sets the group's
 //     abort flag, the waiting thread gives up, the call records its failure in *status (first error
 //     wins) and the kernel completes; the host reads the word at its check point. A group that
@@ -181,6 +184,18 @@ __device__ __forceinline__ void wait_for_all(const LamportPeers& peers, int slot
   }
 }
 
+// Re-arms the pack at `offset` of every source's region for this rank in `slot` (read in full).
+template <class T, int kWidth>
+__device__ __forceinline__ void clear_all(const LamportPeers& peers, int slot, int64_t offset) {
+  Pack<T, kWidth> idle;
+#pragma unroll
+  for (int i = 0; i < kWidth; ++i) idle.v[i] = from_bits<T>(Bits<T>::sentinel);
+#pragma unroll
+  for (int s = 0; s < kMaxLamportRanks; ++s) {
+    if (s < peers.size) store_pack(region_of<T>(peers, peers.rank, slot, s) + offset, idle);
+  }
+}
+
 // Element i of the rank-order fp32 sum of the sources' packs (every rank adds in the same order).
 template <class T, int kWidth>
 __device__ __forceinline__ float rank_order_sum(const Pack<T, kWidth> (&got)[kMaxLamportRanks], int size, int i) {
@@ -205,11 +220,10 @@ __device__ float block_sum(float value, float* scratch) {
 }
 
 // One kernel for every op. CTA b handles rows b, b + gridDim.x, ...: it sends them to every peer,
-// then receives and combines them, then clears its share of the previous slot. Every access moves a
+// then receives and combines them, re-arming each pack it has read. Every access moves a
 // Pack of kWidth elements (launch_lamport picks 16 bytes where the call's alignment allows).
 template <class T, int kWidth>
-__global__ void __launch_bounds__(kThreads)
-    lamport_kernel(LamportPeers peers, LamportCall call, int64_t message_bytes) {
+__global__ void __launch_bounds__(kThreads) lamport_kernel(LamportPeers peers, LamportCall call) {
   using P = Pack<T, kWidth>;
   extern __shared__ float row_sums[];  // [cols] with a fused norm
   __shared__ float scratch[kThreads / 32];
@@ -221,8 +235,6 @@ __global__ void __launch_bounds__(kThreads)
   const int op = static_cast<int>(call.op);
   const uint32_t epoch = peers.state[0];
   const int slot = static_cast<int>(epoch % kLamportSlots);
-  const int previous = static_cast<int>((epoch + kLamportSlots - 1) % kLamportSlots);
-  const int64_t previous_bytes = peers.state[2 + previous];
   Waiter waiter{&peers, global_timer_ns() + peers.timeout_ns, op, false};
   const int size = peers.size, rank = peers.rank;
   const auto* in = static_cast<const T*>(call.in);
@@ -263,6 +275,7 @@ __global__ void __launch_bounds__(kThreads)
     if (call.op == LamportOp::all_gather) {
       for (int64_t u = threadIdx.x; u < units; u += kThreads) {
         wait_for_all(peers, slot, row * chunk + u * kWidth, got, waiter);
+        clear_all<T, kWidth>(peers, slot, row * chunk + u * kWidth);
 #pragma unroll
         for (int source = 0; source < kMaxLamportRanks; ++source) {  // constant indices: got stays in registers
           if (source < size) store_pack(out + row * call.ld_out + source * chunk + u * kWidth, got[source]);
@@ -273,6 +286,7 @@ __global__ void __launch_bounds__(kThreads)
     float squares = 0.0f;
     for (int64_t u = threadIdx.x; u < units; u += kThreads) {
       wait_for_all(peers, slot, row * chunk + u * kWidth, got, waiter);
+      clear_all<T, kWidth>(peers, slot, row * chunk + u * kWidth);
       P sums;
 #pragma unroll
       for (int i = 0; i < kWidth; ++i) {
@@ -301,6 +315,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     for (int64_t u = threadIdx.x; u < scatter_units; u += kThreads) {
       wait_for_all(peers, slot, scatter_offset + row * scatter_chunk + u * kWidth, got, waiter);
+      clear_all<T, kWidth>(peers, slot, scatter_offset + row * scatter_chunk + u * kWidth);
       P sums;
 #pragma unroll
       for (int i = 0; i < kWidth; ++i) sums.v[i] = from_float<T>(rank_order_sum(got, size, i));
@@ -308,30 +323,13 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  // 3. Clear this rank's regions of the previous call's slot (grid-stride over all sources). The bytes a
-  // call uses per region are a multiple of 16 (lamport_message_bytes), so whole packs.
-  {
-    P idle;
-#pragma unroll
-    for (int i = 0; i < kWidth; ++i) idle.v[i] = from_bits<T>(Bits<T>::sentinel);
-    const int64_t per_region = previous_bytes / static_cast<int64_t>(sizeof(T) * kWidth);
-    const int64_t total = per_region * size;
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < total;
-         i += static_cast<int64_t>(gridDim.x) * kThreads) {
-      T* region = region_of<T>(peers, rank, previous, static_cast<int>(i / per_region));
-      store_pack(region + (i % per_region) * kWidth, idle);
-    }
-  }
-
-  // 4. The last CTA to arrive advances the epoch and records what this slot holds.
+  // 3. The last CTA to arrive advances the epoch.
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     const uint32_t arrived = atomicAdd(&peers.state[1], 1u);
     if (arrived == gridDim.x - 1) {
       peers.state[1] = 0;
-      peers.state[2 + slot] = static_cast<uint32_t>(message_bytes);
-      peers.state[2 + previous] = 0;
       __threadfence();
       peers.state[0] = epoch + 1;
     }
@@ -393,7 +391,6 @@ void check_lamport_call(const LamportPeers& peers, const LamportCall& call) {
 
 void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStream_t stream) {
   check_lamport_call(peers, call);
-  const int64_t message = lamport_message_bytes(call, peers.size);
   if (call.rows == 0 || call.cols == 0) return;
   // At most half the SMs per rank on its own GPU (the other half for what runs beside the collective,
   // such as tier 1's up-projection beside its shared all-reduce), fewer when ranks share the GPU
@@ -410,8 +407,7 @@ void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStre
         LATENTMOE_CUDA_CHECK(
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
       }
-      launch_kernel("lamport_kernel", pdl_supported(), kernel, dim3(grid), dim3(kThreads), shared, stream, peers, call,
-                    message);
+      launch_kernel("lamport_kernel", pdl_supported(), kernel, dim3(grid), dim3(kThreads), shared, stream, peers, call);
     };
     if (sixteen_byte_packs(call, peers.size, sizeof(T))) {
       launch(lamport_kernel<T, 16 / sizeof(T)>);

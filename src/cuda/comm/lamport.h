@@ -13,8 +13,8 @@
 namespace latentmoe::cuda {
 
 inline constexpr int kMaxLamportRanks = 16;
-// Receive slots in rotation (DESIGN section 2): a rank clears the slot of its previous call while
-// peers may already write the next one.
+// Receive slots in rotation (DESIGN section 2): a rank reads and re-arms its regions of this call's slot
+// while peers may already write the next one.
 inline constexpr int kLamportSlots = 3;
 
 // The plain parameter struct a collective kernel reaches its peers through, bound once when the
@@ -25,8 +25,8 @@ struct LamportPeers {
   // Each rank's receive area: kLamportSlots slots x size source regions x capacity_bytes.
   void* recv[kMaxLamportRanks] = {};
   int64_t capacity_bytes = 0;  // one source region; a multiple of 16
-  // This rank's device words: [0] epoch (calls completed), [1] CTAs arrived in the current call,
-  // [2 + s] bytes per source region that the last call through slot s used (to be cleared).
+  // This rank's device words: [0] epoch (calls completed), [1] CTAs arrived in the current call (the
+  // groups allocate a few more, unused).
   uint32_t* state = nullptr;
   const volatile int* abort = nullptr;  // the group's abort flag (host-mapped): non-zero releases every wait
   int* status = nullptr;                // this rank's error word (host-mapped): 0, or lamport_status()
@@ -77,7 +77,7 @@ struct LamportCall {
   int64_t scatter_cols = 0;
   // all_gather only: every rank's block was already stored into every rank's region of this call's
   // slot by a producer kernel earlier on each rank's stream (lamport::push_all_gather in a GEMM
-  // epilogue); the kernel only receives, clears the previous slot and advances the epoch. `in` unused.
+  // epilogue); the kernel only receives, re-arms what it read and advances the epoch. `in` unused.
   bool presend = false;
 };
 

@@ -51,7 +51,7 @@ using cuda::LamportCall;
 using cuda::LamportOp;
 using cuda::LamportPeers;
 
-constexpr int kStateWords = 8;  // LamportPeers::state: epoch, arrivals, bytes per slot
+constexpr int kStateWords = 8;  // LamportPeers::state: epoch, arrivals (the rest spare)
 
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
