@@ -443,6 +443,7 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
                                   GemmChoice(GemmVariant::mma_l4),        GemmChoice(GemmVariant::mma_l4, 2)};
     check_choices(problem, c.name, {std::begin(choices), std::end(choices)});
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mma_l), nullptr), Error) << c.name;
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::simt), nullptr), Error) << c.name;  // never reads codes as bf16
   }
   // The automatic MXFP4 shape follows the rows per touched expert (kimi-k3 tp-shard 8: E 896, k 16).
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 9, 16, 896, 384, 3584), GemmVariant::mma_s_wide);

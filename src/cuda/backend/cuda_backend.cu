@@ -422,6 +422,27 @@ struct CudaBackend::RoutedBuffers {
   void* grouped = nullptr;
 };
 
+namespace {
+
+// The grouped GEMMs' view of one rank's stacked experts; MXFP4: the codes, with their scales.
+ExpertGemmWeights expert_gemm_weights(const MlpWeights& experts, bool gated, int64_t intermediate, int64_t latent) {
+  ExpertGemmWeights w;
+  w.gate = gated ? experts.gate.data() : nullptr;
+  w.up = experts.up.data();
+  w.down = experts.down.data();
+  if (experts.format == ExpertWeightFormat::mxfp4) {
+    w.gate_scales = gated ? experts.gate_scale.data_as<uint8_t>() : nullptr;
+    w.up_scales = experts.up_scale.data_as<uint8_t>();
+    w.down_scales = experts.down_scale.data_as<uint8_t>();
+  }
+  w.intermediate = intermediate;
+  w.latent = latent;
+  w.num_experts = static_cast<int>(experts.up.size(0));
+  return w;
+}
+
+}  // namespace
+
 void CudaBackend::routed_experts(const ActivationParams& activation, const TensorView& z, const TensorView& topk_ids,
                                  const TensorView& topk_weights, const MlpWeights& experts, const TensorView& out) {
   State& s = *state_;
@@ -439,17 +460,8 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
     // 1.2-1.8x, at 64 tokens kimi-k3 5-14% faster and nemotron3-super 1.9x slower, at 256 2.6x slower).
     constexpr int64_t kMxfp4GroupedMinTokens = 64;
     if (num_tokens >= kMxfp4GroupedMinTokens && grouped_mxfp4_supported(z.dtype(), intermediate, latent)) {
-      ExpertGemmWeights weights;
-      weights.gate = gated ? experts.gate.data() : nullptr;
-      weights.up = experts.up.data();
-      weights.down = experts.down.data();
-      weights.gate_scales = gated ? experts.gate_scale.data_as<uint8_t>() : nullptr;
-      weights.up_scales = experts.up_scale.data_as<uint8_t>();
-      weights.down_scales = experts.down_scale.data_as<uint8_t>();
-      weights.intermediate = intermediate;
-      weights.latent = latent;
-      weights.num_experts = static_cast<int>(num_experts);
-      grouped_routed_experts(activation, z, topk_ids, topk_weights, weights, out);
+      grouped_routed_experts(activation, z, topk_ids, topk_weights,
+                             expert_gemm_weights(experts, gated, intermediate, latent), out);
       return;
     }
     // The activations of at most kMxfp4DecodeMaxRows tokens at a time (the workspace holds max_tokens').
@@ -556,14 +568,8 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
                 s.current, s.skinny_shape);
     return;
   }
-  ExpertGemmWeights weights;
-  weights.gate = gated ? experts.gate.data() : nullptr;
-  weights.up = experts.up.data();
-  weights.down = experts.down.data();
-  weights.intermediate = intermediate;
-  weights.latent = latent;
-  weights.num_experts = static_cast<int>(num_experts);
-  grouped_routed_experts(activation, z, topk_ids, topk_weights, weights, out);
+  grouped_routed_experts(activation, z, topk_ids, topk_weights,
+                         expert_gemm_weights(experts, gated, intermediate, latent), out);
 }
 
 CudaBackend::RoutedBuffers CudaBackend::routed_buffers(DType dtype, int64_t num_tokens, int64_t k, int64_t num_experts,

@@ -194,20 +194,19 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
                     : choose_variant(dtype, down, mode == gg::Mode::gated, num_tokens, args.top_k, args.num_experts,
                                      intermediate, latent);
   }
-  if (mxfp4) {
-    LATENTMOE_CHECK(grouped_mxfp4_supported(dtype, intermediate, latent),
-                    "grouped GEMM: MXFP4 experts need bf16 or f16 activations, compute capability 8.0 and l, I_r "
-                    "multiples of 32 (dtype ",
-                    dtype_name(dtype), ", l ", latent, ", I_r ", intermediate, ")");
-    LATENTMOE_CHECK(
-        aligned16(args.a) && aligned16(args.out) && aligned16(args.w0) && (args.w1 == nullptr || aligned16(args.w1)),
-        "grouped GEMM: MXFP4 experts need 16-byte aligned activations, outputs and codes");
-  }
   const bool tensor_core_ok = dtype != DType::f32 && current_compute_capability() >= 80 && args.n % 8 == 0 &&
                               args.k % 8 == 0 && aligned16(args.a) && aligned16(args.w0) &&
                               (args.w1 == nullptr || aligned16(args.w1)) && aligned16(args.out);
   const int64_t max_rows = num_tokens * args.top_k;
-  if (variant == GemmVariant::simt || !tensor_core_ok) {
+  if (mxfp4) {
+    // Only the tensor-core kernels decode MXFP4 (a variant without an MXFP4 instance, simt included,
+    // is refused by launch_mma_mxfp4).
+    LATENTMOE_CHECK(grouped_mxfp4_supported(dtype, intermediate, latent),
+                    "grouped GEMM: MXFP4 experts need bf16 or f16 activations, compute capability 8.0 and l, I_r "
+                    "multiples of 32 (dtype ",
+                    dtype_name(dtype), ", l ", latent, ", I_r ", intermediate, ")");
+    LATENTMOE_CHECK(tensor_core_ok, "grouped GEMM: MXFP4 experts need 16-byte aligned activations, outputs and codes");
+  } else if (variant == GemmVariant::simt || !tensor_core_ok) {
     gg::launch_simt(dtype, mode, args, max_rows, stream);
     return;
   }
