@@ -376,8 +376,18 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
                        normed = rows(state.latent_reduced.view);
       PointTimes& mine = times[static_cast<size_t>(rank)];
       mine = PointTimes{};
-      auto measure = [&](const std::function<void()>& prepare, const std::function<void()>& body) {
-        return bench::time_group_runs(*clock, seat, plan.runs, prepare, body);
+      // A collective that failed on the device ends the run at the measurement it failed in, naming the
+      // rank, the step and the peer (a failed group fails every later call too, each after the timeout).
+      auto measure = [&](TailPath path, const char* part, const std::function<void()>& prepare,
+                         const std::function<void()>& body) {
+        std::vector<double> runs = bench::time_group_runs(*clock, seat, plan.runs, prepare, body);
+        try {
+          comm.check();
+        } catch (const Error& error) {
+          detail::throw_error("bench tail: ", block.preset, " tp ", tp, " tokens ", tokens, ", ", path_name(path), part,
+                              ": ", error.what());
+        }
+        return runs;
       };
 
       // The routing of these tokens (the same on every rank): which experts the byte floor counts.
@@ -405,9 +415,11 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
           backend.copy(latent_snapshot, t.latent_partial);
           if (t.shared_partial.defined()) backend.copy(shared_snapshot, t.shared_partial);
         };
-        slot.time = measure(restore, [&] { bench_access::run_tail(state, tier, t); });
+        slot.time = measure(path_of(tier), "", restore, [&] { bench_access::run_tail(state, tier, t); });
         inputs.tier = tier;
-        slot.layer = measure(nullptr, [&] { runner.forward(inputs, ForwardOutputs{out, {}, {}}); });
+        slot.layer = measure(path_of(tier), " (layer)", nullptr, [&] {
+          runner.forward(inputs, ForwardOutputs{out, {}, {}});
+        });
       }
 
       auto restore_latent = [&] { backend.copy(latent_snapshot, latent); };
@@ -416,7 +428,7 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
         if (config.has_shared_expert()) backend.copy(shared_snapshot, shared);
       };
       // The unfused tail, composed here: what a framework's default MoE path runs.
-      mine[index_of(TailPath::unfused)].time = measure(restore_both, [&] {
+      mine[index_of(TailPath::unfused)].time = measure(TailPath::unfused, "", restore_both, [&] {
         comm.all_reduce_sum(latent, backend.stream());
         TensorView up_in = latent;
         if (config.use_latent_norm) {
@@ -429,15 +441,16 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
           backend.add(out, shared, out);
         }
       });
-      mine[index_of(TailPath::ar_rmsnorm)].time =
-          measure(restore_latent, [&] { backend.all_reduce_rms_norm(comm, latent, buffers.gamma, eps, normed); });
-      mine[index_of(TailPath::ar_then_rmsnorm)].time = measure(restore_latent, [&] {
+      mine[index_of(TailPath::ar_rmsnorm)].time = measure(TailPath::ar_rmsnorm, "", restore_latent, [&] {
+        backend.all_reduce_rms_norm(comm, latent, buffers.gamma, eps, normed);
+      });
+      mine[index_of(TailPath::ar_then_rmsnorm)].time = measure(TailPath::ar_then_rmsnorm, "", restore_latent, [&] {
         comm.all_reduce_sum(latent, backend.stream());
         backend.rms_norm(latent, buffers.gamma, eps, normed);
       });
-      mine[index_of(TailPath::all_reduce)].time = measure([&] { backend.copy(shared_snapshot, shared); },
-                                                          [&] { comm.all_reduce_sum(shared, backend.stream()); });
-      comm.check();  // a collective that failed on the device ends the run here, naming the rank
+      mine[index_of(TailPath::all_reduce)].time = measure(
+          TailPath::all_reduce, "", [&] { backend.copy(shared_snapshot, shared); },
+          [&] { comm.all_reduce_sum(shared, backend.stream()); });
 
       seat.wait();  // every rank's times are in
       if (rank == 0) {

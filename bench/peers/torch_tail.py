@@ -12,11 +12,18 @@ each rank), the replicated W_up [d, l] and the latent norm's weight; then
     all_reduce       all_reduce of a [T, d] message
 Timing as latentmoe's: before every run each rank restores its partials and flushes the L2 (reads a
 buffer twice its size), all ranks meet (a barrier, then a device synchronise), CUDA events around the
-work on the rank's stream; warm-ups first. Like latentmoe's start gate, the GPUs, not the host threads,
-start each run together (after the first): the stream sleeps ~100 µs (torch.cuda._sleep) while the host
-enqueues the run, then an all-reduce of one element lines the GPUs up (they leave an NCCL collective
-within about a microsecond of each other), then the start event; time_us is the median over the runs of the slowest rank's
-time, time_us_per_rank each rank's median. Rank 0 writes JSON rows of latentmoe's schema (paths
+work on the rank's stream; warm-ups first. The body runs as a CUDA graph captured once per measurement
+(NCCL collectives included; --eager: the eager body; where capture fails, the eager body, said on a
+line and in the row's "cuda_graph"), so the host's Python and c10d costs are not timed: an engine
+replays graphs at decode. Like latentmoe's start gate, the GPUs, not the host threads, start each run
+together (after the first): the stream sleeps ~1 ms (torch.cuda._sleep) while the host enqueues the
+run, then an all-reduce of one element lines the GPUs up (they leave an NCCL collective within about a
+microsecond of each other), then the start event; a row records the longest host enqueue
+("host_enqueue_us_max"; "host_bound" if it reached the sleep, when the held GPU may have waited for
+the host). On two H200s at b07d179 a 100 µs sleep and the eager body read 172 µs for the all-reduce
+of 14 KB (kimi-k3, one token) and 800 µs for the unfused tail, most likely the host (not established).
+time_us is the median over the runs of the slowest rank's time, time_us_per_rank each rank's median.
+Rank 0 writes JSON rows of latentmoe's schema (paths
 torch_unfused, torch_ar_then_rmsnorm, torch_all_reduce; placement "devices", backend "torch"), which
 bench/plot_tail.py draws beside latentmoe's rows. It needs one GPU per rank (NCCL refuses two ranks on
 one GPU), so it does not run on simulated ranks.
@@ -24,6 +31,7 @@ one GPU), so it does not run on simulated ranks.
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -41,13 +49,39 @@ def rms_norm(x, gamma):
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + EPS) * gamma).to(x.dtype)
 
 
-SLEEP_CYCLES = 200_000  # ~100 µs at the H200's 1.98 GHz: longer than a host enqueues one run
+SLEEP_CYCLES = 2_000_000  # ~1 ms at the H200's 1.98 GHz: far longer than the host takes to enqueue one run
+SLEEP_US = 1000.0
 
 
-def time_runs(prepare, body, warmup, iterations, flush, sink):
+def capture(prepare, body):
+    """body() captured into a CUDA graph (NCCL collectives included), or None where capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # eager warm-up on a side stream, as torch asks before a capture
+            prepare()
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        torch.cuda.synchronize()
+        return graph
+    except Exception as error:  # noqa: BLE001 -- any capture failure: time the eager body instead
+        print(f"CUDA graph capture failed ({error!r}); timing the eager body", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def time_runs(prepare, body, warmup, iterations, flush, sink, graphs):
+    """The runs' times in µs, whether they ran as a CUDA graph, and the longest host enqueue in µs."""
+    graph = capture(prepare, body) if graphs else None
+    run_body = graph.replay if graph is not None else body
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     align = torch.zeros(1, device="cuda")
     times = []
+    enqueue_us = 0.0
     for run in range(warmup + iterations):
         sink += flush.sum(dtype=torch.int64)  # read the flush buffer through the L2
         prepare()
@@ -57,13 +91,16 @@ def time_runs(prepare, body, warmup, iterations, flush, sink):
         if run > 0:  # the first run as latentmoe's: not held
             torch.cuda._sleep(SLEEP_CYCLES)
             dist.all_reduce(align)
+        enqueue_start = time.perf_counter()
         start.record()
-        body()
+        run_body()
         stop.record()
+        if run > 0:
+            enqueue_us = max(enqueue_us, (time.perf_counter() - enqueue_start) * 1e6)
         stop.synchronize()
         if run >= warmup:
             times.append(start.elapsed_time(stop) * 1000.0)
-    return times
+    return times, graph is not None, enqueue_us
 
 
 def upper_median(values):
@@ -78,6 +115,7 @@ def main():
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--commit", default="")
     parser.add_argument("--json", default="")
+    parser.add_argument("--eager", action="store_true", help="time the eager body (default: a CUDA graph of it)")
     args = parser.parse_args()
 
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -127,9 +165,13 @@ def main():
                 ("torch_all_reduce", "collective", restore_both, lambda: dist.all_reduce(shared), tokens * d * 2),
             )
             for path, kind, prepare, body, message_bytes in measurements:
-                mine = time_runs(prepare, body, args.warmup, args.iterations, flush, sink)
+                mine, graphed, enqueue_us = time_runs(prepare, body, args.warmup, args.iterations, flush, sink,
+                                                      not args.eager)
                 everyone = [None] * tp
-                dist.all_gather_object(everyone, mine)
+                dist.all_gather_object(everyone, (mine, graphed, enqueue_us))
+                graphed = all(e[1] for e in everyone)
+                enqueue_us = max(e[2] for e in everyone)
+                everyone = [e[0] for e in everyone]
                 if rank == 0:
                     slowest = [max(run) for run in zip(*everyone)]
                     row = dict(preset=preset, scale=1, tp=tp, tokens=tokens, dtype="bf16", hidden_size=d,
@@ -139,6 +181,10 @@ def main():
                                time_us_per_rank=[upper_median(times) for times in everyone])
                     if message_bytes:
                         row["message_bytes"] = message_bytes
+                    # How the body ran, and whether the held GPU could have waited for the host.
+                    row["cuda_graph"] = graphed
+                    row["host_enqueue_us_max"] = enqueue_us
+                    row["host_bound"] = enqueue_us >= SLEEP_US
                     rows.append(row)
                     print(f"{preset:16s} tp {tp} T {tokens:5d} {path:22s} {row['time_us']:10.1f} us", flush=True)
     if rank == 0 and args.json:

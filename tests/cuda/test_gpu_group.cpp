@@ -271,6 +271,9 @@ TEST(GpuGroup, a_rank_that_never_arrives_times_out_its_peers_within_a_second) {
     } catch (const Error& error) {
       EXPECT_NE(std::string(error.what()).find("timed out"), std::string::npos) << error.what();
       EXPECT_NE(std::string(error.what()).find("rank " + std::to_string(r)), std::string::npos) << error.what();
+      // The error names the peer whose message never came and the call it belonged to.
+      EXPECT_NE(std::string(error.what()).find("waiting for rank 3's message of call 0 "), std::string::npos)
+          << error.what();
     }
   }
   EXPECT_NO_THROW(group[3]->check());

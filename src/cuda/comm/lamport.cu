@@ -76,11 +76,14 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 struct Waiter {
   const LamportPeers* peers;
   uint64_t deadline;
-  int op;
+  LamportOp op;
+  uint32_t epoch;
   bool failed;
 
-  __device__ void fail(LamportFailure failure) {
-    if (!failed) atomicCAS(peers->status, 0, (op << 8) | static_cast<int>(failure));
+  // Records the failure (the first of the rank wins) with the call's epoch and the lowest source
+  // still missing, so that the error names which peer's message of which call never came.
+  __device__ void fail(LamportFailure failure, uint32_t pending) {
+    if (!failed) atomicCAS(peers->status, 0, lamport_status(failure, op, __ffs(pending) - 1, epoch));
     failed = true;
   }
 };
@@ -178,8 +181,8 @@ __device__ __forceinline__ void wait_for_all(const LamportPeers& peers, int slot
       break;
     }
     if ((spin & 31u) == 31u) {
-      if (global_timer_ns() > waiter.deadline) waiter.fail(LamportFailure::timeout);
-      if ((spin & 1023u) == 1023u && *waiter.peers->abort != 0) waiter.fail(LamportFailure::aborted);
+      if (global_timer_ns() > waiter.deadline) waiter.fail(LamportFailure::timeout, pending);
+      if ((spin & 1023u) == 1023u && *waiter.peers->abort != 0) waiter.fail(LamportFailure::aborted, pending);
     }
   }
 }
@@ -232,10 +235,9 @@ __global__ void __launch_bounds__(kThreads) lamport_kernel(LamportPeers peers, L
   // inputs, and the previous collective's epoch must be final). The kernel never triggers its own
   // dependents early, so the next kernel starts only when this call has completed.
   pdl_wait();
-  const int op = static_cast<int>(call.op);
   const uint32_t epoch = peers.state[0];
   const int slot = static_cast<int>(epoch % kLamportSlots);
-  Waiter waiter{&peers, global_timer_ns() + peers.timeout_ns, op, false};
+  Waiter waiter{&peers, global_timer_ns() + peers.timeout_ns, call.op, epoch, false};
   const int size = peers.size, rank = peers.rank;
   const auto* in = static_cast<const T*>(call.in);
   auto* out = static_cast<T*>(call.out);

@@ -44,12 +44,17 @@ const char* lamport_op_name(LamportOp op);
 // The error word a failed call leaves in LamportPeers::status.
 enum class LamportFailure : int { timeout = 1, aborted = 2 };
 
-// Throws the Error a rank's status word reports (failure | op << 8; nothing when 0), naming the
-// rank, the collective and, for a timeout, how long it waited (lamport_status.cpp).
-void throw_lamport_failure(int status, int rank, int64_t timeout_ms);
-inline constexpr int lamport_status(LamportFailure failure, LamportOp op) {
-  return (static_cast<int>(op) << 8) | static_cast<int>(failure);
+// The error word a failed call leaves in LamportPeers::status: bits 0-7 the failure, 8-11 the op,
+// 12-15 the lowest source rank whose message had not arrived, 16-31 the call's epoch (mod 2^16).
+__host__ __device__ inline constexpr int lamport_status(LamportFailure failure, LamportOp op, int source,
+                                                        uint32_t epoch) {
+  return static_cast<int>((epoch & 0xffffu) << 16 | (static_cast<uint32_t>(source) & 0xfu) << 12 |
+                          (static_cast<uint32_t>(op) & 0xfu) << 8 | static_cast<uint32_t>(failure));
 }
+
+// Throws the Error a rank's status word reports (nothing when 0), naming the rank, the collective, the
+// call and the peer whose message was missing, and for a timeout how long it waited (lamport_status.cpp).
+void throw_lamport_failure(int status, int rank, int64_t timeout_ms);
 
 struct LamportCall {
   LamportOp op = LamportOp::all_reduce;

@@ -20,13 +20,18 @@ const char* lamport_op_name(LamportOp op) {
 
 void throw_lamport_failure(int status, int rank, int64_t timeout_ms) {
   if (status == 0) return;
-  const int failure = status & 0xff, op = status >> 8;
+  const auto word = static_cast<uint32_t>(status);
+  const int failure = static_cast<int>(word & 0xffu);
+  const char* op = lamport_op_name(static_cast<LamportOp>((word >> 8) & 0xfu));
+  const int source = static_cast<int>((word >> 12) & 0xfu);
+  const unsigned call = word >> 16;
   if (failure == static_cast<int>(LamportFailure::aborted)) {
-    detail::throw_error("rank ", rank, ": the GPU ", lamport_op_name(static_cast<LamportOp>(op)),
-                        " was aborted: another rank of the group failed");
+    detail::throw_error("rank ", rank, ": the GPU ", op, " was aborted: another rank of the group failed (call ", call,
+                        " mod 65536, waiting for rank ", source, ")");
   }
-  detail::throw_error("rank ", rank, ": the GPU ", lamport_op_name(static_cast<LamportOp>(op)), " timed out after ",
-                      timeout_ms, " ms waiting for its peers (a rank never arrived)");
+  detail::throw_error("rank ", rank, ": the GPU ", op, " timed out after ", timeout_ms, " ms waiting for rank ", source,
+                      "'s message of call ", call,
+                      " mod 65536 (that rank never arrived, or the ranks' calls diverged)");
 }
 
 }  // namespace latentmoe::cuda
