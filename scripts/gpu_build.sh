@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 export PATH=/usr/local/cuda/bin:$PATH
 cmake -S . -B build-gpu -DLATENTMOE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
   "-DLATENTMOE_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a" > /dev/null
-cmake --build build-gpu -j"$(nproc)" --target latentmoe_cli latentmoe_cuda_tests grouped_gemm_bench gemv_bench
+cmake --build build-gpu -j"$(nproc)" --target latentmoe_cli latentmoe_cuda_tests grouped_gemm_bench gemv_bench lamport_bench
 mkdir -p .device/bin
-cp build-gpu/latentmoe build-gpu/tests/latentmoe_cuda_tests build-gpu/bench/grouped_gemm_bench build-gpu/bench/gemv_bench .device/bin/
+cp build-gpu/latentmoe build-gpu/tests/latentmoe_cuda_tests build-gpu/bench/grouped_gemm_bench build-gpu/bench/gemv_bench build-gpu/bench/lamport_bench .device/bin/
 strip .device/bin/*
 du -sh .device/bin
