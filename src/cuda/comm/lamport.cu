@@ -27,8 +27,9 @@
 //     dependent that waits for the previous kernel before it touches memory, and none triggers its
 //     dependents early). Likewise a peer can be at most one call ahead, so it never writes a slot
 //     being read or cleared.
-//   - The epoch lives on the device: the last CTA of a call to arrive (state[1]) advances it, so a
-//     captured CUDA graph replays correctly and the host keeps no per-call state.
+//   - The epoch lives on the device: the last CTA of a call to arrive (state[1]) advances it (a call
+//     of one CTA stores it), so a captured CUDA graph replays correctly and the host keeps no
+//     per-call state.
 //   - An all-gather's send step may run in the kernel that produces the block instead (presend: a
 //     GEMM epilogue stores each element into every peer's region of the slot its own epoch names,
 //     lamport_device.cuh); the same argument holds, because that kernel runs after the rank's
@@ -57,8 +58,6 @@
 
 namespace latentmoe::cuda {
 namespace {
-
-constexpr int kThreads = 256;
 
 using lamport::as_payload;
 using lamport::Bits;
@@ -155,24 +154,25 @@ __device__ __forceinline__ Pack<T, kWidth> payload_of(Pack<T, kWidth> pack) {
 // Every source's pack at element `offset` of its region for this rank in `slot`, once it has
 // arrived: the loads of all sources still missing are issued together, then checked, so a thread
 // waits about one round trip per unit, not one per source. After a failure the missing packs are 0.
-template <class T, int kWidth>
+// kRanks: the group size rounded up to a power of two (the packs live in registers).
+template <class T, int kWidth, int kRanks>
 __device__ __forceinline__ void wait_for_all(const LamportPeers& peers, int slot, int64_t offset,
-                                             Pack<T, kWidth> (&got)[kMaxLamportRanks], Waiter& waiter) {
+                                             Pack<T, kWidth> (&got)[kRanks], Waiter& waiter) {
   uint32_t pending = (1u << peers.size) - 1u;
   for (uint32_t spin = 0; pending != 0; ++spin) {
 #pragma unroll
-    for (int s = 0; s < kMaxLamportRanks; ++s) {
+    for (int s = 0; s < kRanks; ++s) {
       if (pending & (1u << s))
         got[s] = load_pack_volatile<T, kWidth>(region_of<T>(peers, peers.rank, slot, s) + offset);
     }
 #pragma unroll
-    for (int s = 0; s < kMaxLamportRanks; ++s) {
+    for (int s = 0; s < kRanks; ++s) {
       if ((pending & (1u << s)) && arrived(got[s])) pending &= ~(1u << s);
     }
     if (pending == 0) break;
     if (waiter.failed) {
 #pragma unroll
-      for (int s = 0; s < kMaxLamportRanks; ++s) {
+      for (int s = 0; s < kRanks; ++s) {
         if (pending & (1u << s)) {
 #pragma unroll
           for (int i = 0; i < kWidth; ++i) got[s].v[i] = from_float<T>(0.0f);
@@ -188,52 +188,103 @@ __device__ __forceinline__ void wait_for_all(const LamportPeers& peers, int slot
 }
 
 // Re-arms the pack at `offset` of every source's region for this rank in `slot` (read in full).
-template <class T, int kWidth>
+template <class T, int kWidth, int kRanks>
 __device__ __forceinline__ void clear_all(const LamportPeers& peers, int slot, int64_t offset) {
   Pack<T, kWidth> idle;
 #pragma unroll
   for (int i = 0; i < kWidth; ++i) idle.v[i] = from_bits<T>(Bits<T>::sentinel);
 #pragma unroll
-  for (int s = 0; s < kMaxLamportRanks; ++s) {
+  for (int s = 0; s < kRanks; ++s) {
     if (s < peers.size) store_pack(region_of<T>(peers, peers.rank, slot, s) + offset, idle);
   }
 }
 
 // Element i of the rank-order fp32 sum of the sources' packs (every rank adds in the same order).
-template <class T, int kWidth>
-__device__ __forceinline__ float rank_order_sum(const Pack<T, kWidth> (&got)[kMaxLamportRanks], int size, int i) {
+template <class T, int kWidth, int kRanks>
+__device__ __forceinline__ float rank_order_sum(const Pack<T, kWidth> (&got)[kRanks], int size, int i) {
   float sum = 0.0f;
 #pragma unroll
-  for (int s = 0; s < kMaxLamportRanks; ++s) {
+  for (int s = 0; s < kRanks; ++s) {
     if (s < size) sum += to_float(got[s].v[i]);
   }
   return sum;
 }
 
-template <class T>
+// The sum over the CTA of every thread's `value`, the same bits in every thread (fixed order).
 __device__ float block_sum(float value, float* scratch) {
   for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // scratch may still be read by the previous call
+  __syncthreads();  // scratch may still be read by the previous row
   if (lane == 0) scratch[warp] = value;
   __syncthreads();
   float total = 0.0f;
-  for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];  // fixed order: every thread the same bits
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += scratch[w];
   return total;
 }
 
+// The most threads a CTA of a group of up to kRanks ranks runs: its packs of every source live in
+// registers, so the wider the group, the fewer threads fit the register file.
+template <int kRanks>
+constexpr int max_threads_for() {
+  return kRanks <= 2 ? 1024 : (kRanks <= 8 ? 512 : 256);
+}
+
+// A reduce-scatter's send of one pack position: peer p gets the pack at `source + p * block` (its
+// column block), stored at `offset` of its region for this rank. Loads go in groups of four before
+// their stores, so a thread waits about one round trip per group, not one per peer, and holds few
+// registers.
+template <class T, int kWidth, int kRanks>
+__device__ __forceinline__ void send_blocks(const LamportPeers& peers, int slot, const T* source, int64_t block,
+                                            int64_t offset) {
+  constexpr int kGroup = kRanks < 4 ? kRanks : 4;
+#pragma unroll
+  for (int first = 0; first < kRanks; first += kGroup) {
+    Pack<T, kWidth> parts[kGroup];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      if (first + j < peers.size) parts[j] = load_pack<T, kWidth>(source + (first + j) * block);
+    }
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      if (first + j < peers.size)
+        store_pack(region_of<T>(peers, first + j, slot, peers.rank) + offset, payload_of(parts[j]));
+    }
+  }
+}
+
 // One kernel for every op. CTA b handles rows b, b + gridDim.x, ...: it sends them to every peer,
-// then receives and combines them, re-arming each pack it has read. Every access moves a
-// Pack of kWidth elements (launch_lamport picks 16 bytes where the call's alignment allows).
-template <class T, int kWidth>
-__global__ void __launch_bounds__(kThreads) lamport_kernel(LamportPeers peers, LamportCall call) {
+// then receives and combines them, re-arming each pack it has read. Every access moves a Pack of
+// kWidth elements (launch_lamport picks 16 bytes where the call's alignment allows); the launcher
+// sizes the CTA so that a row is usually one pack per thread.
+//
+// Latency is the point at decode (one row: one CTA): the critical path is a chain of round trips
+// to memory, so the kernel keeps it short. The norm's weight is read before pdl_wait (a weight, not
+// an output of an earlier kernel); the epoch and the first input pack are loaded together; each
+// input pack is loaded once and stored to every peer; a thread usually polls one pack; and a CTA
+// alone in its grid advances the epoch with one store (no counter, no fence: the next kernel of the
+// stream reads it only once this one has completed).
+template <class T, int kWidth, int kRanks>
+__global__ void __launch_bounds__(max_threads_for<kRanks>()) lamport_kernel(LamportPeers peers, LamportCall call) {
   using P = Pack<T, kWidth>;
   extern __shared__ float row_sums[];  // [cols] with a fused norm
-  __shared__ float scratch[kThreads / 32];
+  __shared__ float scratch[32];
+  const int threads = static_cast<int>(blockDim.x);
+  const int64_t chunk =
+      call.op == LamportOp::all_reduce || call.op == LamportOp::barrier ? call.cols : call.cols / peers.size;
+  const int64_t units = chunk / kWidth;
+
+  // The norm's weight for this thread's first pack, before pdl_wait (it is a weight).
+  float first_gamma[kWidth];
+  const bool norm = call.gamma != nullptr;
+  if (norm && threadIdx.x < units) {
+#pragma unroll
+    for (int i = 0; i < kWidth; ++i)
+      first_gamma[i] = load_as_float_dev(call.gamma, call.gamma_dtype, threadIdx.x * kWidth + i);
+  }
   // Launched as a programmatic dependent: the CTAs may become resident while the previous kernel of
-  // the stream finishes, but nothing is read or written before it has (its outputs are this call's
-  // inputs, and the previous collective's epoch must be final). The kernel never triggers its own
-  // dependents early, so the next kernel starts only when this call has completed.
+  // the stream finishes, but nothing else is read or written before it has (its outputs are this
+  // call's inputs, and the previous collective's epoch must be final). The kernel never triggers its
+  // own dependents early, so the next kernel starts only when this call has completed.
   pdl_wait();
   const uint32_t epoch = peers.state[0];
   const int slot = static_cast<int>(epoch % kLamportSlots);
@@ -241,9 +292,7 @@ __global__ void __launch_bounds__(kThreads) lamport_kernel(LamportPeers peers, L
   const int size = peers.size, rank = peers.rank;
   const auto* in = static_cast<const T*>(call.in);
   auto* out = static_cast<T*>(call.out);
-  const int64_t chunk =
-      call.op == LamportOp::all_reduce || call.op == LamportOp::barrier ? call.cols : call.cols / size;
-  const int64_t units = chunk / kWidth;
+  const bool scatter = call.op == LamportOp::reduce_scatter;
 
   // The fused reduce-scatter's part of each region follows the main part: [rows, chunk], then
   // [rows, scatter_chunk].
@@ -254,85 +303,91 @@ __global__ void __launch_bounds__(kThreads) lamport_kernel(LamportPeers peers, L
   auto* scatter_out = static_cast<T*>(call.scatter_out);
 
   // 1. Send every row of this CTA to every peer (each peer's region for this rank is [rows, chunk],
-  // then [rows, scatter_chunk]).
+  // then [rows, scatter_chunk]): each pack loaded once (a reduce-scatter: each peer's block), then
+  // stored to every peer.
   for (int64_t row = blockIdx.x; row < call.rows && !call.presend; row += gridDim.x) {
-    for (int peer = 0; peer < size; ++peer) {
-      T* region = region_of<T>(peers, peer, slot, rank) + row * chunk;
-      const T* source = in + row * call.ld_in + (call.op == LamportOp::reduce_scatter ? peer * chunk : 0);
-      for (int64_t u = threadIdx.x; u < units; u += kThreads)
-        store_pack(region + u * kWidth, payload_of(load_pack<T, kWidth>(source + u * kWidth)));
-      if (scatter_chunk > 0) {
-        T* scatter_region = region_of<T>(peers, peer, slot, rank) + scatter_offset + row * scatter_chunk;
-        const T* scatter_source = scatter_in + row * call.ld_scatter_in + peer * scatter_chunk;
-        for (int64_t u = threadIdx.x; u < scatter_units; u += kThreads)
-          store_pack(scatter_region + u * kWidth, payload_of(load_pack<T, kWidth>(scatter_source + u * kWidth)));
+    for (int64_t u = threadIdx.x; u < units; u += threads) {
+      if (scatter) {
+        send_blocks<T, kWidth, kRanks>(peers, slot, in + row * call.ld_in + u * kWidth, chunk,
+                                       row * chunk + u * kWidth);
+      } else {
+        const P payload = payload_of(load_pack<T, kWidth>(in + row * call.ld_in + u * kWidth));
+#pragma unroll
+        for (int peer = 0; peer < kRanks; ++peer) {
+          if (peer < size) store_pack(region_of<T>(peers, peer, slot, rank) + row * chunk + u * kWidth, payload);
+        }
       }
+    }
+    for (int64_t u = threadIdx.x; u < scatter_units; u += threads) {
+      send_blocks<T, kWidth, kRanks>(peers, slot, scatter_in + row * call.ld_scatter_in + u * kWidth, scatter_chunk,
+                                     scatter_offset + row * scatter_chunk + u * kWidth);
     }
   }
 
   // 2. Receive and combine.
-  P got[kMaxLamportRanks];
+  P got[kRanks];
   for (int64_t row = blockIdx.x; row < call.rows; row += gridDim.x) {
     __syncthreads();  // in place: every thread has sent this row before any overwrites it
     if (call.op == LamportOp::all_gather) {
-      for (int64_t u = threadIdx.x; u < units; u += kThreads) {
-        wait_for_all(peers, slot, row * chunk + u * kWidth, got, waiter);
-        clear_all<T, kWidth>(peers, slot, row * chunk + u * kWidth);
+      for (int64_t u = threadIdx.x; u < units; u += threads) {
+        wait_for_all<T, kWidth, kRanks>(peers, slot, row * chunk + u * kWidth, got, waiter);
+        clear_all<T, kWidth, kRanks>(peers, slot, row * chunk + u * kWidth);
 #pragma unroll
-        for (int source = 0; source < kMaxLamportRanks; ++source) {  // constant indices: got stays in registers
+        for (int source = 0; source < kRanks; ++source) {  // constant indices: got stays in registers
           if (source < size) store_pack(out + row * call.ld_out + source * chunk + u * kWidth, got[source]);
         }
       }
       continue;
     }
     float squares = 0.0f;
-    for (int64_t u = threadIdx.x; u < units; u += kThreads) {
-      wait_for_all(peers, slot, row * chunk + u * kWidth, got, waiter);
-      clear_all<T, kWidth>(peers, slot, row * chunk + u * kWidth);
+    for (int64_t u = threadIdx.x; u < units; u += threads) {
+      wait_for_all<T, kWidth, kRanks>(peers, slot, row * chunk + u * kWidth, got, waiter);
+      clear_all<T, kWidth, kRanks>(peers, slot, row * chunk + u * kWidth);
       P sums;
 #pragma unroll
       for (int i = 0; i < kWidth; ++i) {
-        const float sum = rank_order_sum(got, size, i);
-        if (call.gamma != nullptr) {
+        const float sum = rank_order_sum<T, kWidth, kRanks>(got, size, i);
+        if (norm) {
           row_sums[u * kWidth + i] = sum;
           squares += sum * sum;
         }
         sums.v[i] = from_float<T>(sum);
       }
-      if (call.gamma == nullptr && call.op != LamportOp::barrier)
-        store_pack(out + row * call.ld_out + u * kWidth, sums);
+      if (!norm && call.op != LamportOp::barrier) store_pack(out + row * call.ld_out + u * kWidth, sums);
     }
-    if (call.gamma != nullptr) {
-      const float total = block_sum<T>(squares, scratch);
+    if (norm) {
+      const float total = block_sum(squares, scratch);
       const float inverse = rsqrtf(total / static_cast<float>(chunk) + call.eps);
-      for (int64_t u = threadIdx.x; u < units; u += kThreads) {
+      for (int64_t u = threadIdx.x; u < units; u += threads) {
         P normed;
 #pragma unroll
         for (int i = 0; i < kWidth; ++i) {
           const int64_t c = u * kWidth + i;
-          normed.v[i] = from_float<T>(row_sums[c] * inverse * load_as_float_dev(call.gamma, call.gamma_dtype, c));
+          const float g = u == threadIdx.x ? first_gamma[i] : load_as_float_dev(call.gamma, call.gamma_dtype, c);
+          normed.v[i] = from_float<T>(row_sums[c] * inverse * g);
         }
         store_pack(out + row * call.ld_out + u * kWidth, normed);
       }
     }
-    for (int64_t u = threadIdx.x; u < scatter_units; u += kThreads) {
-      wait_for_all(peers, slot, scatter_offset + row * scatter_chunk + u * kWidth, got, waiter);
-      clear_all<T, kWidth>(peers, slot, scatter_offset + row * scatter_chunk + u * kWidth);
+    for (int64_t u = threadIdx.x; u < scatter_units; u += threads) {
+      wait_for_all<T, kWidth, kRanks>(peers, slot, scatter_offset + row * scatter_chunk + u * kWidth, got, waiter);
+      clear_all<T, kWidth, kRanks>(peers, slot, scatter_offset + row * scatter_chunk + u * kWidth);
       P sums;
 #pragma unroll
-      for (int i = 0; i < kWidth; ++i) sums.v[i] = from_float<T>(rank_order_sum(got, size, i));
+      for (int i = 0; i < kWidth; ++i) sums.v[i] = from_float<T>(rank_order_sum<T, kWidth, kRanks>(got, size, i));
       store_pack(scatter_out + row * call.ld_scatter_out + u * kWidth, sums);
     }
   }
 
-  // 3. The last CTA to arrive advances the epoch.
+  // 3. Advance the epoch once every CTA has read it (each read it right after pdl_wait, before it
+  // counts itself here). No fence: nothing in this grid reads the words afterwards, and the next
+  // kernel of the stream reads them only after this grid has completed.
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    const uint32_t arrived = atomicAdd(&peers.state[1], 1u);
-    if (arrived == gridDim.x - 1) {
+    if (gridDim.x == 1) {
+      peers.state[0] = epoch + 1;
+    } else if (atomicAdd(&peers.state[1], 1u) == gridDim.x - 1) {
       peers.state[1] = 0;
-      __threadfence();
       peers.state[0] = epoch + 1;
     }
   }
@@ -402,19 +457,38 @@ void launch_lamport(const LamportPeers& peers, const LamportCall& call, cudaStre
   const int max_ctas = std::max(1, sms / (2 * std::max(1, peers.ranks_per_gpu)));
   const int grid = static_cast<int>(std::min<int64_t>(call.rows, max_ctas));
   const size_t shared = call.gamma != nullptr ? static_cast<size_t>(call.cols) * sizeof(float) : 0;
+  const bool whole = call.op == LamportOp::all_reduce || call.op == LamportOp::barrier;
+  const int64_t chunk = whole ? call.cols : call.cols / peers.size;
+  const int64_t scatter_chunk = call.scatter_in != nullptr ? call.scatter_cols / peers.size : 0;
   dispatch_compute_dtype(call.dtype, "Lamport collective", [&](auto tag) {
     using T = decltype(tag);
-    auto launch = [&](auto kernel) {
+    const bool wide = sixteen_byte_packs(call, peers.size, sizeof(T));
+    const int width = wide ? static_cast<int>(16 / sizeof(T)) : 1;
+    // One pack per thread where the row allows (a warp at least, the register bound at most).
+    const int64_t packs = std::max((chunk + width - 1) / width, (scatter_chunk + width - 1) / width);
+    auto launch = [&](auto kernel, int max_threads) {
+      const int threads = static_cast<int>(std::clamp<int64_t>((packs + 31) / 32 * 32, 64, max_threads));
       if (shared > 48 * 1024) {
         LATENTMOE_CUDA_CHECK(
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
       }
-      launch_kernel("lamport_kernel", pdl_supported(), kernel, dim3(grid), dim3(kThreads), shared, stream, peers, call);
+      launch_kernel("lamport_kernel", pdl_supported(), kernel, dim3(grid), dim3(threads), shared, stream, peers, call);
     };
-    if (sixteen_byte_packs(call, peers.size, sizeof(T))) {
-      launch(lamport_kernel<T, 16 / sizeof(T)>);
+    auto with_width = [&]<int kRanks>() {
+      if (wide) {
+        launch(lamport_kernel<T, 16 / sizeof(T), kRanks>, max_threads_for<kRanks>());
+      } else {
+        launch(lamport_kernel<T, 1, kRanks>, max_threads_for<kRanks>());
+      }
+    };
+    if (peers.size <= 2) {
+      with_width.template operator()<2>();
+    } else if (peers.size <= 4) {
+      with_width.template operator()<4>();
+    } else if (peers.size <= 8) {
+      with_width.template operator()<8>();
     } else {
-      launch(lamport_kernel<T, 1>);
+      with_width.template operator()<16>();
     }
   });
   LATENTMOE_CUDA_CHECK_LAUNCH("lamport_kernel");

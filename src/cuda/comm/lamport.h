@@ -68,7 +68,9 @@ struct LamportCall {
   int64_t ld_out = 0;
   int64_t rows = 0;
   int64_t cols = 0;
-  // all_reduce only: out = RMSNorm(sum) · gamma when gamma is set (the fused AR + RMSNorm).
+  // all_reduce only: out = RMSNorm(sum) · gamma when gamma is set (the fused AR + RMSNorm). gamma is a
+  // weight: the kernel may read it before the previous kernel of the stream has completed (pdl.cuh),
+  // so the kernel just before on the stream must not write it.
   const void* gamma = nullptr;
   DType gamma_dtype = DType::f32;
   float eps = 1e-5f;
