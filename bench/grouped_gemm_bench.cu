@@ -12,10 +12,10 @@
 //                      [--variants automatic|all|mma_s,mma_l,...] [--phases gate_up,down,both]
 //                      [--weights bf16|mxfp4] [--json FILE] [--commit SHA]
 // --weights mxfp4: the experts' weights as MXFP4 codes (random bytes) and E8M0 scales (2^-6), the
-// activations bf16; their bytes counted at 17/32 byte per weight; "all" then sweeps the three tile
-// shapes that have MXFP4 instances. (Below 64 tokens the layer runs MXFP4 on the decode kernels
-// instead: latentmoe bench layer --experts mxfp4 measures both.)
-// Timing, the repro line and the JSON go through the benchmark harness (bench/harness/timing.h).
+// activations bf16; their bytes counted at 17/32 byte per weight; "all" then sweeps the tile shapes
+// that have MXFP4 instances (three mma.sync shapes, and on Hopper wgmma and wgmma_tall). (Below 64 tokens the layer
+// runs MXFP4 on the decode kernels instead: latentmoe bench layer --experts mxfp4 measures both.) Timing, the repro
+// line and the JSON go through the benchmark harness (bench/harness/timing.h).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -306,6 +306,9 @@ int run(int argc, char** argv) {
   std::vector<GemmChoice> variants;
   if (variants_arg == "all" && mxfp4) {
     for (GemmVariant v : {GemmVariant::mma_s_wide, GemmVariant::mma_m, GemmVariant::mma_l4}) variants.emplace_back(v);
+    if (latentmoe::cuda::detail::wgmma_available()) {
+      for (GemmVariant v : {GemmVariant::wgmma, GemmVariant::wgmma_tall}) variants.emplace_back(v);
+    }
   } else if (variants_arg == "all") {
     for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
       if ((v == GemmVariant::wgmma || v == GemmVariant::wgmma_tall) && !latentmoe::cuda::detail::wgmma_available())

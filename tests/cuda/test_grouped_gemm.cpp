@@ -437,11 +437,17 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
   for (const Case& c : cases) {
     ASSERT_TRUE(grouped_mxfp4_supported(c.dtype, c.intermediate, c.latent)) << c.name;
     Problem problem(c, 99u + static_cast<uint32_t>(c.num_tokens), /*mxfp4=*/true);
-    const GemmChoice choices[] = {GemmChoice(GemmVariant::automatic),     GemmChoice(GemmVariant::mma_s_wide),
-                                  GemmChoice(GemmVariant::mma_s_wide, 3), GemmChoice(GemmVariant::mma_s_wide, 0, 2),
-                                  GemmChoice(GemmVariant::mma_m),         GemmChoice(GemmVariant::mma_m, 3),
-                                  GemmChoice(GemmVariant::mma_l4),        GemmChoice(GemmVariant::mma_l4, 2)};
-    check_choices(problem, c.name, {std::begin(choices), std::end(choices)});
+    std::vector<GemmChoice> choices = {
+        GemmChoice(GemmVariant::automatic),     GemmChoice(GemmVariant::mma_s_wide),
+        GemmChoice(GemmVariant::mma_s_wide, 3), GemmChoice(GemmVariant::mma_s_wide, 0, 2),
+        GemmChoice(GemmVariant::mma_m),         GemmChoice(GemmVariant::mma_m, 3),
+        GemmChoice(GemmVariant::mma_l4),        GemmChoice(GemmVariant::mma_l4, 2)};
+    if (detail::wgmma_available()) {  // the Hopper kernels decode into their swizzled weight tiles
+      for (const GemmChoice& wgmma : {GemmChoice(GemmVariant::wgmma), GemmChoice(GemmVariant::wgmma, 3),
+                                      GemmChoice(GemmVariant::wgmma_tall), GemmChoice(GemmVariant::wgmma_tall, 2)})
+        choices.push_back(wgmma);
+    }
+    check_choices(problem, c.name, choices);
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mma_l), nullptr), Error) << c.name;
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::simt), nullptr), Error) << c.name;  // never reads codes as bf16
   }

@@ -226,13 +226,20 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.prefer_two_tiles = down;
   launch.k_splits = choice.k_splits;
   attach_split_k(launch, workspace, workspace_bytes);
+  const bool wgmma = variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall;
+  if (wgmma) {
+    LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the ", detail::to_string(variant),
+                    " variant needs an sm_90 device and sm_90a code");
+  }
+  if (mxfp4 && wgmma) {
+    gg::launch_wgmma_mxfp4(dtype, variant == GemmVariant::wgmma_tall, mode, args, launch, stream);
+    return;
+  }
   if (mxfp4) {
     gg::launch_mma_mxfp4(dtype, variant, mode, args, launch, stream);
     return;
   }
-  if (variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall) {
-    LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the ", detail::to_string(variant),
-                    " variant needs an sm_90 device and sm_90a code");
+  if (wgmma) {
     gg::launch_wgmma(dtype, variant == GemmVariant::wgmma_tall, mode, args, launch, stream);
     return;
   }

@@ -31,6 +31,16 @@
 // m64n{8..kBlockM}k16. The epilogue pairs lanes (shfl.xor 4) so that each thread stores two consecutive
 // output columns of one row (4 bytes), and skips the padded rows.
 //
+// MXFP4 weights (kMxfp4; docs/MXFP4.md): the weight tile is decoded, not copied. A thread owns whole
+// scale groups of each step's weight tile (16 code bytes: 32 values of one weight row, and the aligned
+// 4-byte word holding the group's scale byte) and copies them raw with cp.async into a per-thread ring
+// of kStages stages, kStages - 1 steps ahead as the bf16 weights go. The wgmmas read a double-buffered
+// bf16 tile in the same swizzled layout: at the end of step s, after the barrier that follows
+// wgmma.wait_group 1 (every warpgroup is done with step s - 1, the last reader of buffer (s + 1) % 2), each
+// thread waits for its own copies of step s + 1 and decodes them there (mxfp4_decode8), while step s's
+// wgmmas run; the fence.proxy.async and barrier at the top of step s + 1 publish the tile to the wgmmas.
+// The decode of step 0 closes the prologue. Nobody reads another thread's raw groups: no barrier there.
+//
 // Programmatic dependent launch as in the mma.sync kernel (src/cuda/common/pdl.cuh): unless the tiles come from
 // the kernel just before, the first weight stages stream before the wait, and the rows are read and the
 // outputs written only after it.
@@ -45,6 +55,7 @@
 #include "cuda/gemm/grouped_gemm_launch.cuh"
 #include "cuda/gemm/grouped_gemm_mma.cuh"  // cp.async copies, the L2 policy, pack2
 #include "cuda/gemm/grouped_gemm_wgmma_ops.cuh"
+#include "cuda/gemm/mxfp4_device.cuh"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda::gg {
@@ -63,6 +74,12 @@ struct WgmmaConfig {
   static constexpr int kWeightBytes = kWeightRows * kRowBytes;  // weight tile of one stage
   static constexpr int kStageBytes = kWeightBytes + kBlockM * kRowBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024
+  // MXFP4 weights: the double-buffered decoded weight tile, the row stages, and the raw ring (per scale
+  // group of 32 values 16 code bytes and a 4-byte scale word; two groups per weight row and step).
+  static constexpr int kRawUnits = kWeightRows * kBlockK / 32;
+  static constexpr int kRowStageBytes = kBlockM * kRowBytes;
+  static constexpr int kSmemBytesMxfp4 = 2 * kWeightBytes + kStages * kRowStageBytes + kStages * kRawUnits * 20 + 1024;
+  static_assert(kRowStageBytes % 1024 == 0, "row stages must keep the 1024-byte alignment of the swizzle atoms");
   static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzle atoms");
   static_assert(kBlockM <= kWgmmaMaxN && kBlockM % 32 == 0, "rows per tile: at most the largest N, whole copy rounds");
   static_assert(kBlocksPerWg == 1 || kBlocksPerWg == 2, "one or two m64 blocks per warpgroup");
@@ -115,7 +132,7 @@ __device__ __forceinline__ void wgmma_stage(float (&acc)[B][A], const uint64_t (
 
 #endif
 
-template <class T, class Cfg, Mode kMode>
+template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const KernelArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kThreads = Cfg::kThreads;
@@ -175,13 +192,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
   const T* w0 = static_cast<const T*>(args.w0) + expert * expert_stride;
   const T* w1 = kGated ? static_cast<const T*>(args.w1) + expert * expert_stride : w0;
 
+  // Shared memory. bf16 weights: kStages stages of [weight tile][row tile]. MXFP4: the two decoded
+  // weight tiles, the kStages row tiles, then the raw ring.
   const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  unsigned char* const smem_aligned = smem_raw + (smem_base - smem_u32(smem_raw));
+  auto weight_tile = [&](int step) {
+    return kMxfp4 ? smem_base + (step % 2) * Cfg::kWeightBytes : smem_base + (step % kStages) * Cfg::kStageBytes;
+  };
+  auto row_tile = [&](int stage) {
+    return kMxfp4 ? smem_base + 2 * Cfg::kWeightBytes + stage * Cfg::kRowStageBytes
+                  : smem_base + stage * Cfg::kStageBytes + Cfg::kWeightBytes;
+  };
   // This thread copies chunk `chunk` of tile rows row0, row0 + kRowStep, ...: all congruent mod 8, so one
   // swizzled offset serves every copy of the thread.
   const int chunk = tid % kChunks;
   const int row0 = tid / kChunks;
   const uint32_t copy_offset = row0 * kRowBytes + ((chunk ^ (row0 & 7)) << 4);
   const uint64_t weight_policy = evict_first_policy();
+
+  // Tile row r of n-tile nt: its output column, and whether it is an up row (gated).
+  auto weight_row = [&](int nt, int r, bool* up) {
+    *up = false;
+    if constexpr (kGated && kBlocks == 2) {
+      // Tile rows [128 g, 128 g + 64): gate rows of output columns nt*128 + 64 g + [0, 64); the next 64:
+      // the up rows of the same columns.
+      *up = (r >> 6) & 1;
+      return nt * kOutPerTile + (r >> 7) * 64 + (r & 63);
+    } else if constexpr (kGated) {
+      // Block g (rows [64 g, 64 g + 64)) holds output columns nt*64 + 32 g + [0, 32): its rows 16q + j
+      // (j < 8) the gate rows of column 8q + j, rows 16q + 8 + j the up rows of the same column.
+      const int rr = r & 63;
+      *up = (rr >> 3) & 1;
+      return nt * kOutPerTile + (r >> 6) * 32 + ((rr >> 4) << 3) + (rr & 7);
+    } else {
+      return nt * kOutPerTile + r;
+    }
+  };
 
   auto load_weights = [&](int stage, int step) {
     const int nt = nt_first + step / num_k_steps;
@@ -190,26 +236,76 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
     const uint32_t dst = smem_base + stage * Cfg::kStageBytes + copy_offset;
 #pragma unroll
     for (int i = 0; i < kWIters; ++i) {
-      const int r = row0 + i * kRowStep;
-      int col;
-      const T* mat = w0;
-      if constexpr (kGated && kBlocks == 2) {
-        // Tile rows [128 g, 128 g + 64): gate rows of output columns nt*128 + 64 g + [0, 64); the next 64:
-        // the up rows of the same columns.
-        col = nt * kOutPerTile + (r >> 7) * 64 + (r & 63);
-        if ((r >> 6) & 1) mat = w1;
-      } else if constexpr (kGated) {
-        // Block g (rows [64 g, 64 g + 64)) holds output columns nt*64 + 32 g + [0, 32): its rows 16q + j
-        // (j < 8) the gate rows of column 8q + j, rows 16q + 8 + j the up rows of the same column.
-        const int rr = r & 63;
-        col = nt * kOutPerTile + (r >> 6) * 32 + ((rr >> 4) << 3) + (rr & 7);
-        if ((rr >> 3) & 1) mat = w1;
-      } else {
-        col = nt * kOutPerTile + r;
-      }
+      bool up;
+      const int col = weight_row(nt, row0 + i * kRowStep, &up);
       const bool ok = k_ok && col < n;
-      cp_async_16_stream(dst + i * kRowStep * kRowBytes, ok ? mat + static_cast<size_t>(col) * k + kc : w0, ok,
-                         weight_policy);
+      cp_async_16_stream(dst + i * kRowStep * kRowBytes, ok ? (up ? w1 : w0) + static_cast<size_t>(col) * k + kc : w0,
+                         ok, weight_policy);
+    }
+  };
+
+  // MXFP4 (the file comment): unit u = tid + i * kThreads of a step is scale group u % 2 of tile row u / 2.
+  constexpr int kRawUnits = Cfg::kRawUnits;
+  constexpr int kRawPerThread = kRawUnits / kThreads;
+  static_assert(!kMxfp4 || kRawUnits % kThreads == 0, "the weight tile's scale groups must divide over the threads");
+  const uint8_t* codes0 = static_cast<const uint8_t*>(args.w0) + expert * (static_cast<size_t>(n) * (k / 2));
+  const uint8_t* codes1 =
+      kGated ? static_cast<const uint8_t*>(args.w1) + expert * (static_cast<size_t>(n) * (k / 2)) : codes0;
+  const uint8_t* scales0 = args.s0 + expert * (static_cast<size_t>(n) * (k / 32));
+  const uint8_t* scales1 = kGated ? args.s1 + expert * (static_cast<size_t>(n) * (k / 32)) : scales0;
+  const uint32_t raw_codes = smem_base + 2 * Cfg::kWeightBytes + kStages * Cfg::kRowStageBytes;
+  const uint32_t raw_words = raw_codes + kStages * kRawUnits * 16;
+  // The scale byte of unit (col, kk): its address (the copy takes the aligned word holding it).
+  auto scale_address = [&](bool up, int col, int kk) {
+    return reinterpret_cast<uintptr_t>((up ? scales1 : scales0) + static_cast<size_t>(col) * (k / 32) + kk / 32);
+  };
+  auto copy_raw = [&](int stage, int step) {
+    const int nt = nt_first + step / num_k_steps;
+    const int k0 = (step % num_k_steps) * kBK;
+#pragma unroll
+    for (int i = 0; i < kRawPerThread; ++i) {
+      const int u = tid + i * kThreads;
+      bool up;
+      const int col = weight_row(nt, u >> 1, &up);
+      const int kk = k0 + (u & 1) * 32;
+      const bool ok = kk < k && col < n;
+      const uint8_t* codes = (up ? codes1 : codes0) + static_cast<size_t>(col) * (k / 2) + kk / 2;
+      cp_async_16_stream(raw_codes + (stage * kRawUnits + u) * 16, ok ? codes : codes0, ok, weight_policy);
+      cp_async_4(raw_words + (stage * kRawUnits + u) * 4,
+                 ok ? reinterpret_cast<const void*>(scale_address(up, col, kk) & ~uintptr_t{3}) : codes0, ok);
+    }
+  };
+  auto decode_raw = [&](int stage, int step) {
+    const int nt = nt_first + step / num_k_steps;
+    const int k0 = (step % num_k_steps) * kBK;
+    unsigned char* tile = smem_aligned + (step % 2) * Cfg::kWeightBytes;
+    const unsigned char* ring = smem_aligned + 2 * Cfg::kWeightBytes + kStages * Cfg::kRowStageBytes;
+#pragma unroll
+    for (int i = 0; i < kRawPerThread; ++i) {
+      const int u = tid + i * kThreads;
+      const int r = u >> 1, group = u & 1;
+      bool up;
+      const int col = weight_row(nt, r, &up);
+      const int kk = k0 + group * 32;
+      const uint4 codes = *reinterpret_cast<const uint4*>(ring + (stage * kRawUnits + u) * 16);
+      const uint32_t word =
+          *reinterpret_cast<const uint32_t*>(ring + kStages * kRawUnits * 16 + (stage * kRawUnits + u) * 4);
+      // Past n or k the copy zero-filled the codes: every value decodes to 0 whatever the scale.
+      const uint32_t scale_byte = kk < k && col < n ? (word >> ((scale_address(up, col, kk) & 3) * 8)) & 0xFFu : 0u;
+      const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int chunk16 = group * 4 + c;  // 16-byte chunk of the 128-byte row
+        *reinterpret_cast<uint4*>(tile + r * kRowBytes + ((chunk16 ^ (r & 7)) << 4)) =
+            mxfp4_decode8<T>(words[c], scale_byte);
+      }
+    }
+  };
+  auto copy_weights = [&](int stage, int step) {
+    if constexpr (kMxfp4) {
+      copy_raw(stage, step);
+    } else {
+      load_weights(stage, step);
     }
   };
 
@@ -220,7 +316,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
   auto load_rows = [&](int stage, int step) {
     const int kc = (step % num_k_steps) * kBK + chunk * 8;
     const bool k_ok = kc < k;
-    const uint32_t dst = smem_base + stage * Cfg::kStageBytes + Cfg::kWeightBytes + copy_offset;
+    const uint32_t dst = row_tile(stage) + copy_offset;
 #pragma unroll
     for (int j = 0; j < kXIters; ++j) {
       if (row0 + j * kRowStep < mma_n) {
@@ -234,7 +330,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
   // previous kernel (one group per stage); then the row indices and the rows' first stages (one group).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_steps) load_weights(s, s);
+    if (s < num_steps) copy_weights(s, s);
     cp_async_commit();
   }
   pdl_wait();
@@ -253,6 +349,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
     if (s < num_steps) load_rows(s, s);
   }
   cp_async_commit();
+  if constexpr (kMxfp4) {
+    cp_async_wait<0>();
+    decode_raw(0, 0);
+  }
 
   float acc[kBlocks][kAcc];
 #pragma unroll
@@ -332,11 +432,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
       {
         // Every warpgroup issues its wgmmas, also one whose weight rows are all past n (zero-filled; its
         // results are not stored): a warpgroup-uniform branch around them makes ptxas serialize them.
-        const uint32_t stage = smem_base + (step % kStages) * Cfg::kStageBytes;
+        const uint32_t weights = weight_tile(step);
         uint64_t desc_w[kBlocks];  // this warpgroup's m64 blocks in the weight tile
 #pragma unroll
-        for (int b = 0; b < kBlocks; ++b) desc_w[b] = sw128_desc(stage + (wg * kBlocks + b) * 64 * kRowBytes);
-        const uint64_t desc_x = sw128_desc(stage + Cfg::kWeightBytes);
+        for (int b = 0; b < kBlocks; ++b) desc_w[b] = sw128_desc(weights + (wg * kBlocks + b) * 64 * kRowBytes);
+        const uint64_t desc_x = sw128_desc(row_tile(step % kStages));
         const int accumulate = kt > 0 ? 1 : 0;
         switch (mma_n >> 3) {
 #define LATENTMOE_WGMMA_CASE(N)                         \
@@ -388,10 +488,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
       __syncthreads();
       const int next = step + kStages - 1;
       if (next < num_steps) {
-        load_weights(next % kStages, next);
+        copy_weights(next % kStages, next);
         load_rows(next % kStages, next);
       }
       cp_async_commit();
+      if constexpr (kMxfp4) {
+        // Step + 1's raw groups were committed at least one group before the last kStages - 2: wait for
+        // them and decode them into the buffer step - 1's wgmmas (all done, the barrier above) read.
+        if (step + 1 < num_steps) {
+          cp_async_wait<kStages - 2>();
+          decode_raw((step + 1) % kStages, step + 1);
+        }
+      }
     }
     wgmma_wait_all();
     fence_accumulators(acc);
@@ -412,11 +520,12 @@ inline int wgmma_tiles_per_cta(int n_tiles, int num_k_steps, int64_t expected_ti
   return (n_tiles + groups - 1) / groups;
 }
 
-template <class T, class Cfg, Mode kMode>
+template <class T, class Cfg, Mode kMode, bool kMxfp4>
 void launch_wgmma_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
   static std::atomic<uint64_t> done_mask{0};
-  auto kernel = grouped_wgmma_kernel<T, Cfg, kMode>;
-  ensure_smem_limit(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, &done_mask);
+  auto kernel = grouped_wgmma_kernel<T, Cfg, kMode, kMxfp4>;
+  constexpr int kSmem = kMxfp4 ? Cfg::kSmemBytesMxfp4 : Cfg::kSmemBytes;
+  ensure_smem_limit(reinterpret_cast<const void*>(kernel), kSmem, &done_mask);
   const int out_per_tile = kMode == Mode::gated ? Cfg::kWeightRows / 2 : Cfg::kWeightRows;
   args.n_tiles = (args.n + out_per_tile - 1) / out_per_tile;
   const int num_k_steps = (args.k + Cfg::kBlockK - 1) / Cfg::kBlockK;
@@ -435,7 +544,7 @@ void launch_wgmma_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t str
   LATENTMOE_CHECK(blocks < (int64_t{1} << 31), "grouped GEMM (wgmma): too many tiles (", blocks, ")");
 
   launch_kernel("grouped GEMM (wgmma kernel)", launch.programmatic, kernel, dim3(static_cast<unsigned>(blocks)),
-                dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, args);
+                dim3(Cfg::kThreads), kSmem, stream, args);
 }
 
 // 96 rows per tile (an expert with more takes several tiles) against 256 weight rows, 5 stages of 44 KB:
@@ -444,24 +553,25 @@ using WgmmaCfg = WgmmaConfig<96, 5, 2>;
 // 256 rows per tile against 128 weight rows, 4 stages of 48 KB: 193 KB, one CTA per SM.
 using WgmmaTallCfg = WgmmaConfig<256, 4, 1>;
 
-template <class T, class Cfg>
+template <class T, class Cfg, bool kMxfp4>
 void launch_wgmma_shape(Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
   switch (mode) {
     case Mode::gated:
-      return launch_wgmma_cfg<T, Cfg, Mode::gated>(args, launch, stream);
+      return launch_wgmma_cfg<T, Cfg, Mode::gated, kMxfp4>(args, launch, stream);
     case Mode::relu2:
-      return launch_wgmma_cfg<T, Cfg, Mode::relu2>(args, launch, stream);
+      return launch_wgmma_cfg<T, Cfg, Mode::relu2, kMxfp4>(args, launch, stream);
     case Mode::plain:
-      return launch_wgmma_cfg<T, Cfg, Mode::plain>(args, launch, stream);
+      return launch_wgmma_cfg<T, Cfg, Mode::plain, kMxfp4>(args, launch, stream);
   }
 }
 
-template <class T>
+// kMxfp4: args.w0/w1 hold MXFP4 codes and args.s0/s1 their scales (grouped_gemm_wgmma_mxfp4.cu).
+template <class T, bool kMxfp4 = false>
 void launch_wgmma_typed(bool tall, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
   if (tall) {
-    launch_wgmma_shape<T, WgmmaTallCfg>(mode, args, launch, stream);
+    launch_wgmma_shape<T, WgmmaTallCfg, kMxfp4>(mode, args, launch, stream);
   } else {
-    launch_wgmma_shape<T, WgmmaCfg>(mode, args, launch, stream);
+    launch_wgmma_shape<T, WgmmaCfg, kMxfp4>(mode, args, launch, stream);
   }
 }
 

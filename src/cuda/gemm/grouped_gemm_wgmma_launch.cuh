@@ -14,6 +14,10 @@ namespace latentmoe::cuda::gg {
 // of up to 256 expert rows against 128 weight rows (GemmVariant::wgmma_tall), else up to 96 against 256.
 void launch_wgmma(DType dtype, bool tall, Mode mode, KernelArgs args, const MmaLaunch& launch, cudaStream_t stream);
 
+// The same with MXFP4 weights: args.w0/w1 the codes, args.s0/s1 their scales (grouped_gemm_wgmma_mxfp4.cu).
+void launch_wgmma_mxfp4(DType dtype, bool tall, Mode mode, KernelArgs args, const MmaLaunch& launch,
+                        cudaStream_t stream);
+
 // Per element type (grouped_gemm_wgmma.cu, grouped_gemm_wgmma_f16.cu).
 void launch_wgmma_bf16(bool tall, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream);
 void launch_wgmma_f16(bool tall, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream);
