@@ -138,15 +138,18 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
 
 GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                                  int64_t intermediate, int64_t latent) {
-  // The mma.sync shapes with MXFP4 instances, by rows per touched expert as choose_variant picks them
-  // without wgmma (the decode into shared memory is written for the mma.sync stages). Measured on an
-  // H200 (grouped_gemm_bench --weights mxfp4 --variants all, docs/MXFP4.md): the best of the three at
-  // 64-4096 tokens of kimi-k3 tp-shard 8 and 1.
-  (void)dtype, (void)down, (void)gated, (void)intermediate, (void)latent;
+  // By rows per touched expert, measured on an H200 (grouped_gemm_bench --weights mxfp4 --variants all,
+  // docs/MXFP4.md; kimi-k3 tp-shard 8 and 1, 256-4096 tokens): up to 16 rows the 16-row mma.sync tiles;
+  // above, on Hopper, the wgmma kernel where bf16 takes it (at least 384 output columns), 6-18% faster
+  // than the best mma.sync shape at 1024 and 4096 tokens; else mma_m up to 48 rows, mma_l4 above. The
+  // tall wgmma tiles measured 1.6-1.8x slower than the 96-row ones with MXFP4 and are not chosen.
+  (void)dtype, (void)gated;
   const int64_t pairs = num_tokens * top_k;
   const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, pairs));
   const int64_t mean_rows = pairs / touched;
   if (num_tokens <= 16 || mean_rows <= 16) return GemmVariant::mma_s_wide;
+  const int64_t out_cols = down ? latent : intermediate;
+  if (out_cols >= 384 && wgmma_available()) return GemmVariant::wgmma;
   if (mean_rows <= 48) return GemmVariant::mma_m;
   return GemmVariant::mma_l4;
 }

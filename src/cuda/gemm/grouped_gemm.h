@@ -44,8 +44,8 @@ struct ExpertGemmWeights {
 
 // Whether the grouped GEMMs take MXFP4 experts of this shape here: bf16 or f16 activations, a GPU of
 // compute capability 8.0 or later, l and I_r multiples of 32. The tensor-core kernels then decode the
-// codes into each shared-memory stage (grouped_gemm_mma.cuh); the weights are never dequantised in
-// memory. The tile shape follows the bf16 kernels' choice, restricted to mma.sync tiles.
+// codes into each shared-memory stage (grouped_gemm_mma.cuh, grouped_gemm_wgmma.cuh); the weights are
+// never dequantised in memory.
 bool grouped_mxfp4_supported(DType dtype, int64_t intermediate, int64_t latent);
 
 // act_rows [T*k, I_r]: for grouped row i of expert e (expert_offsets[e] <= i < expert_offsets[e+1]),
@@ -114,8 +114,8 @@ int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident);
 // gated: the gate/up projection of silu/situ (two weight matrices); false for relu2's and for down.
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                            int64_t intermediate, int64_t latent);
-// The tile shape `automatic` takes with MXFP4 weights, by rows per touched expert: mma_s_wide up to 16,
-// mma_m up to 48, mma_l4 above (the mma.sync shapes that have MXFP4 instances).
+// The tile shape `automatic` takes with MXFP4 weights, by rows per touched expert: mma_s_wide up to 16;
+// above, wgmma on Hopper where at least 384 output columns, else mma_m up to 48 and mma_l4 above.
 GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                                  int64_t intermediate, int64_t latent);
 

@@ -270,7 +270,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
       const int kk = k0 + (u & 1) * 32;
       const bool ok = kk < k && col < n;
       const uint8_t* codes = (up ? codes1 : codes0) + static_cast<size_t>(col) * (k / 2) + kk / 2;
-      cp_async_16_stream(raw_codes + (stage * kRawUnits + u) * 16, ok ? codes : codes0, ok, weight_policy);
+      // Without the evict-first hint of the bf16 weights: this kernel's LDGSTS with the policy descriptor
+      // stopped with an illegal instruction on the H200 (sm_90a, CUDA 13.0, at 2666b91; the same instruction runs in
+      // the bf16 kernel).
+      cp_async_16(raw_codes + (stage * kRawUnits + u) * 16, ok ? codes : codes0, ok);
       cp_async_4(raw_words + (stage * kRawUnits + u) * 4,
                  ok ? reinterpret_cast<const void*>(scale_address(up, col, kk) & ~uintptr_t{3}) : codes0, ok);
     }
@@ -290,8 +293,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
       const uint4 codes = *reinterpret_cast<const uint4*>(ring + (stage * kRawUnits + u) * 16);
       const uint32_t word =
           *reinterpret_cast<const uint32_t*>(ring + kStages * kRawUnits * 16 + (stage * kRawUnits + u) * 4);
-      // Past n or k the copy zero-filled the codes: every value decodes to 0 whatever the scale.
-      const uint32_t scale_byte = kk < k && col < n ? (word >> ((scale_address(up, col, kk) & 3) * 8)) & 0xFFu : 0u;
+      // Past n or k the copy zero-filled the codes and the word: every value decodes to 0. No branch:
+      // the warps must reach the wgmma instructions converged (.aligned).
+      const uint32_t scale_byte = (word >> ((scale_address(up, col, kk) & 3) * 8)) & 0xFFu;
       const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
@@ -300,6 +304,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const K
             mxfp4_decode8<T>(words[c], scale_byte);
       }
     }
+    __syncwarp();  // converged again before any warpgroup instruction the compiler places after the decode
   };
   auto copy_weights = [&](int stage, int step) {
     if constexpr (kMxfp4) {
