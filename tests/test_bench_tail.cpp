@@ -304,6 +304,8 @@ TEST(BenchTailReport, json_rows_carry_the_run_fields_and_leave_out_the_times_of_
   EXPECT_DOUBLE_EQ(document["ceilings"]["copy_tb_per_s"].get<double>(), 4.2);
   EXPECT_EQ(document["runs"]["iterations"], 20);
   EXPECT_EQ(document["skipped"].size(), 1u);
+  EXPECT_TRUE(document["complete"].get<bool>());
+  EXPECT_FALSE(document.contains("error"));
   const nlohmann::json& rows = document["rows"];
   ASSERT_EQ(rows.size(), tools::kTailPaths.size());
   std::set<std::string> paths;
@@ -331,6 +333,17 @@ TEST(BenchTailReport, json_rows_carry_the_run_fields_and_leave_out_the_times_of_
   EXPECT_EQ(rows[4]["kind"], "unfused");
   EXPECT_EQ(rows[7]["kind"], "collective");
   EXPECT_EQ(rows[7]["message_bytes"], 16 * 7168 * 2);
+}
+
+TEST(BenchTailReport, a_run_that_ended_early_says_so_and_keeps_its_rows) {
+  TailRunInfo info;
+  info.backend = "cuda";
+  info.complete = false;
+  info.error = "rank 1: the GPU all-reduce timed out";
+  const nlohmann::json document = tools::to_json(info, {hand_made_point()});
+  EXPECT_FALSE(document["complete"].get<bool>());
+  EXPECT_EQ(document["error"], "rank 1: the GPU all-reduce timed out");
+  EXPECT_EQ(document["rows"].size(), tools::kTailPaths.size());
 }
 
 TEST(BenchTailReport, scaled_presets) {
@@ -361,6 +374,7 @@ TEST(BenchTailCommand, cpu_mode_times_every_tier_and_the_unfused_path_at_tp_2) {
   EXPECT_EQ(document["format"], "latentmoe-bench-tail-1");
   EXPECT_EQ(document["backend"], "cpu");
   EXPECT_TRUE(document["skipped"].empty());
+  EXPECT_TRUE(document["complete"].get<bool>());
   std::set<std::tuple<std::string, int64_t, std::string>> seen;
   for (const nlohmann::json& row : document["rows"]) {
     EXPECT_EQ(row["placement"], "simulated");

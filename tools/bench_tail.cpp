@@ -527,17 +527,38 @@ void run_bench_tail(const BenchTailOptions& options) {
   std::fputs(format_run_header(info).c_str(), stdout);
   std::fflush(stdout);
 
-  // 3. One group per (preset, tp).
+  // 3. One group per (preset, tp). The JSON is rewritten whole (atomically) after every block, marked
+  // incomplete until the end, so a run killed by a time limit, or ended by a failure (recorded in the
+  // JSON, then rethrown), keeps every point it measured: GPU machines with several GPUs are scarce.
   std::vector<TailPoint> points;
-  for (const auto& [preset, config] : plan.layers) {
-    for (int tp : plan.tp_sizes) {
-      const double elapsed = std::chrono::duration<double>(Clock::now() - started).count();
-      if (options.max_seconds > 0 && elapsed >= options.max_seconds) {
-        info.skipped.push_back(preset + " tp " + std::to_string(tp) + ": every token count");
-        continue;
+  auto write_json = [&] {
+    if (options.json_path.empty()) return;
+    const std::string text = to_json(info, points).dump(2) + "\n";
+    detail::AtomicFile file(options.json_path, text.size());
+    file.write(text.data(), text.size());
+    file.commit();
+  };
+  info.complete = false;
+  try {
+    for (const auto& [preset, config] : plan.layers) {
+      for (int tp : plan.tp_sizes) {
+        const double elapsed = std::chrono::duration<double>(Clock::now() - started).count();
+        if (options.max_seconds > 0 && elapsed >= options.max_seconds) {
+          info.skipped.push_back(preset + " tp " + std::to_string(tp) + ": every token count");
+          continue;
+        }
+        run_block(Block{preset, config, tp}, plan, options, info.copy_bytes_per_s, started, points, info.skipped);
+        write_json();
       }
-      run_block(Block{preset, config, tp}, plan, options, info.copy_bytes_per_s, started, points, info.skipped);
     }
+  } catch (const Error& error) {
+    info.error = error.what();
+    try {
+      write_json();
+    } catch (const Error&) {
+      // The measurement's failure is the one to report.
+    }
+    throw;
   }
   if (!info.skipped.empty()) {
     std::printf("# --max-seconds %g ran out; not measured: %zu points (listed in the JSON's \"skipped\")\n",
@@ -546,13 +567,9 @@ void run_bench_tail(const BenchTailOptions& options) {
   std::printf("# repro: %s\n", info.repro.c_str());
   std::fflush(stdout);
 
-  // 4. The JSON, whole or not at all.
-  if (!options.json_path.empty()) {
-    const std::string text = to_json(info, points).dump(2) + "\n";
-    detail::AtomicFile file(options.json_path, text.size());
-    file.write(text.data(), text.size());
-    file.commit();
-  }
+  // 4. The JSON, complete.
+  info.complete = true;
+  write_json();
 }
 
 }  // namespace latentmoe::tools

@@ -167,6 +167,8 @@ nlohmann::json to_json(const TailRunInfo& info, const std::vector<TailPoint>& po
       "its cache flush and input restore; time_us is the median over the runs of the slowest rank's time";
   document["repro"] = info.repro;
   document["skipped"] = info.skipped;
+  document["complete"] = info.complete;
+  if (!info.error.empty()) document["error"] = info.error;
   nlohmann::json rows = nlohmann::json::array();
   for (const TailPoint& point : points) {
     for (const PathResult& result : point.paths) {

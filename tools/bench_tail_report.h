@@ -90,6 +90,10 @@ struct TailRunInfo {
   std::string repro;
   // Points left out because --max-seconds ran out (empty: none).
   std::vector<std::string> skipped;
+  // false while the run is under way: the JSON is rewritten after every (preset, tp) block, so a run
+  // that is killed or fails keeps what it measured.
+  bool complete = true;
+  std::string error;  // the failure that ended the run early (empty: none)
 };
 
 // Tier 0's floor (issue 14): two dependent one-shot rounds, each timed as the all-reduce of a [T, d]
