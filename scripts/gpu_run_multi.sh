@@ -16,8 +16,8 @@
 #              (--collectives nccl), then the one-shot kernels at every size (--one-shot-max-tokens
 #              4096), the PyTorch peer (torchrun), and the plot with the peer
 #   tune       latentmoe tune at the same tp sizes: the table for this machine (tune_h200_tpN.json)
-# One device call may run 600 s: on two H200s (2026-12-04) links,tests,processes,run took about 250 s and
-# bench_tail (three bench runs and the peer) about 450 s, so give them a call each, and tune a third.
+# One device call may run 600 s, and these steps' own limits add up to more: run links,tests,processes,run
+# in one call, bench_tail (three bench runs and the peer, each with its limit) in a second, tune in a third.
 source "$(dirname "$0")/gpu_script_env.sh" "$@"
 gpus=$(nvidia-smi -L | grep -c '^GPU')
 # latentmoe is built against NCCL 2.28.9; the machine's default libnccl may be older (the device API has
