@@ -26,7 +26,8 @@
 //     e has completed (the calls of one rank are stream-ordered kernels: each is a programmatic
 //     dependent that waits for the previous kernel before it touches memory, and none triggers its
 //     dependents early). Likewise a peer can be at most one call ahead, so it never writes a slot
-//     being read or cleared.
+//     being read or cleared. (tests/test_lamport_protocol_model.cpp runs this argument as a model under
+//     random schedules: three slots and two hold, one loses messages.)
 //   - The epoch lives on the device: the last CTA of a call to arrive (state[1]) advances it (a call
 //     of one CTA stores it), so a captured CUDA graph replays correctly and the host keeps no
 //     per-call state.
