@@ -41,8 +41,9 @@ std::vector<int64_t> parse_list(const std::string& text) {
   while (start <= text.size()) {
     const size_t comma = text.find(',', start);
     const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    LATENTMOE_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos, "lamport_bench: '",
-                    text, "' is not a comma list of positive integers");
+    LATENTMOE_CHECK(!item.empty() && item.size() <= 9 && item.find_first_not_of("0123456789") == std::string::npos &&
+                        std::stoll(item) >= 1,
+                    "'", text, "' is not a comma list of integers in 1..999999999");
     values.push_back(std::stoll(item));
     if (comma == std::string::npos) break;
     start = comma + 1;
@@ -65,7 +66,7 @@ int run(int argc, char** argv) {
     if (a == "--chain") chain = parse_list(value).at(0);
     if (a == "--json") json_path = value;
   }
-  LATENTMOE_CHECK(chain >= 1 && cols >= 1, "lamport_bench: --chain and --cols must be at least 1");
+  LATENTMOE_CHECK(chain >= 1 && cols >= 1, "--chain and --cols must be at least 1");
   const int64_t max_rows = *std::max_element(row_counts.begin(), row_counts.end());
   constexpr int kWarmup = 3, kIterations = 30;
 
@@ -121,7 +122,7 @@ int run(int argc, char** argv) {
         LATENTMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, starts[r], stops[r]));
         slowest = std::max(slowest, ms);
       }
-      LATENTMOE_CHECK(!gate.timed_out(), "lamport_bench: the start gate timed out");
+      LATENTMOE_CHECK(!gate.timed_out(), "the start gate timed out");
       for (int r = 0; r < tp; ++r) group[static_cast<size_t>(r)]->check();
       return 1000.0 * slowest;
     };
