@@ -85,12 +85,9 @@ int run(int argc, char** argv) {
     options.host_rendezvous = false;  // one thread drives every rank; the gate starts them together
     auto group = latentmoe::make_simulated_gpu_group(tp, options);
     std::vector<cudaStream_t> streams(static_cast<size_t>(tp));
-    std::vector<cudaEvent_t> starts(static_cast<size_t>(tp)), stops(static_cast<size_t>(tp));
     std::vector<DeviceMemory> in, out;
     for (int r = 0; r < tp; ++r) {
       LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
-      LATENTMOE_CUDA_CHECK(cudaEventCreate(&starts[r]));
-      LATENTMOE_CUDA_CHECK(cudaEventCreate(&stops[r]));
       in.emplace_back(static_cast<size_t>(max_rows * cols * 2));
       out.emplace_back(static_cast<size_t>(max_rows * cols * 2));
       latentmoe::cuda::fill_uniform(in.back().get(), latentmoe::DType::bf16, max_rows * cols, 10 + r, 1.0f, 0.0f,
@@ -98,41 +95,34 @@ int run(int argc, char** argv) {
     }
     const DeviceMemory gamma(static_cast<size_t>(cols * 4));
     latentmoe::cuda::fill_uniform(gamma.get(), latentmoe::DType::f32, cols, 7, 0.25f, 1.0f, streams[0]);
-    latentmoe::bench::Timer flusher;  // its L2 flush only
+    // Every rank's clock (the harness's events and start gate); rank 0's flushes the shared GPU's L2.
     latentmoe::bench::StartGate gate;
-    uint32_t ticket = 0;
+    std::vector<std::unique_ptr<latentmoe::bench::EventClock>> clocks;
+    for (int r = 0; r < tp; ++r)
+      clocks.push_back(std::make_unique<latentmoe::bench::EventClock>(streams[r], /*flush_l2=*/r == 0, &gate));
     LATENTMOE_CUDA_CHECK(cudaDeviceSynchronize());
 
-    // One timed run of `body(rank)` on every rank, started together; the slowest rank's µs.
-    auto time_once = [&](bool flush_first, const std::function<void(int)>& body) {
-      if (flush_first) flusher.flush_l2(streams[0]);
-      LATENTMOE_CUDA_CHECK(cudaDeviceSynchronize());
-      ++ticket;
-      for (int r = 0; r < tp; ++r) {
-        gate.hold(streams[r], ticket);
-        LATENTMOE_CUDA_CHECK(cudaEventRecord(starts[r], streams[r]));
-        body(r);
-        LATENTMOE_CUDA_CHECK(cudaEventRecord(stops[r], streams[r]));
-      }
-      gate.open(ticket);
-      float slowest = 0.0f;
-      for (int r = 0; r < tp; ++r) {
-        LATENTMOE_CUDA_CHECK(cudaEventSynchronize(stops[r]));
-        float ms = 0.0f;
-        LATENTMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, starts[r], stops[r]));
-        slowest = std::max(slowest, ms);
-      }
-      LATENTMOE_CHECK(!gate.timed_out(), "the start gate timed out");
-      for (int r = 0; r < tp; ++r) group[static_cast<size_t>(r)]->check();
-      return 1000.0 * slowest;
-    };
+    // The median over runs of the slowest rank's time of `body(rank)`, every rank held at the gate
+    // until all are enqueued (one thread drives them all, so every run is held, the first included).
     auto median_of = [&](bool flush_first, const std::function<void(int)>& body) {
-      std::vector<double> times;
+      std::vector<std::vector<double>> per_rank(static_cast<size_t>(tp));
       for (int run = 0; run < kWarmup + kIterations; ++run) {
-        const double us = time_once(flush_first, body);
-        if (run >= kWarmup) times.push_back(us);
+        if (flush_first) clocks[0]->flush();
+        for (auto& clock : clocks) clock->wait();
+        for (int r = 0; r < tp; ++r) {
+          clocks[r]->hold();
+          clocks[r]->start();
+          body(r);
+          clocks[r]->stop();
+        }
+        for (auto& clock : clocks) clock->open();
+        for (int r = 0; r < tp; ++r) {
+          const double us = clocks[r]->elapsed_us();
+          if (run >= kWarmup) per_rank[r].push_back(us);
+        }
+        for (int r = 0; r < tp; ++r) group[static_cast<size_t>(r)]->check();
       }
-      return latentmoe::bench::median(times);
+      return latentmoe::bench::median_of_slowest(per_rank);
     };
 
     for (const int64_t rows : row_counts) {
@@ -175,8 +165,6 @@ int run(int argc, char** argv) {
                                 {"chain", chain}});
     }
     for (int r = 0; r < tp; ++r) {
-      LATENTMOE_CUDA_CHECK(cudaEventDestroy(starts[r]));
-      LATENTMOE_CUDA_CHECK(cudaEventDestroy(stops[r]));
       LATENTMOE_CUDA_CHECK(cudaStreamDestroy(streams[r]));
     }
   }

@@ -49,8 +49,9 @@ def rms_norm(x, gamma):
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + EPS) * gamma).to(x.dtype)
 
 
-SLEEP_CYCLES = 2_000_000  # ~1 ms at the H200's 1.98 GHz: far longer than the host takes to enqueue one run
-SLEEP_US = 1000.0
+CLOCK_GHZ = 1.98  # the H200's SM clock
+SLEEP_CYCLES = 2_000_000  # ~1 ms: far longer than the host takes to enqueue one run
+SLEEP_US = SLEEP_CYCLES / (CLOCK_GHZ * 1e3)
 
 
 def capture(prepare, body):

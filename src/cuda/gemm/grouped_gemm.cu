@@ -104,6 +104,19 @@ std::vector<GemmVariant> all_variants() {
           GemmVariant::mma_xl,  GemmVariant::wgmma, GemmVariant::wgmma_tall};
 }
 
+namespace {
+
+// The experts T tokens touch at most (min(E, T*k), at least 1), and their mean row count: what both
+// tile-shape choices key on.
+int64_t touched_experts(int64_t num_tokens, int top_k, int num_experts) {
+  return std::max<int64_t>(1, std::min<int64_t>(num_experts, num_tokens * top_k));
+}
+int64_t mean_rows_per_touched_expert(int64_t num_tokens, int top_k, int num_experts) {
+  return num_tokens * top_k / touched_experts(num_tokens, top_k, num_experts);
+}
+
+}  // namespace
+
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                            int64_t intermediate, int64_t latent) {
   if (dtype == DType::f32 || current_compute_capability() < 80) return GemmVariant::simt;
@@ -112,9 +125,8 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
   // pipelines (mma_s_k128) while the CTAs fit in about one wave, wider tiles (mma_s_wide) when there are
   // many. Larger batches: m-tiles that cover a touched expert's mean row count.
   // An expert gets at most one row per token (top-k picks distinct experts), so T bounds its rows.
-  const int64_t pairs = num_tokens * top_k;
-  const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, pairs));
-  const int64_t mean_rows = pairs / touched;
+  const int64_t touched = touched_experts(num_tokens, top_k, num_experts);
+  const int64_t mean_rows = mean_rows_per_touched_expert(num_tokens, top_k, num_experts);
   if (num_tokens <= 16) {
     if (down) return GemmVariant::mma_s_wide;
     const int64_t cols = gated ? 32 : 64;  // output columns of an mma_s_k128 gate/up CTA
@@ -144,9 +156,7 @@ GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num
   // than the best mma.sync shape at 1024 and 4096 tokens; else mma_m up to 48 rows, mma_l4 above. The
   // tall wgmma tiles measured 1.6-1.8x slower than the 96-row ones with MXFP4 and are not chosen.
   (void)dtype, (void)gated;
-  const int64_t pairs = num_tokens * top_k;
-  const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(num_experts, pairs));
-  const int64_t mean_rows = pairs / touched;
+  const int64_t mean_rows = mean_rows_per_touched_expert(num_tokens, top_k, num_experts);
   if (num_tokens <= 16 || mean_rows <= 16) return GemmVariant::mma_s_wide;
   const int64_t out_cols = down ? latent : intermediate;
   if (out_cols >= 384 && wgmma_available()) return GemmVariant::wgmma;
