@@ -74,14 +74,22 @@ if has run; then
     > "$out/demo.log" 2>&1
   echo "demo rc=$?"; grep -E "^# latentmoe demo|FAILED|all checks" "$out/demo.log" | head -5
   tp_run=${tps##*,}
+  # Three runs of each model on the GPUs: a collective that is lost only now and then (the bench run of
+  # b07d179, the kimi-k3-mini run of 2f06526) shows in the exit codes; the collective timeout of 10 s
+  # bounds each wait (a device wait ends at twice that, with the rank's last collectives named).
   for model in kimi-k3-mini nemotron3-mini; do
     problem="--config $files/$model/config.json --weights $files/$model/weights.safetensors --input $files/$model/input.safetensors"
     timeout 120 "$bin/latentmoe" run --backend cpu --tp "$tp_run" $problem --output "$files/$model.cpu.safetensors" \
       >> "$out/run.log" 2>&1
-    timeout 120 "$bin/latentmoe" run --backend cuda --tp "$tp_run" --placement "$placement" $problem \
-      --output "$files/$model.cuda.safetensors" >> "$out/run.log" 2>&1
-    echo "run $model tp $tp_run cuda ($placement) against cpu: $(python3 scripts/compare_outputs.py \
-      "$files/$model.cuda.safetensors" "$files/$model.cpu.safetensors" 2>&1)"
+    echo "run $model tp $tp_run cpu rc=$?"
+    for attempt in 1 2 3; do
+      rm -f "$files/$model.cuda.safetensors"
+      LATENTMOE_COLLECTIVE_TIMEOUT_MS=10000 timeout 120 "$bin/latentmoe" run --backend cuda --tp "$tp_run" \
+        --placement "$placement" $problem --output "$files/$model.cuda.safetensors" >> "$out/run.log" 2>&1
+      rc=$?
+      echo "run $model tp $tp_run cuda ($placement) attempt $attempt rc=$rc against cpu: $(python3 \
+        scripts/compare_outputs.py "$files/$model.cuda.safetensors" "$files/$model.cpu.safetensors" 2>&1)"
+    done
   done
   cat "$out/run.log"
   rm -rf "$files"

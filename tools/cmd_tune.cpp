@@ -170,9 +170,7 @@ void run_tune(const TuneArguments& args) {
         "# note: CPU timings are noisy (threads share cores with everything else); the crossovers follow the\n"
         "#       measured medians exactly, so rerun with more --repeats where they look off\n");
   } else {
-    std::printf(
-        "# note: ranks share one GPU, so NVLink costs are missing; times are forward() on staged device inputs, until "
-        "the device has finished\n");
+    std::printf("# note: times are forward() on staged device inputs, until the device has finished\n");
   }
   std::fflush(stdout);
 
@@ -186,44 +184,55 @@ void run_tune(const TuneArguments& args) {
       placement = resolve_gpu_placement(GpuPlacement::automatic, tp, &why);
       std::fprintf(stderr, "latentmoe tune: tp %d on the CUDA backend: %s\n", tp, why.c_str());
     }
-    std::printf("\n# tp %d\n%8s", tp, "tokens");
+    std::printf("\n# tp %d%s\n%8s", tp,
+                placement == GpuPlacement::simulated && !cpu
+                    ? " (ranks simulated on one GPU: NVLink costs are missing, the crossovers are not this machine's)"
+                    : "",
+                "tokens");
     for (TailTier tier : kTiers) std::printf(" %18s", std::string(to_string(tier)).c_str());
     std::printf("  fastest\n");
-    std::vector<TierTimes> rows;
-    for (int64_t num_tokens : tokens) {
-      LocalGroupInputs inputs;
+    // One group per tp, its ranks built once (a full-size layer's weights take tens of seconds to place),
+    // then every token count and tier on it.
+    std::vector<LocalGroupInputs> inputs(tokens.size());
+    std::vector<LocalGroupPoint> points;
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      const int64_t num_tokens = tokens[t];
       const uint64_t input_seed = args.seed + 1000 * static_cast<uint64_t>(num_tokens);
-      inputs.hidden_states = random_uniform_tensor(dtype, {num_tokens, config.hidden_size}, input_seed);
-      inputs.router_logits =
+      inputs[t].hidden_states = random_uniform_tensor(dtype, {num_tokens, config.hidden_size}, input_seed);
+      inputs[t].router_logits =
           random_uniform_tensor(DType::f32, {num_tokens, config.num_router_outputs()}, input_seed + 1, 2.0f);
+      for (TailTier tier : timed_tiers) points.push_back(LocalGroupPoint{&inputs[t], tier});
+    }
+    LocalGroupOptions options;
+    options.tp_size = tp;
+    options.backend = backend;
+    options.num_timed_runs = repeats;
+    options.num_warmup_runs = warmup;
+    options.skip_unsupported_tier = true;
+    options.placement = placement;
+    const std::vector<std::vector<RankResult>> results = run_local_group_points(config, shard_of, points, options);
+    std::vector<TierTimes> rows;
+    for (size_t t = 0; t < tokens.size(); ++t) {
       TierTimes row;
-      row.num_tokens = num_tokens;
-      for (TailTier tier : timed_tiers) {
-        LocalGroupOptions options;
-        options.tp_size = tp;
-        options.backend = backend;
-        options.tier = tier;
-        options.num_timed_runs = repeats;
-        options.num_warmup_runs = warmup;
-        options.skip_unsupported_tier = true;
-        options.placement = placement;
-        const std::vector<RankResult> results = run_local_group(config, shard_of, inputs, options);
-        if (!results[0].ran) continue;
+      row.num_tokens = tokens[t];
+      for (size_t i = 0; i < timed_tiers.size(); ++i) {
+        const std::vector<RankResult>& ranks = results[t * timed_tiers.size() + i];
+        if (!ranks[0].ran) continue;
         double slowest = 0.0;
-        for (const RankResult& result : results) slowest = std::max(slowest, result.forward_ms);
-        row.ms[static_cast<size_t>(tier)] = slowest;
+        for (const RankResult& result : ranks) slowest = std::max(slowest, result.forward_ms);
+        row.ms[static_cast<size_t>(timed_tiers[i])] = slowest;
       }
       std::optional<TailTier> fastest;
       for (TailTier tier : kTiers) {
         const auto& ms = row.ms[static_cast<size_t>(tier)];
         if (ms && (!fastest || *ms < *row.ms[static_cast<size_t>(*fastest)])) fastest = tier;
       }
-      std::printf("%8lld", static_cast<long long>(num_tokens));
+      std::printf("%8lld", static_cast<long long>(row.num_tokens));
       for (TailTier tier : kTiers) std::printf(" %18s", format_ms(row.ms[static_cast<size_t>(tier)]).c_str());
       std::printf("  %s\n", fastest ? std::string(to_string(*fastest)).c_str() : "-");
-      std::fflush(stdout);
       rows.push_back(row);
     }
+    std::fflush(stdout);
     const Crossovers crossovers = derive_crossovers(rows);
     std::printf("# tp %d: tail_fusion_max_tokens %lld, shared_stream_token_threshold %lld\n", tp,
                 static_cast<long long>(crossovers.tail_fusion_max_tokens),

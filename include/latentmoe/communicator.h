@@ -11,6 +11,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "latentmoe/tensor.h"
@@ -45,6 +46,11 @@ class Communicator {
   // Gives up on the group after a failure on some rank: collectives blocked now or called later,
   // on every rank of the group, throw Error instead of waiting for peers that will never come.
   virtual void abort() = 0;
+
+  // Diagnostics for an error message: the last collectives this rank enqueued, oldest first, with the
+  // path each took (e.g. "all_reduce [37, 3584] NCCL"); empty where the communicator keeps none. Host
+  // bookkeeping at enqueue time only: under graph capture it describes the capture.
+  virtual std::string recent_collectives() const { return {}; }
 };
 
 }  // namespace latentmoe

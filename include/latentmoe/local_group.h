@@ -49,11 +49,26 @@ struct LocalGroupOptions {
   GpuPlacement placement = GpuPlacement::automatic;
 };
 
+// One measurement of run_local_group_points: its inputs (the caller's, alive through the call) and its
+// tier (nullopt: the policy picks).
+struct LocalGroupPoint {
+  const LocalGroupInputs* inputs = nullptr;
+  std::optional<TailTier> tier;
+};
+
 // `rank_weights(parallel)` returns rank parallel.rank's shard (e.g. load_layer_weights from a file
 // or shard_layer_weights of in-memory weights); it is called on the rank's own thread. Returns
 // one result per rank. Throws the first rank's Error if any rank fails.
 std::vector<RankResult> run_local_group(const LayerConfig& config,
                                         const std::function<LayerWeights(const ParallelConfig&)>& rank_weights,
                                         const LocalGroupInputs& inputs, const LocalGroupOptions& options);
+
+// Every point in order on one group, with one Runner per rank built once (its weights loaded once, its
+// buffers and the group's one-shot capacity sized for the largest point's tokens): results[point][rank].
+// options.tier is not used (each point names its own). A full-size layer's ranks take tens of seconds to
+// build, so a sweep over token counts and tiers (latentmoe tune) builds them once.
+std::vector<std::vector<RankResult>> run_local_group_points(
+    const LayerConfig& config, const std::function<LayerWeights(const ParallelConfig&)>& rank_weights,
+    const std::vector<LocalGroupPoint>& points, const LocalGroupOptions& options);
 
 }  // namespace latentmoe

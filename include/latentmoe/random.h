@@ -21,6 +21,9 @@ class SplitMix64 {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
   }
+  // Skips `count` draws at once (the state advances by a constant per draw), so that a long stream can
+  // be filled in parallel pieces with the same bits as in one sequential pass.
+  LATENTMOE_HOST_DEVICE void discard(uint64_t count) { state_ += count * 0x9e3779b97f4a7c15ull; }
   LATENTMOE_HOST_DEVICE float uniform_pm1() {
     const int32_t k = static_cast<int32_t>(next() >> 40);  // 24 bits
     return static_cast<float>(k - (int32_t{1} << 23)) * 0x1p-23f;
@@ -36,7 +39,8 @@ LATENTMOE_HOST_DEVICE inline float indexed_uniform_pm1(uint64_t seed, uint64_t i
 }
 
 // A host tensor of `dtype` (f32, bf16, f16) with elements offset + scale * u, u from SplitMix64(seed)
-// in order, each rounded once to the dtype.
+// in order, each rounded once to the dtype. Large tensors are filled by several threads, with the same
+// bits.
 HostTensor random_uniform_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, float scale = 1.0f,
                                  float offset = 0.0f);
 

@@ -7,6 +7,7 @@
 // collectives) accumulate in fp32 or wider; results are rounded once to the output's dtype.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -123,6 +124,13 @@ class Backend {
   virtual void bind_stream(StreamHandle stream) {}
   // Waits until everything the backend enqueued on its own streams has completed (construction).
   virtual void synchronize() {}
+  // The same wait with a limit: false when the work has not completed within `limit` (a device wait
+  // that never ends, e.g. a collective of NCCL's, which has no deadline of its own). The work is left
+  // as it is; the caller aborts the group so that it ends.
+  virtual bool synchronize_for(std::chrono::milliseconds limit) {
+    synchronize();
+    return true;
+  }
   // Called by the runner at construction, before any weight is placed: a backend refuses a layer it
   // cannot run (its kernel limits, a weight format it has no kernels for) before the weights cost
   // device memory.

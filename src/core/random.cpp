@@ -1,5 +1,6 @@
 #include "latentmoe/random.h"
 
+#include "core/parallel_for.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
@@ -7,12 +8,15 @@ namespace latentmoe {
 HostTensor random_uniform_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, float scale, float offset) {
   LATENTMOE_CHECK(is_compute_dtype(dtype), "random tensors of dtype ", dtype_name(dtype), " are not supported");
   HostTensor result(dtype, std::move(shape));
-  SplitMix64 rng(seed);
-  const int64_t count = result.numel();
-  for (int64_t i = 0; i < count; ++i) {
-    const float value = rng.uniform_pm1() * scale;  // exact product for power-of-two scales
-    store_from_float(result.data(), dtype, i, offset + value);
-  }
+  void* data = result.data();
+  detail::parallel_for(result.numel(), int64_t{1} << 22, [&](int64_t begin, int64_t end) {
+    SplitMix64 rng(seed);
+    rng.discard(static_cast<uint64_t>(begin));
+    for (int64_t i = begin; i < end; ++i) {
+      const float value = rng.uniform_pm1() * scale;  // exact product for power-of-two scales
+      store_from_float(data, dtype, i, offset + value);
+    }
+  });
   return result;
 }
 

@@ -3,11 +3,14 @@
 #include "latentmoe/runner.h"
 
 #include <array>
+#include <chrono>
+#include <string>
 
 #include "core/backend.h"
 #include "core/runner_state.h"
 #include "core/tails.h"
 #include "latentmoe/error.h"
+#include "latentmoe/gpu_group.h"
 
 namespace latentmoe {
 
@@ -230,6 +233,17 @@ TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outp
 
 namespace latentmoe {
 
+void detail::wait_for_device(RunnerState& state, const char* what) {
+  const std::chrono::milliseconds limit = 2 * default_collective_timeout();
+  if (state.backend->synchronize_for(limit)) return;
+  state.comm.abort();
+  const std::string recent = state.comm.recent_collectives();
+  detail::throw_error("rank ", state.parallel.rank, ": ", what, " did not finish on the device within ", limit.count(),
+                      " ms (twice the collective timeout): most likely a collective that never completed; the group "
+                      "was aborted",
+                      recent.empty() ? std::string() : "; this rank's last collectives, oldest first: " + recent);
+}
+
 TailTier Runner::forward_host(const ForwardInputs& inputs, const ForwardOutputs& outputs) {
   detail::RunnerState& state = *impl_;
   detail::Backend& backend = *state.backend;
@@ -263,7 +277,8 @@ TailTier Runner::forward_host(const ForwardInputs& inputs, const ForwardOutputs&
   device_outputs.topk_ids = stage(outputs.topk_ids, staging.topk_ids, false);
   device_outputs.topk_weights = stage(outputs.topk_weights, staging.topk_weights, false);
   const TailTier tier = forward(device_inputs, device_outputs);
-  backend.copy(device_outputs.output, outputs.output);  // synchronises: the forward has completed
+  detail::wait_for_device(state, "the forward");
+  backend.copy(device_outputs.output, outputs.output);
   state.comm.check();
   if (outputs.topk_ids.defined()) backend.copy(device_outputs.topk_ids, outputs.topk_ids);
   if (outputs.topk_weights.defined()) backend.copy(device_outputs.topk_weights, outputs.topk_weights);

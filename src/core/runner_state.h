@@ -100,5 +100,12 @@ struct RunnerState {
   bool bound = false;
 };
 
+// Waits for the device work this rank has enqueued (its backend's streams), at most twice the
+// collective timeout (LATENTMOE_COLLECTIVE_TIMEOUT_MS): the one-shot kernels end themselves at their
+// deadline, NCCL's collectives have none, so a collective that never completes would otherwise hold the
+// host for ever. Past the limit it aborts the group (which stops the peers' waits and NCCL's in-flight
+// operations) and throws Error naming the rank, `what` and the collectives it enqueued last.
+void wait_for_device(RunnerState& state, const char* what);
+
 }  // namespace detail
 }  // namespace latentmoe

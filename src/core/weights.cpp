@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/parallel_for.h"
 #include "latentmoe/error.h"
 #include "latentmoe/mxfp4.h"
 #include "latentmoe/random.h"
@@ -245,19 +246,24 @@ float inverse_sqrt(int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(
 // magnitude, and far inside the range where F32, BF16 and F16 hold them exactly.
 HostTensor random_codes(uint64_t seed, uint64_t field, std::vector<int64_t> shape) {
   HostTensor tensor(DType::u8, std::move(shape));
-  SplitMix64 rng(field_seed(seed, field));
   auto* bytes = tensor.data_as<uint8_t>();
-  for (int64_t i = 0; i < tensor.numel(); ++i) bytes[i] = static_cast<uint8_t>(rng.next() >> 56);
+  detail::parallel_for(tensor.numel(), int64_t{1} << 22, [&](int64_t begin, int64_t end) {
+    SplitMix64 rng(field_seed(seed, field));
+    rng.discard(static_cast<uint64_t>(begin));
+    for (int64_t i = begin; i < end; ++i) bytes[i] = static_cast<uint8_t>(rng.next() >> 56);
+  });
   return tensor;
 }
 
 HostTensor random_scales(uint64_t seed, uint64_t field, std::vector<int64_t> shape, int64_t fan_in) {
   HostTensor tensor(DType::u8, std::move(shape));
-  SplitMix64 rng(field_seed(seed, field));
   const int base = 124 - (std::bit_width(static_cast<uint64_t>(fan_in)) - 1) / 2;
   auto* bytes = tensor.data_as<uint8_t>();
-  for (int64_t i = 0; i < tensor.numel(); ++i)
-    bytes[i] = static_cast<uint8_t>(base + static_cast<int>(rng.next() % 3) - 1);
+  detail::parallel_for(tensor.numel(), int64_t{1} << 22, [&](int64_t begin, int64_t end) {
+    SplitMix64 rng(field_seed(seed, field));
+    rng.discard(static_cast<uint64_t>(begin));
+    for (int64_t i = begin; i < end; ++i) bytes[i] = static_cast<uint8_t>(base + static_cast<int>(rng.next() % 3) - 1);
+  });
   return tensor;
 }
 

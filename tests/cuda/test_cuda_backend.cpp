@@ -2,12 +2,16 @@
 // shapes, every compute dtype and activation, with outputs poisoned first so that an unwritten
 // element shows up as NaN. Routing must choose identical ids; values are compared by
 // ||out - ref|| / ||ref|| (f32 under 1e-5, bf16/f16 under 1e-2).
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "cuda/backend/cuda_backend.h"
@@ -48,6 +52,25 @@ TEST(CudaDevice, count_never_throws) {
     EXPECT_GE(info.shared_memory_per_block_optin, size_t{48 * 1024});
   }
   EXPECT_THROW(device_info(count), Error);
+}
+
+// A stream held by work that does not end (here a host function waiting for a flag, as a collective
+// waits for a peer): synchronize_for gives up at its limit instead of blocking, and succeeds once the
+// work has ended.
+TEST_F(CudaOps, synchronize_for_gives_up_on_a_stream_that_does_not_finish) {
+  static std::atomic<bool> release{false};
+  release = false;
+  auto hold = [](void*) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!release.load() && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+  };
+  ASSERT_EQ(cudaLaunchHostFunc(static_cast<cudaStream_t>(gpu_->stream()), hold, nullptr), cudaSuccess);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(gpu_->synchronize_for(std::chrono::milliseconds(100)));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));
+  release = true;
+  EXPECT_TRUE(gpu_->synchronize_for(std::chrono::seconds(20)));
+  EXPECT_TRUE(gpu_->synchronize_for(std::chrono::milliseconds(1)));  // nothing queued: at once
 }
 
 TEST_F(CudaOps, copy_round_trips_contiguous_and_strided) {

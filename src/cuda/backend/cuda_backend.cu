@@ -6,7 +6,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <string_view>
+#include <thread>
 
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/backend/decode_dispatch.h"
@@ -190,6 +192,25 @@ void CudaBackend::synchronize() {
   DeviceGuard guard(s.ordinal);
   LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(s.main_stream));
   LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(s.aux_stream));
+}
+
+// Polls instead of blocking in the driver, so that the wait can end: a stream whose collective never
+// completes would hold cudaStreamSynchronize for ever.
+bool CudaBackend::synchronize_for(std::chrono::milliseconds limit) {
+  State& s = *state_;
+  DeviceGuard guard(s.ordinal);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (cudaStream_t stream : {s.main_stream, s.aux_stream}) {
+    for (int polls = 0;; ++polls) {
+      const cudaError_t status = cudaStreamQuery(stream);
+      if (status == cudaSuccess) break;
+      if (status != cudaErrorNotReady) LATENTMOE_CUDA_CHECK(status);
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      // Spin briefly (a forward ends in microseconds), then give the core away.
+      if (polls > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  return true;
 }
 
 void CudaBackend::bind_stream(StreamHandle stream) {

@@ -58,6 +58,7 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // forks from and joins into it.
   void bind_stream(StreamHandle stream) override;
   void synchronize() override;
+  bool synchronize_for(std::chrono::milliseconds limit) override;
 
   // Refuses what the kernels cannot run (top_k and E beyond their limits; MXFP4 experts run at any shape
   // the loader accepts).

@@ -25,6 +25,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -125,13 +126,15 @@ struct GroupState {
     const bool aborted = revoked.load();
     auto release = [aborted](RankResources& r) {
       if (cudaSetDevice(r.device) != cudaSuccess) return;
-      (void)cudaDeviceSynchronize();  // no kernel of the group may still run
       if (aborted) {
-        // No collective after a failure: abort an owned communicator (which drops its windows) before
-        // freeing the memory; a caller's communicator keeps its window (and the memory) registered.
+        // No collective after a failure: abort an owned communicator first (it stops NCCL's kernels that
+        // still wait for a peer, so that the synchronisation below ends, and drops its windows), then
+        // free the memory; a caller's communicator (revoked by abort()) keeps its window registered.
         if (r.owns_comm && r.comm != nullptr) (void)ncclCommAbort(r.comm);
+        (void)cudaDeviceSynchronize();  // no kernel of the group may still run
         if (r.window_memory != nullptr && r.owns_comm) (void)ncclMemFree(r.window_memory);
       } else {
+        (void)cudaDeviceSynchronize();  // no kernel of the group may still run
         if (r.window != nullptr) (void)ncclCommWindowDeregister(r.comm, r.window);
         if (r.window_memory != nullptr) (void)ncclMemFree(r.window_memory);
         if (r.owns_comm && r.comm != nullptr) {
@@ -315,7 +318,8 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     call.ld_in = s.ld;
     call.out = buffer.data();
     call.ld_out = s.ld;
-    if (fits(call)) return launch(call, stream);
+    if (fits(call)) return launch(call, static_cast<cudaStream_t>(stream));
+    note(call, /*one_shot=*/false);
     if (s.rows == 0 || s.cols == 0) return;
     const RankResources& r = resources();
     cuda::DeviceGuard guard(r.device);
@@ -345,7 +349,8 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     call.ld_in = s.ld;
     call.out = output.data();
     call.ld_out = o.ld;
-    if (fits(call)) return launch(call, stream);
+    if (fits(call)) return launch(call, static_cast<cudaStream_t>(stream));
+    note(call, /*one_shot=*/false);
     if (s.rows == 0 || s.cols == 0) return;
     const RankResources& r = resources();
     cuda::DeviceGuard guard(r.device);
@@ -377,7 +382,8 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     call.ld_in = i.ld;
     call.out = output.data();
     call.ld_out = s.ld;
-    if (fits(call)) return launch(call, stream);
+    if (fits(call)) return launch(call, static_cast<cudaStream_t>(stream));
+    note(call, /*one_shot=*/false);
     if (s.rows == 0 || s.cols == 0) return;
     const RankResources& r = resources();
     cuda::DeviceGuard guard(r.device);
@@ -410,8 +416,12 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
       call.rows = 1;
       call.cols = 16 / static_cast<int64_t>(dtype_size(group_->dtype));
       call.ld_in = call.cols;
-      return launch(call, stream);
+      return launch(call, static_cast<cudaStream_t>(stream));
     }
+    LamportCall call;
+    call.op = LamportOp::barrier;
+    call.rows = call.cols = 1;
+    note(call, /*one_shot=*/false);
     cuda::DeviceGuard guard(r.device);
     LATENTMOE_NCCL_CHECK(
         r.comm, ncclAllReduce(r.scratch, r.scratch, 1, ncclInt32, ncclSum, r.comm, static_cast<cudaStream_t>(stream)));
@@ -436,6 +446,25 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
       detail::throw_error("rank ", r.rank, ": NCCL reported an asynchronous error: ", ncclGetErrorString(async),
                           last != nullptr && *last != '\0' ? std::string(" (") + last + ")" : std::string());
     }
+  }
+
+  std::string recent_collectives() const override {
+    std::string text;
+    const uint64_t first = enqueued_ > recent_.size() ? enqueued_ - recent_.size() : 0;
+    for (uint64_t n = first; n < enqueued_; ++n) {
+      const Enqueued& e = recent_[n % recent_.size()];
+      if (!text.empty()) text += ", ";
+      text += "#" + std::to_string(n) + " " + cuda::lamport_op_name(e.op) + " [" + std::to_string(e.rows) + ", " +
+              std::to_string(e.cols) + "] " + (e.one_shot ? "one-shot" : "NCCL");
+    }
+    return text;
+  }
+
+  // Every one-shot kernel of this rank, the group's collectives' and the backend's fused steps'.
+  void launch(const LamportCall& call, cudaStream_t stream) override {
+    note(call, /*one_shot=*/true);
+    cuda::DeviceGuard guard(resources().device);
+    cuda::launch_lamport(peers_, call, stream);
   }
 
   const LamportPeers& lamport_peers() const override { return peers_; }
@@ -496,14 +525,21 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
                     " elements (GpuGroupOptions::max_elements)");
   }
 
-  void launch(const LamportCall& call, StreamHandle stream) {
-    cuda::DeviceGuard guard(resources().device);
-    cuda::launch_lamport(peers_, call, static_cast<cudaStream_t>(stream));
+  // Diagnostics only (recent_collectives): the collectives this rank enqueued last, a ring.
+  struct Enqueued {
+    LamportOp op = LamportOp::barrier;
+    int64_t rows = 0, cols = 0;
+    bool one_shot = false;
+  };
+  void note(const LamportCall& call, bool one_shot) {
+    recent_[enqueued_++ % recent_.size()] = Enqueued{call.op, call.rows, call.cols, one_shot};
   }
 
   std::shared_ptr<GroupState> group_;
   size_t index_;
   LamportPeers peers_;
+  std::array<Enqueued, 8> recent_{};
+  uint64_t enqueued_ = 0;
 };
 
 // Builds the group's memory; a failure tears it down without collectives.
