@@ -188,17 +188,20 @@ TEST(ShardLayout, unpacked_chunks_are_row_blocks_and_differ_from_column_blocks_a
   EXPECT_EQ(packed_index(2, 7, 3, 8, 4), 23);  // the last element stays last
 }
 
-TEST(OneShotTokens, the_default_is_64_and_the_variable_must_be_a_positive_integer) {
+TEST(OneShotTokens, the_default_is_512_for_two_ranks_64_above_and_the_variable_must_be_a_positive_integer) {
   const char* saved = std::getenv("LATENTMOE_ONE_SHOT_MAX_TOKENS");
   const std::string saved_value = saved != nullptr ? saved : "";
   ::unsetenv("LATENTMOE_ONE_SHOT_MAX_TOKENS");
-  EXPECT_EQ(default_one_shot_tokens(), kDefaultOneShotTokens);
+  EXPECT_EQ(default_one_shot_tokens(2), kDefaultOneShotTokensTwoRanks);
+  EXPECT_EQ(kDefaultOneShotTokensTwoRanks, 512);
+  for (int tp : {3, 4, 8, 16}) EXPECT_EQ(default_one_shot_tokens(tp), kDefaultOneShotTokens) << tp;
   EXPECT_EQ(kDefaultOneShotTokens, 64);
   ::setenv("LATENTMOE_ONE_SHOT_MAX_TOKENS", "256", 1);
-  EXPECT_EQ(default_one_shot_tokens(), 256);
+  EXPECT_EQ(default_one_shot_tokens(2), 256);
+  EXPECT_EQ(default_one_shot_tokens(8), 256);
   for (const char* bad : {"0", "-3", "12x", "x", "2000000"}) {
     ::setenv("LATENTMOE_ONE_SHOT_MAX_TOKENS", bad, 1);
-    EXPECT_THAT([] { default_one_shot_tokens(); },
+    EXPECT_THAT([] { default_one_shot_tokens(4); },
                 ::testing::ThrowsMessage<Error>(HasSubstr("LATENTMOE_ONE_SHOT_MAX_TOKENS must be an integer")))
         << bad;
   }

@@ -106,9 +106,8 @@ Plan plan_of(const BenchTailOptions& options) {
   plan.group.device = options.device;
   LATENTMOE_CHECK(options.one_shot_max_tokens >= 0, "--one-shot-max-tokens ", options.one_shot_max_tokens,
                   " is negative");
-  plan.group.one_shot_tokens =
-      options.one_shot_max_tokens > 0 ? options.one_shot_max_tokens : default_one_shot_tokens();
-  parse_gpu_placement(options.placement);  // names the accepted placements
+  plan.group.one_shot_tokens = options.one_shot_max_tokens;  // 0: default_one_shot_tokens(tp) per tp
+  parse_gpu_placement(options.placement);                    // names the accepted placements
 
   plan.backend = resolve_backend_kind(requested);
   const bool cpu = plan.backend == BackendKind::cpu;
@@ -205,6 +204,9 @@ RankBuffers make_rank_buffers(bench_access::Backend& backend, const LayerConfig&
 }
 
 // One rank's timed runs of every path at one point (empty: not run).
+// The layer's runs per round of bench tail's interleaved layer measurement.
+constexpr int kLayerRoundRuns = 5;
+
 struct RankTimes {
   std::vector<double> time, layer;
 };
@@ -279,7 +281,8 @@ TailPoint make_point(const Block& block, const Plan& plan, int64_t tokens, int64
   point.tokens = tokens;
   point.dtype = plan.dtype_label;
   point.collectives = plan.collectives;
-  point.one_shot_max_tokens = plan.group.one_shot_tokens;
+  point.one_shot_max_tokens =
+      plan.group.one_shot_tokens > 0 ? plan.group.one_shot_tokens : default_one_shot_tokens(block.tp);
   point.fused_up_projection_max_tokens = plan.backend == BackendKind::cpu ? 0 : plan.fused_up_projection_max_tokens;
   point.fused_up_projection_max_latent = plan.backend == BackendKind::cpu ? -1 : plan.fused_up_projection_max_latent;
   point.hidden_size = block.config.hidden_size;
@@ -378,9 +381,9 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
       mine = PointTimes{};
       // A collective that failed on the device ends the run at the measurement it failed in, naming the
       // rank, the step and the peer (a failed group fails every later call too, each after the timeout).
-      auto measure = [&](TailPath path, const char* part, const std::function<void()>& prepare,
-                         const std::function<void()>& body) {
-        std::vector<double> runs = bench::time_group_runs(*clock, seat, plan.runs, prepare, body);
+      auto measure_with = [&](const bench::Runs& how, TailPath path, const char* part,
+                              const std::function<void()>& prepare, const std::function<void()>& body) {
+        std::vector<double> runs = bench::time_group_runs(*clock, seat, how, prepare, body);
         try {
           comm.check();
         } catch (const Error& error) {
@@ -388,6 +391,10 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
                               ": ", error.what());
         }
         return runs;
+      };
+      auto measure = [&](TailPath path, const char* part, const std::function<void()>& prepare,
+                         const std::function<void()>& body) {
+        return measure_with(plan.runs, path, part, prepare, body);
       };
 
       // The routing of these tokens (the same on every rank): which experts the byte floor counts.
@@ -406,20 +413,35 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
         touched = static_cast<int64_t>(distinct.size());
       }
 
-      for (const TailTier tier : kTiers) {
-        // Every rank has the same support (same layout), so every rank skips together.
-        if (!runner.tier_support().allows(tier, tokens)) continue;
-        RankTimes& slot = mine[index_of(path_of(tier))];
+      std::vector<TailTier> tiers;  // every rank has the same support (same layout): every rank skips alike
+      for (const TailTier tier : kTiers)
+        if (runner.tier_support().allows(tier, tokens)) tiers.push_back(tier);
+      for (const TailTier tier : tiers) {
         const bench_access::TailTensors t = bench_access::tail_tensors(state, tier, out, tokens);
         auto restore = [&] {
           backend.copy(latent_snapshot, t.latent_partial);
           if (t.shared_partial.defined()) backend.copy(shared_snapshot, t.shared_partial);
         };
-        slot.time = measure(path_of(tier), "", restore, [&] { bench_access::run_tail(state, tier, t); });
-        inputs.tier = tier;
-        slot.layer = measure(path_of(tier), " (layer)", nullptr, [&] {
-          runner.forward(inputs, ForwardOutputs{out, {}, {}});
-        });
+        mine[index_of(path_of(tier))].time =
+            measure(path_of(tier), "", restore, [&] { bench_access::run_tail(state, tier, t); });
+      }
+      // The whole layer per tier, the tiers taking turns in rounds of at most kLayerRoundRuns runs: a layer
+      // of a thousand tokens runs for milliseconds and the GPU's clock drifts over a point's measurements,
+      // which favoured the tier measured first (two H200s at 2f06526: the four tiers at 1024 tokens of
+      // kimi-k3 came out in measurement order, 8.3 to 8.8 ms, in all three runs).
+      for (int done = 0, round = 0; done < plan.runs.iterations; ++round) {
+        bench::Runs how = plan.runs;
+        how.iterations = std::min(kLayerRoundRuns, plan.runs.iterations - done);
+        how.warmup = round == 0 ? plan.runs.warmup : std::min(plan.runs.warmup, 1);
+        for (const TailTier tier : tiers) {
+          inputs.tier = tier;
+          std::vector<double> runs = measure_with(how, path_of(tier), " (layer)", nullptr, [&] {
+            runner.forward(inputs, ForwardOutputs{out, {}, {}});
+          });
+          std::vector<double>& layer = mine[index_of(path_of(tier))].layer;
+          layer.insert(layer.end(), runs.begin(), runs.end());
+        }
+        done += how.iterations;
       }
 
       auto restore_latent = [&] { backend.copy(latent_snapshot, latent); };
@@ -495,9 +517,9 @@ std::string repro_line(const Plan& plan, const BenchTailOptions& options) {
        << " --iterations " << plan.runs.iterations << " --seed " << options.seed;
   if (options.max_seconds > 0) line << " --max-seconds " << options.max_seconds;
   if (plan.backend != BackendKind::cpu) {
-    line << " --placement " << options.placement << " --collectives " << options.collectives
-         << " --one-shot-max-tokens " << plan.group.one_shot_tokens << " --fused-up-projection-max-tokens "
-         << options.fused_up_projection_max_tokens;
+    line << " --placement " << options.placement << " --collectives " << options.collectives;
+    if (plan.group.one_shot_tokens > 0) line << " --one-shot-max-tokens " << plan.group.one_shot_tokens;
+    line << " --fused-up-projection-max-tokens " << options.fused_up_projection_max_tokens;
     if (options.fused_up_projection_max_latent >= 0) {
       line << " --fused-up-projection-max-latent " << options.fused_up_projection_max_latent;
     }

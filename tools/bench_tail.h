@@ -29,7 +29,7 @@ struct BenchTailOptions {
   // (CudaBackend::set_fused_up_projection_max_latent); -1: the rule.
   int64_t fused_up_projection_max_latent = -1;
   // CUDA, ranks on GPUs of their own: up to how many tokens the group's collectives are one-shot, NCCL
-  // above (latentmoe/gpu_group.h); 0: default_one_shot_tokens(). Simulated ranks: every message one-shot.
+  // above (latentmoe/gpu_group.h); 0: default_one_shot_tokens(tp). Simulated ranks: every message one-shot.
   int64_t one_shot_max_tokens = 0;
   uint64_t seed = 2026;
   std::string json_path;  // empty: no JSON

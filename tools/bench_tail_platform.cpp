@@ -57,11 +57,12 @@ BenchGroup make_bench_group(BackendKind backend, int tp, DType dtype, int64_t ma
   options.capacity_elements = max_tokens * per_token_elements;
   options.timeout = default_collective_timeout();
   if (placement == GpuPlacement::devices) {
-    size_nccl_group(options, max_tokens, per_token_elements, request.one_shot_tokens);
+    const int64_t one_shot_tokens = request.one_shot_tokens > 0 ? request.one_shot_tokens : default_one_shot_tokens(tp);
+    size_nccl_group(options, max_tokens, per_token_elements, one_shot_tokens);
     options.one_shot = request.one_shot;
     if (request.one_shot) {
       std::fprintf(stderr, "latentmoe bench tail: tp %d: one-shot collectives up to %lld tokens, NCCL above\n", tp,
-                   static_cast<long long>(request.one_shot_tokens));
+                   static_cast<long long>(one_shot_tokens));
     }
     group.comms = make_nccl_gpu_group(tp, options);
     group.placement = "devices";

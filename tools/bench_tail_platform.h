@@ -35,7 +35,8 @@ struct GroupRequest {
   std::string placement = "auto";  // auto|simulated|devices (latentmoe/gpu_group.h's GpuPlacement)
   bool one_shot = true;            // false: every collective through NCCL (devices only): the NCCL baseline
   int device = 0;                  // simulated ranks: the GPU they share
-  int64_t one_shot_tokens = 64;    // ranks on GPUs of their own: one-shot up to this many tokens, NCCL above
+  int64_t one_shot_tokens = 0;     // ranks on GPUs of their own: one-shot up to this many tokens, NCCL above;
+                                   // 0: default_one_shot_tokens(tp)
 };
 
 // `tp` ranks whose collectives carry layers of up to `max_tokens` tokens of `per_token_elements`

@@ -69,7 +69,8 @@ void register_bench_command(CLI::App& app) {
                    "one_shot (default) or nccl (devices only: every collective through NCCL, the fused tiers off)");
   tail->add_option("--one-shot-max-tokens", tail_options->one_shot_max_tokens,
                    "CUDA, one GPU per rank: up to this many tokens the collectives are one-shot, NCCL above "
-                   "(default: LATENTMOE_ONE_SHOT_MAX_TOKENS or 64); simulated ranks: every message one-shot")
+                   "(default: LATENTMOE_ONE_SHOT_MAX_TOKENS, else 512 at tp 2 and 64 above); simulated ranks: every "
+                   "message one-shot")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   tail->add_option("--fused-up-projection-max-tokens", tail_options->fused_up_projection_max_tokens,
                    "CUDA: up to this many tokens (0..8, default 8) tier 0's up-projection pushes into the peers from "

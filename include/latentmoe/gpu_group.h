@@ -83,14 +83,19 @@ std::chrono::milliseconds default_collective_timeout();
 
 // How many tokens of a layer the one-shot collectives of a group of GPUs of their own (NCCL groups)
 // carry by default; NCCL carries larger messages. The one-shot kernels win on latency and lose on
-// bandwidth: on two H200s (docs/PERFORMANCE.md, "Two real H200s") NCCL's all-reduce was faster from a
-// few hundred KB on. A group for layers of hidden size d and latent l then gets
+// bandwidth, and each rank reads every peer's message, so the crossover falls as tp grows. Measured on
+// two H200s at 2f06526 (docs/PERFORMANCE.md, "Two real H200s"): the one-shot all-reduce of [T, d] beat
+// NCCL's up to 512 tokens of kimi-k3 (7.3 MB; 48.6 against 53.0 us) and lost from 1024 (82.9 against
+// 75.3), the AR+RMSNorm of the latent likewise; so 512 tokens for two ranks. Larger groups keep 64
+// until they are measured. A group for layers of hidden size d and latent l then gets
 //   capacity_elements = min(T, one_shot_tokens) x (d + l),  max_elements = T x (d + l)
 // for T tokens (one_shot_group_elements below); tier 0, whose collective must be one-shot, runs up to
 // that many tokens. Simulated groups have no NCCL path and carry every message one-shot.
 inline constexpr int64_t kDefaultOneShotTokens = 64;
-// kDefaultOneShotTokens, or LATENTMOE_ONE_SHOT_MAX_TOKENS when set (an integer in 1..1048576).
-int64_t default_one_shot_tokens();
+inline constexpr int64_t kDefaultOneShotTokensTwoRanks = 512;
+// For a group of `tp_size` ranks: kDefaultOneShotTokensTwoRanks up to two ranks, else
+// kDefaultOneShotTokens; LATENTMOE_ONE_SHOT_MAX_TOKENS, when set (an integer in 1..1048576), for any.
+int64_t default_one_shot_tokens(int tp_size);
 // Sets options.capacity_elements and options.max_elements for layers of `per_token_elements` (d + l)
 // and up to `max_tokens` tokens: the one-shot path up to `one_shot_tokens` of them, NCCL above.
 void size_nccl_group(GpuGroupOptions& options, int64_t max_tokens, int64_t per_token_elements, int64_t one_shot_tokens);

@@ -5,7 +5,7 @@
 //   ncclComm_t comm = ...;  // the engine's, initialised with NCCL_NVLS_ENABLE=0 in the environment
 //   latentmoe::GpuGroupOptions options;
 //   options.dtype = latentmoe::DType::bf16;
-//   latentmoe::size_nccl_group(options, 4096, d + l, latentmoe::default_one_shot_tokens());
+//   latentmoe::size_nccl_group(options, 4096, d + l, latentmoe::default_one_shot_tokens(tp));
 //                                // one-shot up to 64 tokens (latentmoe/gpu_group.h), NCCL above, up to 4096
 //   auto communicator = latentmoe::make_nccl_communicator(comm, options);  // collective: every rank calls it
 //   latentmoe::Runner runner(config, parallel, weights, *communicator, runner_options);

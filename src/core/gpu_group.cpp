@@ -23,9 +23,9 @@ std::chrono::milliseconds default_collective_timeout() {
   return std::chrono::milliseconds(ms);
 }
 
-int64_t default_one_shot_tokens() {
+int64_t default_one_shot_tokens(int tp_size) {
   const char* value = std::getenv("LATENTMOE_ONE_SHOT_MAX_TOKENS");
-  if (value == nullptr || *value == '\0') return kDefaultOneShotTokens;
+  if (value == nullptr || *value == '\0') return tp_size <= 2 ? kDefaultOneShotTokensTwoRanks : kDefaultOneShotTokens;
   char* end = nullptr;
   const long long tokens = std::strtoll(value, &end, 10);
   LATENTMOE_CHECK(end != value && *end == '\0' && tokens >= 1 && tokens <= 1048576,

@@ -142,7 +142,7 @@ std::vector<std::vector<RankResult>> run_local_group_points(
     group_options.max_elements = group_options.capacity_elements;
     group_options.timeout = default_collective_timeout();
     if (resolve_gpu_placement(options.placement, options.tp_size) == GpuPlacement::devices) {
-      size_nccl_group(group_options, max_tokens, per_token, default_one_shot_tokens());
+      size_nccl_group(group_options, max_tokens, per_token, default_one_shot_tokens(options.tp_size));
       group = make_nccl_gpu_group(options.tp_size, group_options);
       rank_per_device = true;
     } else {
