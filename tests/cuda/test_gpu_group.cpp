@@ -264,19 +264,54 @@ TEST(GpuGroup, a_rank_that_never_arrives_times_out_its_peers_within_a_second) {
   for (Rank& rank : ranks) ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(seconds, 1.0);
+  // The first rank past its deadline reports the timeout and raises the group's abort flag; a rank
+  // that looked at the flag before its own deadline reports the abort. Both name the missing peer and
+  // the call.
+  int timed_out = 0;
   for (int r = 0; r < 3; ++r) {
     try {
       group[r]->check();
       ADD_FAILURE() << "rank " << r << " did not report the timeout";
     } catch (const Error& error) {
-      EXPECT_NE(std::string(error.what()).find("timed out"), std::string::npos) << error.what();
-      EXPECT_NE(std::string(error.what()).find("rank " + std::to_string(r)), std::string::npos) << error.what();
-      // The error names the peer whose message never came and the call it belonged to.
-      EXPECT_NE(std::string(error.what()).find("waiting for rank 3's message of call 0 "), std::string::npos)
-          << error.what();
+      const std::string text = error.what();
+      EXPECT_NE(text.find("rank " + std::to_string(r)), std::string::npos) << text;
+      if (text.find("timed out") != std::string::npos) {
+        ++timed_out;
+        EXPECT_NE(text.find("waiting for rank 3's message of call 0 "), std::string::npos) << text;
+      } else {
+        EXPECT_NE(text.find("was aborted: another rank of the group failed (call 0 mod 65536, waiting for rank 3)"),
+                  std::string::npos)
+            << text;
+      }
     }
   }
+  EXPECT_GE(timed_out, 1);
   EXPECT_NO_THROW(group[3]->check());
+}
+
+// A timeout raises the group's abort flag, so the calls enqueued after the failed one give up at once
+// instead of each waiting out the timeout: four calls behind a lost message end in about one timeout.
+TEST(GpuGroup, a_timeout_releases_the_later_calls_of_the_group) {
+  LATENTMOE_REQUIRE_GPU();
+  GpuGroupOptions options = timeout_test_options(DType::bf16, 300);
+  options.host_rendezvous = false;  // rank 1 never arrives
+  auto group = make_simulated_gpu_group(2, options);
+  Rank rank;
+  DeviceTensor buffer = device_empty(*rank.device, DType::bf16, {2, 64});
+  const auto start = std::chrono::steady_clock::now();
+  for (int call = 0; call < 4; ++call) group[0]->all_reduce_sum(buffer.view, rank.stream);
+  ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 0.9) << "four calls took " << seconds << " s: each waited out the 300 ms timeout";
+  try {
+    group[0]->check();
+    ADD_FAILURE() << "no failure reported";
+  } catch (const Error& error) {
+    // The first failure wins: the timeout of call 0.
+    EXPECT_NE(std::string(error.what()).find("timed out after 300 ms waiting for rank 1's message of call 0 "),
+              std::string::npos)
+        << error.what();
+  }
 }
 
 TEST(GpuGroup, abort_releases_a_waiting_rank) {

@@ -36,10 +36,10 @@
 //     lamport_device.cuh); the same argument holds, because that kernel runs after the rank's
 //     previous call has completed, and the all-gather kernel that follows it on the stream receives,
 //     clears what it read and advances the epoch as usual.
-//   - Every wait is bounded: past timeout_ns on the global timer, or when the host sets the group's
-//     abort flag, the waiting thread gives up, the call records its failure in *status (first error
-//     wins) and the kernel completes; the host reads the word at its check point. A group that
-//     failed is not reused.
+//   - Every wait is bounded: past timeout_ns on the global timer, or when the group's abort flag is
+//     raised (by the host's abort(), or by a wait of the group that timed out), the waiting thread gives
+//     up, the call records its failure in *status (first error wins) and the kernel completes; the host
+//     reads the word at its check point. A group that failed is not reused.
 //   - Co-residency: a rank's kernel uses at most 1 / (2 x the ranks sharing its GPU) of the SMs
 //     (launch_lamport), so the ranks' spinning kernels never take every SM of a GPU they share and a
 //     peer's kernel can always start.
@@ -81,9 +81,15 @@ struct Waiter {
   bool failed;
 
   // Records the failure (the first of the rank wins) with the call's epoch and the lowest source
-  // still missing, so that the error names which peer's message of which call never came.
+  // still missing, so that the error names which peer's message of which call never came. A timeout
+  // also raises the group's abort flag: a group that failed is not reused, so every other wait of it
+  // (the peers', and this rank's later calls before the host's check point) gives up at its next look
+  // instead of running to its own deadline, and the failure surfaces after one timeout, not one per call.
   __device__ void fail(LamportFailure failure, uint32_t pending) {
-    if (!failed) atomicCAS(peers->status, 0, lamport_status(failure, op, __ffs(pending) - 1, epoch));
+    if (!failed) {
+      atomicCAS(peers->status, 0, lamport_status(failure, op, __ffs(pending) - 1, epoch));
+      if (failure == LamportFailure::timeout) *const_cast<volatile int*>(peers->abort) = 1;
+    }
     failed = true;
   }
 };

@@ -28,7 +28,8 @@ struct LamportPeers {
   // This rank's device words: [0] epoch (calls completed), [1] CTAs arrived in the current call (the
   // groups allocate a few more, unused).
   uint32_t* state = nullptr;
-  const volatile int* abort = nullptr;  // the group's abort flag (host-mapped): non-zero releases every wait
+  const volatile int* abort = nullptr;  // the group's abort flag (host-mapped): non-zero releases every wait;
+                                        // raised by the host (abort()) or by a call that timed out
   int* status = nullptr;                // this rank's error word (host-mapped): 0, or lamport_status()
   uint64_t timeout_ns = 0;              // the longest a wait may spin before the call fails
   // How many ranks of the group share this rank's GPU (a simulated group: all of them): a spinning
