@@ -68,13 +68,26 @@ TEST(DeriveCrossovers, native_does_not_take_part) {
   EXPECT_EQ(c.shared_stream_token_threshold, 2);
 }
 
-TEST(DeriveCrossovers, noise_ends_a_run_and_never_extends_it) {
-  // Tier 0 wins at 1, 2, loses at 4 (noise), wins again at 8: only the run from the smallest counts.
-  // Overlap likewise loses at 2 and wins again at 4 and 8.
+TEST(DeriveCrossovers, a_point_costs_what_it_measured) {
+  // Tier 0 wins at 1, 2, loses badly at 4 (5 against 2), wins again at 8: taking it up to 8 would cost
+  // 2.5x at 4, stopping at 2 costs 2x at 8 (overlap's 2 against tier 0's 1): it stops at 2.
+  // Without tier 0, overlap loses at 2 (3 against 2) but wins at 4 and 8: overlap up to 8 (the worst
+  // ratio is 3 either way; the sum is lowest).
   const Crossovers c =
       derive_crossovers({row(1, 9, 1, 2, 3), row(2, 9, 1, 3, 2), row(4, 9, 5, 2, 3), row(8, 9, 1, 2, 3)});
   EXPECT_EQ(c.tail_fusion_max_tokens, 2);
-  EXPECT_EQ(c.shared_stream_token_threshold, 1);
+  EXPECT_EQ(c.shared_stream_token_threshold, 8);
+}
+
+TEST(DeriveCrossovers, a_near_tie_does_not_turn_a_tier_off) {
+  // Tier 0 a hair slower at one token (noise, 0.2%) and clearly faster at 8 and 64: it stays on through
+  // 64 (the rule it replaced turned tier 0 off for good at the first loss; seen on one H200, nemotron3-super
+  // on simulated ranks at f312294).
+  const Crossovers c =
+      derive_crossovers({row(1, 0.1676, 0.1689, 0.1685, 0.1715), row(8, 0.4230, 0.4113, 0.4294, 0.4135),
+                         row(64, 0.7477, 0.7442, 0.7514, 0.7499), row(512, 1.2324, 1.43, 1.2371, 1.2024)});
+  EXPECT_EQ(c.tail_fusion_max_tokens, 64);
+  EXPECT_EQ(c.shared_stream_token_threshold, 1);  // overlap at 1 (0.1685 against 0.1715), column from 8
 }
 
 TEST(DeriveCrossovers, ties_go_to_the_tier_the_policy_tries_first) {
@@ -83,16 +96,18 @@ TEST(DeriveCrossovers, ties_go_to_the_tier_the_policy_tries_first) {
   EXPECT_EQ(c.shared_stream_token_threshold, 2);  // tied with column_parallel at 1 and 2
 }
 
-TEST(DeriveCrossovers, a_tier_that_does_not_run_loses_there) {
-  // Tier 0 is beyond its capacity from 8 tokens on; overlap does not run at 4.
+TEST(DeriveCrossovers, a_tier_that_does_not_run_is_passed_over_as_the_policy_does) {
+  // Tier 0 does not run at 8, overlap not at 4: the policy falls through to the next tier there, so
+  // neither gap ends a threshold (overlap up to 16 takes column at 4 and overlap at 8).
   Crossovers c =
       derive_crossovers({row(1, 9, 1, 2, 3), row(4, 9, 1, kNotRun, 3), row(8, 9, kNotRun, 2, 3), row(16, 9, 1, 2, 3)});
-  EXPECT_EQ(c.tail_fusion_max_tokens, 4);
-  EXPECT_EQ(c.shared_stream_token_threshold, 1);
-  // A rival that does not run: the tier that does wins.
+  EXPECT_EQ(c.tail_fusion_max_tokens, 16);
+  EXPECT_EQ(c.shared_stream_token_threshold, 16);
+  // A rival that does not run: the tier that does wins. At 1 only tier 0 (and native) ran; overlap up
+  // to 2, where column does not run, column from 4.
   c = derive_crossovers({row(1, 9, 5, kNotRun, kNotRun), row(2, 9, 5, 1, kNotRun), row(4, 9, 5, 1, 0.5)});
   EXPECT_EQ(c.tail_fusion_max_tokens, 1);
-  EXPECT_EQ(c.shared_stream_token_threshold, 0);  // at 1 neither fused tier without tier 0 ran
+  EXPECT_EQ(c.shared_stream_token_threshold, 2);
   // Nothing but native measured (e.g. a layer without a shared expert).
   c = derive_crossovers({row(1, 1, kNotRun, kNotRun, kNotRun), row(2, 1, kNotRun, kNotRun, kNotRun)});
   EXPECT_EQ(c.tail_fusion_max_tokens, 0);

@@ -58,17 +58,20 @@ struct TierTimes {
   std::array<std::optional<double>, 4> ms;  // indexed by TailTier
 };
 
-// The policy's two thresholds as the measured times say (tier.cpp's meaning of each knob):
-//   tail_fusion_max_tokens: the largest measured T up to which tail_fusion runs and is at least as
-//     fast as both allreduce_overlap and column_parallel (the tiers the policy takes without it) at
-//     every measured T, from the smallest up; 0 when it loses at the smallest (tier 0 off);
-//   shared_stream_token_threshold: likewise the largest measured T up to which allreduce_overlap runs
-//     and is at least as fast as column_parallel (the policy takes overlap for T <= it, column_parallel
-//     above); 0 when it loses at the smallest.
-// Only a run from the smallest T counts, so one noisy point ends it rather than extending it, and
-// nothing is extrapolated past the largest measured T. A tie goes to the tier the policy tries first
-// (tail_fusion, then allreduce_overlap). A tier that does not run at some T loses there; one that runs where its rival
-// does not wins. native is measured for reference: the policy never takes it on the fused path.
+// The policy's two thresholds as the measured times say. The policy at T is select_tail_tier's
+// (tier.cpp): tail_fusion for T <= tail_fusion_max_tokens, else allreduce_overlap for T <=
+// shared_stream_token_threshold, else column_parallel, each only where it runs (was measured), falling
+// through to the next (native last). A choice of the two thresholds is scored by what the policy would
+// lose against the fastest tier measured at each T (native included): the worst ratio over the measured
+// T, then (where two worst ratios are within 1%, the noise of a median) the sum of the ratios; the
+// lowest score wins. Each threshold is one of 0 and the measured
+// token counts, so nothing is extrapolated past the largest measured T.
+//   shared_stream_token_threshold first, as if tier 0 were off (it is, past its capacity, for
+//     layouts without it, or with LATENTMOE_DISABLE_TAIL_FUSION);
+//   then tail_fusion_max_tokens with that threshold; 0 turns tier 0 off.
+// A tie goes to the larger threshold (the tier the policy tries first). So one noisy point costs what
+// it measured, instead of ending a run of wins as a "wins from the smallest T on" rule would. T where
+// no fused tier ran do not count; with none left both thresholds are 0.
 // Throws Error for an empty list, token counts that are not >= 1 and strictly increasing, or a time
 // that is negative or not finite.
 struct Crossovers {

@@ -1,9 +1,12 @@
 // The tuned crossover table (latentmoe/tune.h): reading, matching, and the policy a runner takes.
 #include "latentmoe/tune.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "core/atomic_file.h"
 #include "core/bounded_file.h"
@@ -51,12 +54,6 @@ std::string_view table_dtype_name(DType dtype) {
       break;
   }
   detail::throw_error("a tune table entry's dtype must be bf16, f16 or f32, not ", dtype_name(dtype));
-}
-
-// Whether `rival` takes `tier`'s place at one token count: `tier` loses where it does not run, wins
-// where only it runs, and wins a tie.
-bool beats(const std::optional<double>& tier, const std::optional<double>& rival) {
-  return tier.has_value() && (!rival.has_value() || *tier <= *rival);
 }
 
 }  // namespace
@@ -178,21 +175,75 @@ Crossovers derive_crossovers(const std::vector<TierTimes>& times) {
                       ms.value_or(0.0), " ms");
     }
   }
-  auto ms = [](const TierTimes& row, TailTier tier) { return row.ms[static_cast<size_t>(tier)]; };
-  Crossovers crossovers;
-  bool tail_fusion_leads = true, overlap_leads = true;
+  // Rows where a fused tier ran: the others cannot tell one threshold from another.
+  std::vector<const TierTimes*> rows;
   for (const TierTimes& row : times) {
-    const auto tail_fusion = ms(row, TailTier::tail_fusion);
-    const auto overlap = ms(row, TailTier::allreduce_overlap);
-    const auto column = ms(row, TailTier::column_parallel);
-    // The policy's choice without tier 0 at this T is the faster of the two it may take.
-    std::optional<double> best_without = overlap;
-    if (column && (!best_without || *column < *best_without)) best_without = column;
-    tail_fusion_leads = tail_fusion_leads && beats(tail_fusion, best_without);
-    if (tail_fusion_leads) crossovers.tail_fusion_max_tokens = row.num_tokens;
-    overlap_leads = overlap_leads && beats(overlap, column);
-    if (overlap_leads) crossovers.shared_stream_token_threshold = row.num_tokens;
+    if (row.ms[static_cast<size_t>(TailTier::tail_fusion)] ||
+        row.ms[static_cast<size_t>(TailTier::allreduce_overlap)] ||
+        row.ms[static_cast<size_t>(TailTier::column_parallel)]) {
+      rows.push_back(&row);
+    }
   }
+  Crossovers crossovers;
+  if (rows.empty()) return crossovers;
+  std::vector<int64_t> candidates = {0};
+  for (const TierTimes* row : rows) candidates.push_back(row->num_tokens);
+
+  // What the policy loses at one row: its time over the fastest measured (infinite where it would pick
+  // a tier with no time, i.e. native not measured).
+  auto ratio = [](const TierTimes& row, int64_t tail_fusion_max, int64_t shared_stream_max) {
+    auto runs = [&](TailTier tier) { return row.ms[static_cast<size_t>(tier)].has_value(); };
+    TailTier pick = TailTier::native;
+    if (row.num_tokens <= tail_fusion_max && runs(TailTier::tail_fusion)) {
+      pick = TailTier::tail_fusion;
+    } else if (row.num_tokens <= shared_stream_max && runs(TailTier::allreduce_overlap)) {
+      pick = TailTier::allreduce_overlap;
+    } else if (runs(TailTier::column_parallel)) {
+      pick = TailTier::column_parallel;
+    }
+    double best = std::numeric_limits<double>::infinity();
+    for (const auto& ms : row.ms)
+      if (ms) best = std::min(best, *ms);
+    const auto& chosen = row.ms[static_cast<size_t>(pick)];
+    if (!chosen) return std::numeric_limits<double>::infinity();
+    return best > 0.0 ? *chosen / best : (*chosen > 0.0 ? std::numeric_limits<double>::infinity() : 1.0);
+  };
+  // Worst ratios within kNoise of each other count as equal (a median of a few runs moves by that much),
+  // and the sum decides: otherwise a 0.01% difference at one T would outweigh a percent at every other.
+  constexpr double kNoise = 0.01;
+  struct Score {
+    double worst = 0.0, sum = 0.0;
+    bool operator<(const Score& other) const {
+      if (worst < other.worst - kNoise) return true;
+      if (worst > other.worst + kNoise) return false;
+      return sum < other.sum;
+    }
+  };
+  auto score = [&](int64_t tail_fusion_max, int64_t shared_stream_max) {
+    Score s;
+    for (const TierTimes* row : rows) {
+      const double r = ratio(*row, tail_fusion_max, shared_stream_max);
+      s.worst = std::max(s.worst, r);
+      s.sum += r;
+    }
+    return s;
+  };
+  // Candidates from the largest down, taking only a strictly better score: a tie keeps the larger.
+  auto best_of = [&](auto&& score_of) {
+    int64_t chosen = candidates.back();
+    Score best = score_of(chosen);
+    for (auto it = candidates.rbegin() + 1; it != candidates.rend(); ++it) {
+      const Score s = score_of(*it);
+      if (s < best) {
+        best = s;
+        chosen = *it;
+      }
+    }
+    return chosen;
+  };
+  crossovers.shared_stream_token_threshold = best_of([&](int64_t sst) { return score(0, sst); });
+  crossovers.tail_fusion_max_tokens =
+      best_of([&](int64_t tf) { return score(tf, crossovers.shared_stream_token_threshold); });
   return crossovers;
 }
 
