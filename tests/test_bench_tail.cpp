@@ -248,8 +248,8 @@ TEST(BenchTailReport, a_point_line_has_one_column_per_title_and_a_dash_for_what_
   const std::string line = tools::format_point_line(point);
   EXPECT_EQ(line.back(), '\n');
   const std::vector<std::string> fields = fields_of(line);
-  // tokens, touched, 4 tiers x (tail, layer), unfused, ar+rms, ar,rms, ar(Txd), t0_floor
-  ASSERT_EQ(fields.size(), 2u + 8u + 5u);
+  // tokens, touched, 4 tiers x (tail, layer), unfused, ar+rms, ar,rms, ar(Txd), t0_floor, auto, auto/best
+  ASSERT_EQ(fields.size(), 2u + 8u + 7u);
   EXPECT_EQ(fields[0], "16");
   EXPECT_EQ(fields[1], "200");
   EXPECT_EQ(fields[2], "1.0");    // native tail
@@ -259,6 +259,8 @@ TEST(BenchTailReport, a_point_line_has_one_column_per_title_and_a_dash_for_what_
   EXPECT_EQ(fields[10], "5.0");  // unfused
   EXPECT_EQ(fields[13], "8.0");  // all_reduce
   EXPECT_EQ(fields[14], "-");    // no tier-0 floor without tier 0
+  EXPECT_EQ(fields[15], "-");    // no policy tier given
+  EXPECT_EQ(fields[16], "-");
   const std::string header = tools::format_block_header(point);
   EXPECT_NE(header.find("# preset kimi-k3 (scale 1)  tp 8  bf16  d 7168  l 3584"), std::string::npos);
   // Every data column lines up under the title line's columns.
@@ -267,6 +269,29 @@ TEST(BenchTailReport, a_point_line_has_one_column_per_title_and_a_dash_for_what_
   const std::string title_line = header.substr(titles, header.find('\n', titles) - titles);
   EXPECT_EQ(title_line.size(), line.size() - 1);
   EXPECT_EQ(fields_of(title_line).size(), 1u + fields.size());  // "#" first
+}
+
+// The policy's column: its tier and its layer time over the fastest forced tier's (the target of issue
+// 14 is at most 1.05); none where the policy's tier did not run.
+TEST(BenchTailReport, the_policy_column_names_its_tier_and_its_layer_over_the_best) {
+  TailPoint point = hand_made_point();  // layers: native 101, tail_fusion not run, overlap 103, column 104
+  point.policy_tier = TailTier::column_parallel;
+  ASSERT_TRUE(tools::policy_layer_ratio(point).has_value());
+  EXPECT_DOUBLE_EQ(*tools::policy_layer_ratio(point), 104.0 / 101.0);
+  std::vector<std::string> fields = fields_of(tools::format_point_line(point));
+  EXPECT_EQ(fields[15], "column");
+  EXPECT_EQ(fields[16], "1.030");
+  nlohmann::json rows = tools::to_json(TailRunInfo{}, {point})["rows"];
+  EXPECT_EQ(rows[0]["policy_tier"], "column_parallel");
+  EXPECT_DOUBLE_EQ(rows[0]["policy_layer_ratio"].get<double>(), 104.0 / 101.0);
+  point.policy_tier = TailTier::native;
+  EXPECT_DOUBLE_EQ(*tools::policy_layer_ratio(point), 1.0);
+  point.policy_tier = TailTier::tail_fusion;  // did not run here
+  EXPECT_FALSE(tools::policy_layer_ratio(point).has_value());
+  fields = fields_of(tools::format_point_line(point));
+  EXPECT_EQ(fields[15], "fusion");
+  EXPECT_EQ(fields[16], "-");
+  EXPECT_FALSE(tools::to_json(TailRunInfo{}, {point})["rows"][0].contains("policy_layer_ratio"));
 }
 
 TEST(BenchTailReport, the_run_header_says_simulated_and_that_the_cpu_times_are_no_result) {

@@ -337,6 +337,7 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
   bench::Rendezvous rendezvous(tp);
   TierSupport support;
   int64_t touched = 0;
+  TailTier policy_tier = TailTier::native;  // the automatic policy's tier at the point (rank 0's runner)
   bool stop = false;
   size_t measured = 0;
 
@@ -411,6 +412,7 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
           if (ids.data_as<int32_t>()[i] < config.num_experts) distinct.insert(ids.data_as<int32_t>()[i]);
         }
         touched = static_cast<int64_t>(distinct.size());
+        policy_tier = runner.select_tier(tokens);
       }
 
       std::vector<TailTier> tiers;  // every rank has the same support (same layout): every rank skips alike
@@ -477,6 +479,7 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
       seat.wait();  // every rank's times are in
       if (rank == 0) {
         points.push_back(make_point(block, plan, tokens, touched, support, times, copy_bytes_per_s));
+        points.back().policy_tier = policy_tier;
         points.back().placement = group.placement;
         if (measured == 0) std::fputs(format_block_header(points.back()).c_str(), stdout);
         std::fputs(format_point_line(points.back()).c_str(), stdout);

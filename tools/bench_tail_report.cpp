@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <utility>
 
 #include "latentmoe/error.h"
@@ -105,6 +106,52 @@ std::string format_run_header(const TailRunInfo& info) {
   return text;
 }
 
+namespace {
+
+TailPath path_of_tier(TailTier tier) {
+  switch (tier) {
+    case TailTier::native:
+      return TailPath::native;
+    case TailTier::tail_fusion:
+      return TailPath::tail_fusion;
+    case TailTier::allreduce_overlap:
+      return TailPath::allreduce_overlap;
+    case TailTier::column_parallel:
+      return TailPath::column_parallel;
+  }
+  return TailPath::native;
+}
+
+// The column label of a tier, as the block header names it.
+const char* tier_label(TailTier tier) {
+  switch (tier) {
+    case TailTier::native:
+      return "native";
+    case TailTier::tail_fusion:
+      return "fusion";
+    case TailTier::allreduce_overlap:
+      return "overlap";
+    case TailTier::column_parallel:
+      return "column";
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::optional<double> policy_layer_ratio(const TailPoint& point) {
+  if (!point.policy_tier) return std::nullopt;
+  double best = std::numeric_limits<double>::infinity();
+  for (TailPath path :
+       {TailPath::native, TailPath::tail_fusion, TailPath::allreduce_overlap, TailPath::column_parallel}) {
+    const PathResult& result = point.at(path);
+    if (result.ran && result.layer) best = std::min(best, result.layer->us);
+  }
+  const PathResult& chosen = point.at(path_of_tier(*point.policy_tier));
+  if (!chosen.ran || !chosen.layer || !(best > 0.0) || !std::isfinite(best)) return std::nullopt;
+  return chosen.layer->us / best;
+}
+
 std::string format_block_header(const TailPoint& first) {
   char line[512];
   std::snprintf(line, sizeof(line), "\n# preset %s (scale %d)  tp %d  %s  d %lld  l %lld\n", first.preset.c_str(),
@@ -123,7 +170,7 @@ std::string format_block_header(const TailPoint& first) {
     titles.append(cell(label)).append(cell(label));
     subtitles.append(cell("tail")).append(cell("layer"));
   }
-  for (const char* label : {"unfused", "ar+rms", "ar,rms", "ar(Txd)", "t0_floor"}) {
+  for (const char* label : {"unfused", "ar+rms", "ar,rms", "ar(Txd)", "t0_floor", "auto", "auto/best"}) {
     titles += cell(label);
     subtitles += cell("");
   }
@@ -150,6 +197,12 @@ std::string format_point_line(const TailPoint& point) {
   }
   const PathResult& fusion = point.at(TailPath::tail_fusion);
   text += time_cell(fusion.floor_us.has_value(), fusion.floor_us.value_or(0.0));
+  // The automatic policy's tier here and its layer time over the fastest forced tier's.
+  text += cell(point.policy_tier ? tier_label(*point.policy_tier) : "-");
+  const std::optional<double> ratio = policy_layer_ratio(point);
+  char ratio_text[32] = "-";
+  if (ratio) std::snprintf(ratio_text, sizeof(ratio_text), "%.3f", *ratio);
+  text += cell(ratio_text);
   return text + "\n";
 }
 
@@ -181,6 +234,8 @@ nlohmann::json to_json(const TailRunInfo& info, const std::vector<TailPoint>& po
       row["hidden_size"] = point.hidden_size;
       row["latent_size"] = point.latent_size;
       row["touched_experts"] = point.touched_experts;
+      if (point.policy_tier) row["policy_tier"] = std::string(to_string(*point.policy_tier));
+      if (const std::optional<double> ratio = policy_layer_ratio(point)) row["policy_layer_ratio"] = *ratio;
       row["placement"] = point.placement;
       row["collectives"] = point.collectives;
       row["one_shot_max_tokens"] = point.one_shot_max_tokens;

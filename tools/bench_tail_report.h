@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "latentmoe/config.h"
+#include "latentmoe/tier.h"
 
 namespace latentmoe::tools {
 
@@ -73,6 +74,9 @@ struct TailPoint {
   int64_t fused_up_projection_max_latent = -1;  // CUDA: its latent bound, -1: the dispatch's rule
   int64_t hidden_size = 0, latent_size = 0;
   int64_t touched_experts = 0;  // distinct routed experts the tokens' routing touched
+  // The tier the runner's automatic policy takes at these tokens (Runner::select_tier: the defaults or the
+  // LATENTMOE_* variables); nullopt where not known.
+  std::optional<TailTier> policy_tier;
   std::vector<PathResult> paths;
 
   const PathResult& at(TailPath path) const;
@@ -95,6 +99,10 @@ struct TailRunInfo {
   bool complete = true;
   std::string error;  // the failure that ended the run early (empty: none)
 };
+
+// The policy's whole-layer time over the fastest forced tier's at this point (issue 14: at most 1.05);
+// nullopt without a policy tier or where its tier's layer was not measured.
+std::optional<double> policy_layer_ratio(const TailPoint& point);
 
 // Tier 0's floor (issue 14): two dependent one-shot rounds, each timed as the all-reduce of a [T, d]
 // message on the same ranks, plus reading this rank's 1/tp of W_up at the copy bandwidth.
