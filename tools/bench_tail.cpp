@@ -214,20 +214,6 @@ using PointTimes = std::array<RankTimes, kTailPaths.size()>;
 
 size_t index_of(TailPath path) { return static_cast<size_t>(path); }
 
-TailPath path_of(TailTier tier) {
-  switch (tier) {
-    case TailTier::native:
-      return TailPath::native;
-    case TailTier::tail_fusion:
-      return TailPath::tail_fusion;
-    case TailTier::allreduce_overlap:
-      return TailPath::allreduce_overlap;
-    case TailTier::column_parallel:
-      return TailPath::column_parallel;
-  }
-  return TailPath::native;
-}
-
 GroupTime group_time(const std::vector<PointTimes>& ranks, TailPath path, bool layer) {
   GroupTime time;
   std::vector<std::vector<double>> per_rank;

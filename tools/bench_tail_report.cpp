@@ -106,9 +106,7 @@ std::string format_run_header(const TailRunInfo& info) {
   return text;
 }
 
-namespace {
-
-TailPath path_of_tier(TailTier tier) {
+TailPath path_of(TailTier tier) {
   switch (tier) {
     case TailTier::native:
       return TailPath::native;
@@ -121,6 +119,8 @@ TailPath path_of_tier(TailTier tier) {
   }
   return TailPath::native;
 }
+
+namespace {
 
 // The column label of a tier, as the block header names it.
 const char* tier_label(TailTier tier) {
@@ -147,7 +147,7 @@ std::optional<double> policy_layer_ratio(const TailPoint& point) {
     const PathResult& result = point.at(path);
     if (result.ran && result.layer) best = std::min(best, result.layer->us);
   }
-  const PathResult& chosen = point.at(path_of_tier(*point.policy_tier));
+  const PathResult& chosen = point.at(path_of(*point.policy_tier));
   if (!chosen.ran || !chosen.layer || !(best > 0.0) || !std::isfinite(best)) return std::nullopt;
   return chosen.layer->us / best;
 }

@@ -100,6 +100,9 @@ struct TailRunInfo {
   std::string error;  // the failure that ended the run early (empty: none)
 };
 
+// The path that times `tier`.
+TailPath path_of(TailTier tier);
+
 // The policy's whole-layer time over the fastest forced tier's at this point (issue 14: at most 1.05);
 // nullopt without a policy tier or where its tier's layer was not measured.
 std::optional<double> policy_layer_ratio(const TailPoint& point);
