@@ -17,7 +17,8 @@
 #              4096), the PyTorch peer (torchrun), and the plot with the peer
 #   tune       latentmoe tune at the same tp sizes: the table for this machine (tune_h200_tpN.json)
 # One device call may run 600 s, and these steps' own limits add up to more: run links,tests,processes,run
-# in one call, bench_tail (three bench runs and the peer, each with its limit) in a second, tune in a third.
+# in one call, bench_tail (three bench runs and the peer, each with its limit) in a second, tune in a third
+# (tune builds each tp's ranks once since f312294; before, it rebuilt them for every point).
 source "$(dirname "$0")/gpu_script_env.sh" "$@"
 gpus=$(nvidia-smi -L | grep -c '^GPU')
 # latentmoe is built against NCCL 2.28.9; the machine's default libnccl may be older (the device API has
@@ -122,9 +123,14 @@ if has bench_tail; then
 fi
 if has tune; then
   for tp in ${tps//,/ }; do
-    timeout 300 "$bin/latentmoe" tune --backend cuda --tp "$tp" --machine "$(nvidia-smi --query-gpu=name \
+    LATENTMOE_COLLECTIVE_TIMEOUT_MS=10000 timeout 300 "$bin/latentmoe" tune --backend cuda --tp "$tp" --machine "$(nvidia-smi --query-gpu=name \
       --format=csv,noheader | head -1) x$gpus ($placement)" --output "$out/tune_h200_tp$tp.json" \
       > "$out/tune_tp$tp.txt" 2>&1
     echo "tune tp $tp rc=$?"; tail -n 4 "$out/tune_tp$tp.txt"
   done
+fi
+# The device tool brings back at most 8 files: more than that go back as one archive.
+if (( $(find "$out" -maxdepth 1 -type f | wc -l) > 8 )); then
+  (cd "$out" && tar czf results.tar.gz --exclude results.tar.gz -- * && find . -maxdepth 1 -type f ! -name results.tar.gz -delete)
+  echo "more than 8 files: packed into results.tar.gz"
 fi
