@@ -319,8 +319,8 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     call.out = buffer.data();
     call.ld_out = s.ld;
     if (fits(call)) return launch(call, static_cast<cudaStream_t>(stream));
-    note(call, /*one_shot=*/false);
     if (s.rows == 0 || s.cols == 0) return;
+    note(call, /*one_shot=*/false);
     const RankResources& r = resources();
     cuda::DeviceGuard guard(r.device);
     auto st = static_cast<cudaStream_t>(stream);
@@ -350,8 +350,8 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     call.out = output.data();
     call.ld_out = o.ld;
     if (fits(call)) return launch(call, static_cast<cudaStream_t>(stream));
-    note(call, /*one_shot=*/false);
     if (s.rows == 0 || s.cols == 0) return;
+    note(call, /*one_shot=*/false);
     const RankResources& r = resources();
     cuda::DeviceGuard guard(r.device);
     auto st = static_cast<cudaStream_t>(stream);
@@ -383,8 +383,8 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     call.out = output.data();
     call.ld_out = s.ld;
     if (fits(call)) return launch(call, static_cast<cudaStream_t>(stream));
-    note(call, /*one_shot=*/false);
     if (s.rows == 0 || s.cols == 0) return;
+    note(call, /*one_shot=*/false);
     const RankResources& r = resources();
     cuda::DeviceGuard guard(r.device);
     auto st = static_cast<cudaStream_t>(stream);
