@@ -1,13 +1,17 @@
 // run_local_group_points (latentmoe/local_group.h): a sweep of points on one group built once gives, per
 // point, what a group built for that point alone gives; a forced tier the runners do not support is
-// skipped per point; bad sweeps are refused with one clear message. And the seeded random tensors that
-// such sweeps build their layers from: filled in parallel pieces, the same bits as one sequential pass.
+// skipped per point; bad sweeps are refused with one clear message. The seeded random tensors that such
+// sweeps build their layers from: filled in parallel pieces, the same bits as one sequential pass. And
+// the host's bounded wait for a rank's device work.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "core/runner_state.h"
 #include "error_test_util.h"
 #include "latentmoe/local_group.h"
 #include "latentmoe/random.h"
@@ -112,6 +116,51 @@ TEST(RandomTensors, a_parallel_fill_gives_the_sequential_bits) {
   for (int i = 0; i < 1000; ++i) stepped.next();
   jumped.discard(1000);
   EXPECT_EQ(stepped.next(), jumped.next());
+}
+
+// A communicator that records abort() and reports a fixed record of collectives.
+class RecordingCommunicator final : public Communicator {
+ public:
+  int size() const override { return 2; }
+  int rank() const override { return 1; }
+  void all_reduce_sum(const TensorView&, StreamHandle) override {}
+  void reduce_scatter_sum(const TensorView&, const TensorView&, StreamHandle) override {}
+  void all_gather(const TensorView&, const TensorView&, StreamHandle) override {}
+  void barrier(StreamHandle) override {}
+  void abort() override { ++aborts; }
+  std::string recent_collectives() const override { return "#7 all-reduce [37, 3584] NCCL"; }
+  int aborts = 0;
+};
+
+// The host's bounded wait for a rank's device work (detail::wait_or_abort, behind wait_for_device): work
+// that completes costs nothing; work that does not within twice the collective timeout aborts the group
+// and names the rank, the step, the limit and the rank's last collectives.
+TEST(WaitForDevice, a_wait_that_ends_passes_one_that_does_not_aborts_the_group_and_says_where) {
+  const char* saved = std::getenv("LATENTMOE_COLLECTIVE_TIMEOUT_MS");
+  const std::string saved_value = saved != nullptr ? saved : "";
+  ::setenv("LATENTMOE_COLLECTIVE_TIMEOUT_MS", "1500", 1);
+  RecordingCommunicator comm;
+  std::chrono::milliseconds asked{0};
+  detail::wait_or_abort(
+      [&](std::chrono::milliseconds limit) {
+        asked = limit;
+        return true;
+      },
+      comm, 1, "the forward");
+  EXPECT_EQ(asked, std::chrono::milliseconds(3000));
+  EXPECT_EQ(comm.aborts, 0);
+  EXPECT_EQ(message_of([&] {
+              detail::wait_or_abort([](std::chrono::milliseconds) { return false; }, comm, 1, "the forward");
+            }),
+            "rank 1: the forward did not finish on the device within 3000 ms (twice the collective timeout): most "
+            "likely a collective that never completed; the group was aborted; this rank's last collectives, oldest "
+            "first: #7 all-reduce [37, 3584] NCCL");
+  EXPECT_EQ(comm.aborts, 1);
+  if (saved != nullptr) {
+    ::setenv("LATENTMOE_COLLECTIVE_TIMEOUT_MS", saved_value.c_str(), 1);
+  } else {
+    ::unsetenv("LATENTMOE_COLLECTIVE_TIMEOUT_MS");
+  }
 }
 
 }  // namespace

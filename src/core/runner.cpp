@@ -233,15 +233,22 @@ TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outp
 
 namespace latentmoe {
 
-void detail::wait_for_device(RunnerState& state, const char* what) {
+void detail::wait_or_abort(const std::function<bool(std::chrono::milliseconds)>& wait, Communicator& comm, int rank,
+                           const char* what) {
   const std::chrono::milliseconds limit = 2 * default_collective_timeout();
-  if (state.backend->synchronize_for(limit)) return;
-  state.comm.abort();
-  const std::string recent = state.comm.recent_collectives();
-  detail::throw_error("rank ", state.parallel.rank, ": ", what, " did not finish on the device within ", limit.count(),
+  if (wait(limit)) return;
+  comm.abort();
+  const std::string recent = comm.recent_collectives();
+  detail::throw_error("rank ", rank, ": ", what, " did not finish on the device within ", limit.count(),
                       " ms (twice the collective timeout): most likely a collective that never completed; the group "
                       "was aborted",
                       recent.empty() ? std::string() : "; this rank's last collectives, oldest first: " + recent);
+}
+
+void detail::wait_for_device(RunnerState& state, const char* what) {
+  Backend& backend = *state.backend;
+  wait_or_abort([&](std::chrono::milliseconds limit) { return backend.synchronize_for(limit); }, state.comm,
+                state.parallel.rank, what);
 }
 
 TailTier Runner::forward_host(const ForwardInputs& inputs, const ForwardOutputs& outputs) {

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "core/backend.h"
@@ -106,6 +108,10 @@ struct RunnerState {
 // host for ever. Past the limit it aborts the group (which stops the peers' waits and NCCL's in-flight
 // operations) and throws Error naming the rank, `what` and the collectives it enqueued last.
 void wait_for_device(RunnerState& state, const char* what);
+// The same for any wait: `wait(limit)` returns whether the work completed within `limit`; past it,
+// `comm` is aborted and the Error names `rank`, `what` and comm.recent_collectives().
+void wait_or_abort(const std::function<bool(std::chrono::milliseconds)>& wait, Communicator& comm, int rank,
+                   const char* what);
 
 }  // namespace detail
 }  // namespace latentmoe
