@@ -47,8 +47,6 @@ namespace {
 
 constexpr int kCpuDefaultScale = 32;
 constexpr int64_t kMaxTokens = int64_t{1} << 20;
-constexpr std::array<TailTier, 4> kTiers = {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
-                                            TailTier::column_parallel};
 
 using Clock = std::chrono::steady_clock;
 

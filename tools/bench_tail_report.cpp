@@ -122,7 +122,7 @@ TailPath path_of(TailTier tier) {
 
 namespace {
 
-// The column label of a tier, as the block header names it.
+// The column label of a tier in the block header and the auto column.
 const char* tier_label(TailTier tier) {
   switch (tier) {
     case TailTier::native:
@@ -142,9 +142,8 @@ const char* tier_label(TailTier tier) {
 std::optional<double> policy_layer_ratio(const TailPoint& point) {
   if (!point.policy_tier) return std::nullopt;
   double best = std::numeric_limits<double>::infinity();
-  for (TailPath path :
-       {TailPath::native, TailPath::tail_fusion, TailPath::allreduce_overlap, TailPath::column_parallel}) {
-    const PathResult& result = point.at(path);
+  for (TailTier tier : kTiers) {
+    const PathResult& result = point.at(path_of(tier));
     if (result.ran && result.layer) best = std::min(best, result.layer->us);
   }
   const PathResult& chosen = point.at(path_of(*point.policy_tier));
@@ -162,12 +161,8 @@ std::string format_block_header(const TailPoint& first) {
   titles.append(cell("touched"));
   std::string subtitles = "#             ";
   subtitles.append(cell(""));
-  const std::pair<const char*, TailPath> tiers[] = {{"native", TailPath::native},
-                                                    {"fusion", TailPath::tail_fusion},
-                                                    {"overlap", TailPath::allreduce_overlap},
-                                                    {"column", TailPath::column_parallel}};
-  for (const auto& [label, path] : tiers) {
-    titles.append(cell(label)).append(cell(label));
+  for (TailTier tier : kTiers) {
+    titles.append(cell(tier_label(tier))).append(cell(tier_label(tier)));
     subtitles.append(cell("tail")).append(cell("layer"));
   }
   for (const char* label : {"unfused", "ar+rms", "ar,rms", "ar(Txd)", "t0_floor", "auto", "auto/best"}) {
@@ -185,9 +180,8 @@ std::string format_point_line(const TailPoint& point) {
   std::snprintf(head, sizeof(head), " %13lld", static_cast<long long>(point.tokens));
   std::string text = head;
   text.append(cell(std::to_string(point.touched_experts)));
-  for (TailPath path :
-       {TailPath::native, TailPath::tail_fusion, TailPath::allreduce_overlap, TailPath::column_parallel}) {
-    const PathResult& result = point.at(path);
+  for (TailTier tier : kTiers) {
+    const PathResult& result = point.at(path_of(tier));
     text += time_cell(result.ran, result.time.us);
     text += time_cell(result.ran && result.layer.has_value(), result.layer ? result.layer->us : 0.0);
   }

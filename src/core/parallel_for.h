@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "latentmoe/random.h"
+
 namespace latentmoe::detail {
 
 template <class Body>
@@ -41,6 +43,17 @@ void parallel_for(int64_t count, int64_t min_piece, Body&& body) {
   for (std::thread& thread : threads) thread.join();
   for (const std::exception_ptr& error : errors)
     if (error) std::rethrow_exception(error);
+}
+
+// Element i of [0, count) from the i-th draw of SplitMix64(seed), in parallel pieces: draw(i, rng) takes
+// one draw from rng, which each piece positions where a sequential pass would be (the same bits).
+template <class Draw>
+void parallel_draws(int64_t count, uint64_t seed, Draw&& draw) {
+  parallel_for(count, int64_t{1} << 22, [&](int64_t begin, int64_t end) {
+    SplitMix64 rng(seed);
+    rng.discard(static_cast<uint64_t>(begin));
+    for (int64_t i = begin; i < end; ++i) draw(i, rng);
+  });
 }
 
 }  // namespace latentmoe::detail

@@ -9,13 +9,9 @@ HostTensor random_uniform_tensor(DType dtype, std::vector<int64_t> shape, uint64
   LATENTMOE_CHECK(is_compute_dtype(dtype), "random tensors of dtype ", dtype_name(dtype), " are not supported");
   HostTensor result(dtype, std::move(shape));
   void* data = result.data();
-  detail::parallel_for(result.numel(), int64_t{1} << 22, [&](int64_t begin, int64_t end) {
-    SplitMix64 rng(seed);
-    rng.discard(static_cast<uint64_t>(begin));
-    for (int64_t i = begin; i < end; ++i) {
-      const float value = rng.uniform_pm1() * scale;  // exact product for power-of-two scales
-      store_from_float(data, dtype, i, offset + value);
-    }
+  detail::parallel_draws(result.numel(), seed, [&](int64_t i, SplitMix64& rng) {
+    const float value = rng.uniform_pm1() * scale;  // exact product for power-of-two scales
+    store_from_float(data, dtype, i, offset + value);
   });
   return result;
 }

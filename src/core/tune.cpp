@@ -11,6 +11,7 @@
 #include "core/atomic_file.h"
 #include "core/bounded_file.h"
 #include "latentmoe/error.h"
+#include "latentmoe/tier.h"
 
 namespace latentmoe {
 namespace {
@@ -175,38 +176,45 @@ Crossovers derive_crossovers(const std::vector<TierTimes>& times) {
                       ms.value_or(0.0), " ms");
     }
   }
-  // Rows where a fused tier ran: the others cannot tell one threshold from another.
-  std::vector<const TierTimes*> rows;
+  // Rows where a fused tier ran (the others cannot tell one threshold from another), each with what the
+  // policy may take there (the tiers measured) and the fastest time measured.
+  struct Row {
+    const TierTimes* times;
+    TierSupport measured;
+    double best = std::numeric_limits<double>::infinity();
+  };
+  std::vector<Row> rows;
   for (const TierTimes& row : times) {
-    if (row.ms[static_cast<size_t>(TailTier::tail_fusion)] ||
-        row.ms[static_cast<size_t>(TailTier::allreduce_overlap)] ||
-        row.ms[static_cast<size_t>(TailTier::column_parallel)]) {
-      rows.push_back(&row);
+    if (!row.ms[static_cast<size_t>(TailTier::tail_fusion)] &&
+        !row.ms[static_cast<size_t>(TailTier::allreduce_overlap)] &&
+        !row.ms[static_cast<size_t>(TailTier::column_parallel)]) {
+      continue;
     }
+    Row r{&row, {}, std::numeric_limits<double>::infinity()};
+    for (size_t tier = 0; tier < row.ms.size(); ++tier) {
+      if (row.ms[tier]) {
+        r.best = std::min(r.best, *row.ms[tier]);
+      } else {
+        r.measured.refuse(static_cast<TailTier>(tier), "was not measured");
+      }
+    }
+    rows.push_back(std::move(r));
   }
   Crossovers crossovers;
   if (rows.empty()) return crossovers;
   std::vector<int64_t> candidates = {0};
-  for (const TierTimes* row : rows) candidates.push_back(row->num_tokens);
+  for (const Row& row : rows) candidates.push_back(row.times->num_tokens);
 
-  // What the policy loses at one row: its time over the fastest measured (infinite where it would pick
-  // a tier with no time, i.e. native not measured).
-  auto ratio = [](const TierTimes& row, int64_t tail_fusion_max, int64_t shared_stream_max) {
-    auto runs = [&](TailTier tier) { return row.ms[static_cast<size_t>(tier)].has_value(); };
-    TailTier pick = TailTier::native;
-    if (row.num_tokens <= tail_fusion_max && runs(TailTier::tail_fusion)) {
-      pick = TailTier::tail_fusion;
-    } else if (row.num_tokens <= shared_stream_max && runs(TailTier::allreduce_overlap)) {
-      pick = TailTier::allreduce_overlap;
-    } else if (runs(TailTier::column_parallel)) {
-      pick = TailTier::column_parallel;
-    }
-    double best = std::numeric_limits<double>::infinity();
-    for (const auto& ms : row.ms)
-      if (ms) best = std::min(best, *ms);
-    const auto& chosen = row.ms[static_cast<size_t>(pick)];
+  // What the policy (select_tail_tier, over the tiers measured) loses at one row: its time over the
+  // fastest measured; infinite where it would fall through to native and native was not measured.
+  auto ratio = [](const Row& row, int64_t tail_fusion_max, int64_t shared_stream_max) {
+    TierPolicy policy;
+    policy.tail_fusion_max_tokens = tail_fusion_max;
+    policy.shared_stream_token_threshold = shared_stream_max;
+    const TailTier pick = select_tail_tier(policy, row.measured, row.times->num_tokens);
+    const auto& chosen = row.times->ms[static_cast<size_t>(pick)];
     if (!chosen) return std::numeric_limits<double>::infinity();
-    return best > 0.0 ? *chosen / best : (*chosen > 0.0 ? std::numeric_limits<double>::infinity() : 1.0);
+    return row.best > 0.0 ? *chosen / row.best : (*chosen > 0.0 ? std::numeric_limits<double>::infinity() : 1.0);
   };
   // Worst ratios within kNoise of each other count as equal (a median of a few runs moves by that much),
   // and the sum decides: otherwise a 0.01% difference at one T would outweigh a percent at every other.
@@ -221,8 +229,8 @@ Crossovers derive_crossovers(const std::vector<TierTimes>& times) {
   };
   auto score = [&](int64_t tail_fusion_max, int64_t shared_stream_max) {
     Score s;
-    for (const TierTimes* row : rows) {
-      const double r = ratio(*row, tail_fusion_max, shared_stream_max);
+    for (const Row& row : rows) {
+      const double r = ratio(row, tail_fusion_max, shared_stream_max);
       s.worst = std::max(s.worst, r);
       s.sum += r;
     }

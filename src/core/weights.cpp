@@ -247,11 +247,8 @@ float inverse_sqrt(int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(
 HostTensor random_codes(uint64_t seed, uint64_t field, std::vector<int64_t> shape) {
   HostTensor tensor(DType::u8, std::move(shape));
   auto* bytes = tensor.data_as<uint8_t>();
-  detail::parallel_for(tensor.numel(), int64_t{1} << 22, [&](int64_t begin, int64_t end) {
-    SplitMix64 rng(field_seed(seed, field));
-    rng.discard(static_cast<uint64_t>(begin));
-    for (int64_t i = begin; i < end; ++i) bytes[i] = static_cast<uint8_t>(rng.next() >> 56);
-  });
+  detail::parallel_draws(tensor.numel(), field_seed(seed, field),
+                         [&](int64_t i, SplitMix64& rng) { bytes[i] = static_cast<uint8_t>(rng.next() >> 56); });
   return tensor;
 }
 
@@ -259,10 +256,8 @@ HostTensor random_scales(uint64_t seed, uint64_t field, std::vector<int64_t> sha
   HostTensor tensor(DType::u8, std::move(shape));
   const int base = 124 - (std::bit_width(static_cast<uint64_t>(fan_in)) - 1) / 2;
   auto* bytes = tensor.data_as<uint8_t>();
-  detail::parallel_for(tensor.numel(), int64_t{1} << 22, [&](int64_t begin, int64_t end) {
-    SplitMix64 rng(field_seed(seed, field));
-    rng.discard(static_cast<uint64_t>(begin));
-    for (int64_t i = begin; i < end; ++i) bytes[i] = static_cast<uint8_t>(base + static_cast<int>(rng.next() % 3) - 1);
+  detail::parallel_draws(tensor.numel(), field_seed(seed, field), [&](int64_t i, SplitMix64& rng) {
+    bytes[i] = static_cast<uint8_t>(base + static_cast<int>(rng.next() % 3) - 1);
   });
   return tensor;
 }
