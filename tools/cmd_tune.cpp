@@ -96,15 +96,20 @@ void check_output_path(const std::string& path) {
                   " is not writable");
 }
 
-std::string describe_machine(BackendKind backend) {
+// The GPU's name and count; where the largest tp exceeds the GPUs, that its ranks were simulated on one GPU
+// (run_tune places each tp on GPUs of its own when tp of them are present).
+std::string describe_machine(BackendKind backend, int largest_tp) {
   if (backend == BackendKind::cuda) {
+    std::string name = "CUDA GPU";
+    int count = 0;
 #ifdef LATENTMOE_WITH_CUDA
     cudaDeviceProp properties{};
-    if (cudaGetDeviceProperties(&properties, 0) == cudaSuccess) {
-      return std::string(properties.name) + ", tp ranks simulated on one GPU (no NVLink cost)";
-    }
+    if (cudaGetDeviceProperties(&properties, 0) == cudaSuccess) name = properties.name;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
 #endif
-    return "CUDA GPU, tp ranks simulated on one GPU (no NVLink cost)";
+    std::string text = name + " x" + std::to_string(count);
+    if (count < largest_tp) text += ", tp ranks beyond the GPUs simulated on one GPU (no NVLink cost)";
+    return text;
   }
   const std::string model = cpu_model();
   return model + ", " + std::to_string(std::thread::hardware_concurrency()) +
@@ -154,7 +159,7 @@ void run_tune(const TuneArguments& args) {
   check_output_path(args.output);
 
   TuneTable table;
-  table.machine = args.machine.empty() ? describe_machine(backend) : args.machine;
+  table.machine = args.machine.empty() ? describe_machine(backend, tp_sizes.back()) : args.machine;
 
   // 2. The measurements.
   std::printf("# latentmoe tune: %s (d %lld, l %lld, E %lld, k %lld, I %lld, Is %lld), %s, %s backend\n", label.c_str(),
@@ -167,8 +172,8 @@ void run_tune(const TuneArguments& args) {
               repeats, warmup);
   if (cpu) {
     std::printf(
-        "# note: CPU timings are noisy (threads share cores with everything else); the crossovers follow the\n"
-        "#       measured medians exactly, so rerun with more --repeats where they look off\n");
+        "# note: CPU timings are noisy (threads share cores with everything else); the crossovers minimise the\n"
+        "#       policy's loss on the measured medians, so rerun with more --repeats where they look off\n");
   } else {
     std::printf("# note: times are forward() on staged device inputs, until the device has finished\n");
   }
@@ -276,7 +281,8 @@ void register_tune_command(CLI::App& app) {
   command->add_option("--warmup", args->warmup, "untimed forward calls per point (default 3; CPU 1)")
       ->check(CLI::Range(0, 1000));
   command->add_option("--output", args->output, "the table to write (JSON, atomically)")->required();
-  command->add_option("--machine", args->machine, "the table's machine text (default: the CPU model or GPU name)");
+  command->add_option("--machine", args->machine,
+                      "the table's machine text (default: the CPU model, or the GPU name and count)");
   command->add_option("--seed", args->seed, "seed of the random weights and inputs");
   command->callback([args] { run_tune(*args); });
 }
