@@ -201,10 +201,10 @@ RankBuffers make_rank_buffers(bench_access::Backend& backend, const LayerConfig&
   return buffers;
 }
 
-// One rank's timed runs of every path at one point (empty: not run).
 // The layer's runs per round of bench tail's interleaved layer measurement.
 constexpr int kLayerRoundRuns = 5;
 
+// One rank's timed runs of every path at one point (empty: not run).
 struct RankTimes {
   std::vector<double> time, layer;
 };
@@ -265,8 +265,7 @@ TailPoint make_point(const Block& block, const Plan& plan, int64_t tokens, int64
   point.tokens = tokens;
   point.dtype = plan.dtype_label;
   point.collectives = plan.collectives;
-  point.one_shot_max_tokens =
-      plan.group.one_shot_tokens > 0 ? plan.group.one_shot_tokens : default_one_shot_tokens(block.tp);
+  point.one_shot_max_tokens = plan.group.one_shot_tokens_for(block.tp);
   point.fused_up_projection_max_tokens = plan.backend == BackendKind::cpu ? 0 : plan.fused_up_projection_max_tokens;
   point.fused_up_projection_max_latent = plan.backend == BackendKind::cpu ? -1 : plan.fused_up_projection_max_latent;
   point.hidden_size = block.config.hidden_size;

@@ -57,7 +57,7 @@ BenchGroup make_bench_group(BackendKind backend, int tp, DType dtype, int64_t ma
   options.capacity_elements = max_tokens * per_token_elements;
   options.timeout = default_collective_timeout();
   if (placement == GpuPlacement::devices) {
-    const int64_t one_shot_tokens = request.one_shot_tokens > 0 ? request.one_shot_tokens : default_one_shot_tokens(tp);
+    const int64_t one_shot_tokens = request.one_shot_tokens_for(tp);
     size_nccl_group(options, max_tokens, per_token_elements, one_shot_tokens);
     options.one_shot = request.one_shot;
     if (request.one_shot) {

@@ -11,6 +11,7 @@
 #include "bench_access.h"  // internal: the Backend interface, for benchmarks only
 #include "harness/group_timing.h"
 #include "latentmoe/communicator.h"
+#include "latentmoe/gpu_group.h"
 #include "latentmoe/runner.h"
 
 namespace latentmoe::bench {
@@ -37,6 +38,11 @@ struct GroupRequest {
   int device = 0;                  // simulated ranks: the GPU they share
   int64_t one_shot_tokens = 0;     // ranks on GPUs of their own: one-shot up to this many tokens, NCCL above;
                                    // 0: default_one_shot_tokens(tp)
+
+  // one_shot_tokens, or the library's default for a group of `tp` ranks.
+  int64_t one_shot_tokens_for(int tp) const {
+    return one_shot_tokens > 0 ? one_shot_tokens : default_one_shot_tokens(tp);
+  }
 };
 
 // `tp` ranks whose collectives carry layers of up to `max_tokens` tokens of `per_token_elements`
