@@ -73,11 +73,13 @@ void register_bench_command(CLI::App& app) {
                    "message one-shot")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   tail->add_option("--fused-up-projection-max-tokens", tail_options->fused_up_projection_max_tokens,
-                   "CUDA: up to this many tokens (0..8, default 8) tier 0's up-projection pushes into the peers from "
-                   "its GEMM's epilogue; 0: the GEMM, then the all-gather");
-  tail->add_option("--fused-up-projection-max-latent", tail_options->fused_up_projection_max_latent,
-                   "CUDA: the longest latent with which tier 0 pushes, in place of the decode dispatch's measured "
-                   "rule (on sm_90: 2048); -1 (default): the rule");
+                   "CUDA: up to this many tokens (0..128, default 64) tier 0's up-projection pushes into the peers "
+                   "from its GEMM's epilogue (the skinny kernel where it pays, else the tensor-core one); 0: the "
+                   "GEMM, then the all-gather");
+  tail->add_option(
+      "--fused-up-projection-max-latent", tail_options->fused_up_projection_max_latent,
+      "CUDA: the longest latent with which tier 0 pushes, and with which the skinny kernel pushes in place "
+      "of the decode dispatch's measured rule (on sm_90: 2048); -1 (default): no bound, the rule");
   tail->add_option("--seed", tail_options->seed, "seed of the random weights, inputs and partials");
   tail->add_option("--json", tail_options->json_path, "write the results as JSON to this file (atomically)");
   tail->add_option("--commit", tail_options->commit, "commit id recorded in every row");

@@ -11,7 +11,9 @@
 #include <cstring>
 #include <thread>
 
+#include "cuda/comm/lamport.h"
 #include "cuda/comm/lamport_communicator.h"
+#include "cuda/gemm/dense_push_gemm.h"
 #include "cuda_test_util.h"
 #include "graph_test_util.h"
 #include "lamport_test_util.h"
@@ -129,17 +131,20 @@ INSTANTIATE_TEST_SUITE_P(TpAndDtype, GpuGroupCollectives,
 
 // Tier 0's up-projection + all-gather (Backend::up_projection_all_gather) on simulated ranks: every
 // rank's out [T, d] = [block_0 | ... | block_{tp-1}], block_r = shard_r + x · W_r^T, against a host
-// sum, the same bits on every rank. With the fused path (T <= 8: the GEMM's epilogue pushes into the
-// peers, LamportCall::presend) `shard` is left as it was; with it off (set to 0 tokens, and at T 9,
-// above the skinny kernels, and with the skinny kernels off) the composed path accumulates into it:
-// which one ran is observable. kLatent above 2048: the measured rule of sm_90 (decode_dispatch.h) keeps
-// the composed path, unless max_latent (set_fused_up_projection_max_latent, >= 0) replaces the rule.
+// sum, the same bits on every rank. With the fused path (T <= the push bound, 64 here: a GEMM's epilogue
+// pushes into the peers, LamportCall::presend) `shard` is left as it was; with it off (a bound of 0, T
+// past the bound, a latent past set_fused_up_projection_max_latent's bound) the composed path accumulates
+// into it: which one ran is observable. Which GEMM pushes: the skinny kernel up to 8 tokens where the
+// measured rule of sm_90 takes it (decode_dispatch.h: a latent of at most 2048, or any latent within a set
+// bound), else the tensor-core kernel (dense_push_gemm.h: above 8 tokens, with the skinny kernels off, or
+// past the rule). T 17, 33, 64 and 65 cross the tensor-core kernel's m-tiles (16, 32, 64 and 128 rows).
 void expect_tier0_up_projection_matches(int kTp, int64_t kLatent, int64_t max_latent = -1) {
   constexpr int64_t kShard = 40;  // the shard is not a multiple of 16 rows
+  constexpr int kBound = 64;
   for (DType dtype : {DType::bf16, DType::f16}) {
     GpuGroupOptions options;
     options.dtype = dtype;
-    options.capacity_elements = 9 * (kShard * kTp + kLatent);
+    options.capacity_elements = 65 * (kShard * kTp + kLatent);
     options.timeout = std::chrono::milliseconds(5000);
     auto group = make_simulated_gpu_group(kTp, options);
     std::vector<std::unique_ptr<Rank>> ranks;
@@ -151,8 +156,9 @@ void expect_tier0_up_projection_matches(int kTp, int64_t kLatent, int64_t max_la
     };
     // Calls alternate between the paths on one group: the epochs and slots stay in step either way.
     for (const Case& c :
-         {Case{1, true}, Case{5, false}, Case{8, true}, Case{3, true}, Case{9, true}, Case{2, true, false}}) {
-      const bool fused = c.fused_on && c.skinny_on && c.tokens <= 8 && kLatent <= (max_latent >= 0 ? max_latent : 2048);
+         {Case{1, true}, Case{5, false}, Case{8, true}, Case{3, true}, Case{9, true}, Case{2, true, false},
+          Case{17, true}, Case{33, false}, Case{33, true}, Case{64, true}, Case{65, true}, Case{1, true}}) {
+      const bool fused = c.fused_on && c.tokens <= kBound && (max_latent < 0 || kLatent <= max_latent);
       SCOPED_TRACE(name_of(dtype) + ", l " + std::to_string(kLatent) + ", T " + std::to_string(c.tokens) +
                    (fused ? ", fused" : ", composed"));
       const HostTensor x = random_tensor(dtype, {c.tokens, kLatent}, 11 + static_cast<uint32_t>(c.tokens));
@@ -164,7 +170,7 @@ void expect_tier0_up_projection_matches(int kTp, int64_t kLatent, int64_t max_la
       std::vector<HostTensor> outs(kTp), shards_after(kTp);
       on_rank_threads(kTp, [&](int r) {
         auto& backend = dynamic_cast<CudaBackend&>(*ranks[r]->device);
-        backend.set_fused_up_projection_max_tokens(c.fused_on ? 8 : 0);
+        backend.set_fused_up_projection_max_tokens(c.fused_on ? kBound : 0);
         backend.set_fused_up_projection_max_latent(max_latent);
         backend.set_skinny_max_tokens(c.skinny_on ? 8 : 0);
         DeviceTensor dx = upload(backend, x), dw = upload(backend, weights[r]), dshard = upload(backend, shards[r]);
@@ -203,8 +209,9 @@ TEST(GpuGroup, tier0_up_projection_pushes_into_the_peers_and_matches_the_compose
 }
 
 // The same with one rank (the GEMM pushes into its own region): what compute-sanitizer runs. And a
-// latent of 2056, where the rule keeps the composed path, and where a latent bound of 4096 replaces
-// the rule (the push) or one of 256 excludes it (composed).
+// latent of 2056, where the rule turns the skinny kernel down and the tensor-core kernel pushes at every T
+// (with split-K: 33 k-tiles, one n-tile), where a latent bound of 4096 lets the skinny kernel push up to
+// 8 tokens, and where one of 256 excludes the push (composed).
 TEST(GpuGroup, a_one_rank_tier0_up_projection_pushes_into_its_own_region) {
   LATENTMOE_REQUIRE_GPU();
   expect_tier0_up_projection_matches(1, 264);
@@ -212,7 +219,58 @@ TEST(GpuGroup, a_one_rank_tier0_up_projection_pushes_into_its_own_region) {
   expect_tier0_up_projection_matches(1, 2056, 4096);
   expect_tier0_up_projection_matches(1, 264, 256);
   Rank rank;
-  EXPECT_THROW(dynamic_cast<CudaBackend&>(*rank.device).set_fused_up_projection_max_latent(-2), Error);
+  auto& backend = dynamic_cast<CudaBackend&>(*rank.device);
+  EXPECT_THROW(backend.set_fused_up_projection_max_latent(-2), Error);
+  EXPECT_THROW(backend.set_fused_up_projection_max_tokens(kDensePushMaxRows + 1), Error);
+  EXPECT_THROW(backend.set_fused_up_projection_max_tokens(-1), Error);
+}
+
+// The pushing GEMM refuses what it cannot take, before it launches anything: f32, more rows than its
+// largest tile, n or k not a multiple of 8, a missing addend, a block larger than the receive region.
+TEST(GpuGroup, the_pushing_gemm_refuses_what_it_cannot_take) {
+  LATENTMOE_REQUIRE_GPU();
+  Rank rank;
+  DeviceTensor x = device_empty(*rank.device, DType::bf16, {130, 64});
+  DeviceTensor w = device_empty(*rank.device, DType::bf16, {48, 64});
+  DeviceTensor shard = device_empty(*rank.device, DType::bf16, {130, 48});
+  LamportPeers peers;
+  peers.capacity_bytes = 4 * 48 * 2;  // four rows of the block
+  const DensePushProblem good{DType::bf16, x.view.data(), 4, w.view.data(), 48, 64, shard.view.data(), 48};
+  EXPECT_TRUE(dense_push_supported(good));
+  auto refused = [&](DensePushProblem p, const std::string& what) {
+    EXPECT_FALSE(dense_push_supported(p)) << what;
+    try {
+      dense_push_gemm(p, peers, nullptr, 0, rank.stream);
+      ADD_FAILURE() << what << ": no Error";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("is not supported"), std::string::npos) << error.what();
+    }
+  };
+  DensePushProblem p = good;
+  p.dtype = DType::f32;
+  refused(p, "f32");
+  p = good;
+  p.rows = kDensePushMaxRows + 1;
+  refused(p, "rows");
+  p = good;
+  p.n = 44;
+  refused(p, "n");
+  p = good;
+  p.k = 60;
+  refused(p, "k");
+  p = good;
+  p.addend = nullptr;
+  refused(p, "addend");
+  p = good;
+  p.rows = 5;  // supported, but five rows do not fit the region
+  try {
+    dense_push_gemm(p, peers, nullptr, 0, rank.stream);
+    ADD_FAILURE() << "a block past the region: no Error";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("does not fit the group's receive region"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
 }
 
 // One rank exercises every op and the fused norm without waiting for a peer: the case that runs under
@@ -250,6 +308,34 @@ GpuGroupOptions timeout_test_options(DType dtype, int timeout_ms) {
   return options;
 }
 
+// The status word's three failures read back as three different Errors (no GPU needed): a rank's own
+// deadline, a peer's timeout seen through the abort flag, and the host's abort.
+TEST(GpuGroup, the_status_word_names_the_failure_the_op_the_peer_and_the_call) {
+  auto message = [](LamportFailure failure) {
+    try {
+      throw_lamport_failure(lamport_status(failure, LamportOp::all_gather, 5, 70003), 2, 250);
+    } catch (const Error& error) {
+      return std::string(error.what());
+    }
+    return std::string("no Error");
+  };
+  const std::string own = message(LamportFailure::timeout);
+  EXPECT_NE(own.find("rank 2: the GPU all-gather timed out after 250 ms waiting for rank 5's message of call 4467 "),
+            std::string::npos)
+      << own;  // 70003 mod 65536
+  const std::string peer = message(LamportFailure::peer_timeout);
+  EXPECT_NE(peer.find("rank 2: the GPU all-gather timed out: another rank of the group waited 250 ms"),
+            std::string::npos)
+      << peer;
+  EXPECT_NE(peer.find("waiting for rank 5's message of call 4467 "), std::string::npos) << peer;
+  const std::string host = message(LamportFailure::aborted);
+  EXPECT_NE(host.find("rank 2: the GPU all-gather was aborted: another rank of the group failed (call 4467"),
+            std::string::npos)
+      << host;
+  EXPECT_EQ(host.find("timed out"), std::string::npos) << host;
+  EXPECT_NO_THROW(throw_lamport_failure(0, 2, 250));
+}
+
 TEST(GpuGroup, a_rank_that_never_arrives_times_out_its_peers_within_a_second) {
   LATENTMOE_REQUIRE_GPU();
   GpuGroupOptions options = timeout_test_options(DType::bf16, 200);
@@ -265,27 +351,22 @@ TEST(GpuGroup, a_rank_that_never_arrives_times_out_its_peers_within_a_second) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(seconds, 1.0);
   // The first rank past its deadline reports the timeout and raises the group's abort flag; a rank
-  // that looked at the flag before its own deadline reports the abort. Both name the missing peer and
-  // the call.
-  int timed_out = 0;
+  // that looked at the flag before its own deadline reports the same timeout, seen through that flag.
+  // Every waiting rank names the missing peer and the call.
+  int own_deadline = 0;
   for (int r = 0; r < 3; ++r) {
     try {
       group[r]->check();
       ADD_FAILURE() << "rank " << r << " did not report the timeout";
     } catch (const Error& error) {
       const std::string text = error.what();
-      EXPECT_NE(text.find("rank " + std::to_string(r)), std::string::npos) << text;
-      if (text.find("timed out") != std::string::npos) {
-        ++timed_out;
-        EXPECT_NE(text.find("waiting for rank 3's message of call 0 "), std::string::npos) << text;
-      } else {
-        EXPECT_NE(text.find("was aborted: another rank of the group failed (call 0 mod 65536, waiting for rank 3)"),
-                  std::string::npos)
-            << text;
-      }
+      EXPECT_NE(text.find("rank " + std::to_string(r) + ": the GPU all-reduce timed out"), std::string::npos) << text;
+      EXPECT_NE(text.find("waiting for rank 3's message of call 0 "), std::string::npos) << text;
+      EXPECT_EQ(text.find("aborted"), std::string::npos) << text;
+      if (text.find("another rank of the group waited 200 ms") == std::string::npos) ++own_deadline;
     }
   }
-  EXPECT_GE(timed_out, 1);
+  EXPECT_GE(own_deadline, 1);
   EXPECT_NO_THROW(group[3]->check());
 }
 
@@ -327,7 +408,16 @@ TEST(GpuGroup, abort_releases_a_waiting_rank) {
   group[1]->abort();
   ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
-  EXPECT_THROW(group[0]->check(), Error);
+  try {
+    group[0]->check();
+    ADD_FAILURE() << "no failure reported";
+  } catch (const Error& error) {
+    // The host's abort, not a timeout: the flag says which.
+    EXPECT_NE(
+        std::string(error.what()).find("rank 0: the GPU all-reduce was aborted: another rank of the group failed"),
+        std::string::npos)
+        << error.what();
+  }
 }
 
 // The host rendezvous (GpuGroupOptions::host_rendezvous): ranks 0 and 1 reach an all-reduce on

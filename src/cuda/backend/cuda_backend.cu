@@ -17,6 +17,7 @@
 #include "cuda/common/debug_check.h"
 #include "cuda/common/device.h"
 #include "cuda/gemm/blas.h"
+#include "cuda/gemm/dense_push_gemm.h"
 #include "cuda/gemm/gemv.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/mxfp4_decode.h"
@@ -91,6 +92,7 @@ struct CudaBackend::State {
   cudaEvent_t join = nullptr;
   std::unique_ptr<Blas> blas;
   DeviceBuffer blas_workspace[2];  // [0]: main stream, [1]: aux stream
+  DeviceBuffer push_workspace[2];  // tier 0's pushing GEMM's split-K (dense_push_gemm.h), per stream
   int64_t num_allocations = 0;
 
   // Workspaces sized by prepare().
@@ -112,7 +114,7 @@ struct CudaBackend::State {
   // Rows up to which linear takes the decode GEMV (0: never).
   int gemv_max_tokens = 0;  // off: slower than cuBLASLt as measured (cuda_backend.h)
   // Rows up to which tier 0's up-projection pushes into the peers from its epilogue (0: never).
-  int fused_up_projection_max_tokens = kSkinnyMaxRows;
+  int fused_up_projection_max_tokens = kDefaultFusedUpProjectionMaxTokens;
   // The longest latent it pushes with; -1: the decode dispatch's measured rule.
   int64_t fused_up_projection_max_latent = -1;
   // The measured decode dispatch of this device's architecture (decode_dispatch.h).
@@ -124,6 +126,7 @@ struct CudaBackend::State {
 
   bool on_aux() const { return current == aux_stream; }
   void* blas_buffer() const { return blas_workspace[on_aux() ? 1 : 0].get(); }
+  void* push_buffer() const { return push_workspace[on_aux() ? 1 : 0].get(); }
 
   DeviceBuffer device_alloc(size_t bytes) {
     void* pointer = nullptr;
@@ -161,6 +164,10 @@ CudaBackend::CudaBackend(int device_ordinal) : state_(std::make_unique<State>())
   s.bound = s.current = s.main_stream;
   s.blas = std::make_unique<Blas>();
   for (auto& buffer : s.blas_workspace) buffer = s.device_alloc(kBlasWorkspaceBytes);
+  for (auto& buffer : s.push_workspace) {
+    buffer = s.device_alloc(dense_push_workspace_bytes());
+    LATENTMOE_CUDA_CHECK(cudaMemset(buffer.get(), 0, dense_push_workspace_bytes()));  // its counters start at 0
+  }
 }
 
 CudaBackend::~CudaBackend() {
@@ -175,6 +182,7 @@ CudaBackend::~CudaBackend() {
   s.dense_workspace = {};
   s.router_workspace = {};
   for (auto& buffer : s.blas_workspace) buffer = {};
+  for (auto& buffer : s.push_workspace) buffer = {};
   s.blas.reset();
   if (s.join != nullptr) (void)cudaEventDestroy(s.join);
   if (s.fork != nullptr) (void)cudaEventDestroy(s.fork);
@@ -236,8 +244,8 @@ void CudaBackend::set_gemv_max_tokens(int tokens) {
 int CudaBackend::gemv_max_tokens() const { return state_->gemv_max_tokens; }
 
 void CudaBackend::set_fused_up_projection_max_tokens(int tokens) {
-  LATENTMOE_CHECK(tokens >= 0 && tokens <= kSkinnyMaxRows, "CUDA backend: fused_up_projection_max_tokens ", tokens,
-                  " is outside 0..", kSkinnyMaxRows);
+  LATENTMOE_CHECK(tokens >= 0 && tokens <= kDensePushMaxRows, "CUDA backend: fused_up_projection_max_tokens ", tokens,
+                  " is outside 0..", kDensePushMaxRows);
   state_->fused_up_projection_max_tokens = tokens;
 }
 void CudaBackend::set_fused_up_projection_max_latent(int64_t latent) {
@@ -828,15 +836,22 @@ void CudaBackend::up_projection_all_gather(Communicator& comm, const TensorView&
                                            const TensorView& shard, const TensorView& out) {
   State& s = *state_;
   LamportCommunicator* group = lamport_group(comm, out.dtype());
-  const int64_t rows = x.size(0);
-  const bool fusable =
-      group != nullptr && s.skinny(rows) && rows <= s.fused_up_projection_max_tokens &&
-      (s.fused_up_projection_max_latent >= 0 ? x.size(1) <= s.fused_up_projection_max_latent
-                                             : skinny_pays(*s.dispatch, SkinnyOp::tier0_push, rows, x.size(1), 0)) &&
-      x.dtype() == out.dtype() && w_shard.dtype() == out.dtype() && shard.dtype() == out.dtype() && x.stride(1) == 1 &&
-      w_shard.stride(1) == 1 && shard.stride(1) == 1 && out.stride(1) == 1 &&
-      skinny_supported(x.dtype(), rows, x.size(1), {{x.data(), x.stride(0)}, {w_shard.data(), w_shard.stride(0)}});
-  if (!fusable) {
+  const int64_t rows = x.size(0), latent = x.size(1);
+  const bool pushable = group != nullptr && rows >= 1 && rows <= s.fused_up_projection_max_tokens &&
+                        (s.fused_up_projection_max_latent < 0 || latent <= s.fused_up_projection_max_latent) &&
+                        x.dtype() == out.dtype() && w_shard.dtype() == out.dtype() && shard.dtype() == out.dtype() &&
+                        x.stride(1) == 1 && w_shard.stride(1) == 1 && shard.stride(1) == 1 && out.stride(1) == 1;
+  // Which GEMM pushes: the skinny kernel where the decode dispatch finds it pays (or within the latent bound
+  // that replaces the rule), else the tensor-core kernel (dense_push_gemm.h).
+  const bool skinny =
+      pushable && s.skinny(rows) &&
+      (s.fused_up_projection_max_latent >= 0 || skinny_pays(*s.dispatch, SkinnyOp::tier0_push, rows, latent, 0)) &&
+      skinny_supported(x.dtype(), rows, latent, {{x.data(), x.stride(0)}, {w_shard.data(), w_shard.stride(0)}});
+  const DensePushProblem dense{out.dtype(),     x.data(), rows,         w_shard.data(),
+                               w_shard.size(0), latent,   shard.data(), shard.stride(0)};
+  const bool tensor_core =
+      pushable && !skinny && x.stride(0) == latent && w_shard.stride(0) == latent && dense_push_supported(dense);
+  if (!skinny && !tensor_core) {
     Backend::up_projection_all_gather(comm, x, w_shard, shard, out);
     return;
   }
@@ -860,10 +875,14 @@ void CudaBackend::up_projection_all_gather(Communicator& comm, const TensorView&
       "CUDA tier 0: up-projection shard ", w_shard.shape_string(), ", block ", shard.shape_string(), " and output ",
       out.shape_string(), " do not fit ", peers.size, " ranks");
   DeviceGuard guard(s.ordinal);
-  const SkinnyWeights weights{nullptr, w_shard.data(), w_shard.size(0), w_shard.size(1), w_shard.stride(0), 0};
   // The GEMM's push is the all-gather's send; keep the two adjacent on the stream, each rank in step.
-  skinny_down(x.dtype(), SkinnyRouting{}, {x.data(), x.stride(0)}, rows, weights, shard.data(), shard.stride(0),
-              /*accumulate=*/true, s.current, s.skinny_shape, &peers);
+  if (skinny) {
+    const SkinnyWeights weights{nullptr, w_shard.data(), w_shard.size(0), latent, w_shard.stride(0), 0};
+    skinny_down(x.dtype(), SkinnyRouting{}, {x.data(), x.stride(0)}, rows, weights, shard.data(), shard.stride(0),
+                /*accumulate=*/true, s.current, s.skinny_shape, &peers);
+  } else {
+    dense_push_gemm(dense, peers, s.push_buffer(), dense_push_workspace_bytes(), s.current);
+  }
   group->launch(gather, s.current);
 }
 

@@ -3,7 +3,8 @@
 // Life cycle (docs/CUDA_BACKEND.md):
 //   1. detail::make_cuda_backend(ordinal) (src/cuda/backend/factory.cpp): creates the backend's two non-blocking
 //   streams (main and aux),
-//      its events, the cuBLASLt handle and 2 x 32 MiB of cuBLASLt workspace (one per stream).
+//      its events, the cuBLASLt handle, 2 x 32 MiB of cuBLASLt workspace and 2 x 8 MiB of split-K workspace
+//      for tier 0's pushing GEMM (one each per stream).
 //   2. allocate()/copy(): the runner places the weights.
 //   3. prepare(spec): called by the rank context (core/rank_context_state.h) before the first forward, with
 //      the element-wise maximum of its layers' WorkspaceSpec;
@@ -27,6 +28,7 @@
 
 #include "core/backend.h"
 #include "cuda/common/device.h"  // cuda_device_count, for the users of this header
+#include "cuda/gemm/dense_push_gemm.h"
 #include "cuda/gemm/gemv.h"
 #include "cuda/gemm/skinny_gemm.h"
 
@@ -36,6 +38,10 @@ struct ExpertGemmWeights;  // cuda/gemm/grouped_gemm.h
 
 // The shapes the internal workspaces are sized for (core/backend.h).
 using WorkspaceSpec = ::latentmoe::detail::WorkspaceSpec;
+
+// Tier 0's pushing up-projection's default token bound (set_fused_up_projection_max_tokens): tier 0's own
+// default capacity (tail_fusion_max_tokens, docs/CONFIG.md).
+inline constexpr int kDefaultFusedUpProjectionMaxTokens = 64;
 
 class CudaBackend final : public ::latentmoe::detail::Backend {
  public:
@@ -100,12 +106,15 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
                               const TensorView& shared_shard_out) override;
 
   // Tier 0's up-projection + all-gather with a GPU group, up to fused_up_projection_max_tokens rows
-  // that the skinny kernels take (so not after set_skinny_max_tokens(0)), where the decode dispatch
-  // finds it pays (decode_dispatch.h: on sm_90 a latent of at most 2048, as measured; or up to
-  // set_fused_up_projection_max_latent's bound): one skinny GEMM whose epilogue adds the shared shard and stores each
-  // result into every rank's receive region (lamport_device.cuh), then a Lamport kernel that only
-  // receives, copies out and re-arms the sentinels (LamportCall::presend). Otherwise the composed
-  // default (cuBLASLt accumulating into the shard, then the one-shot all-gather).
+  // (within set_fused_up_projection_max_latent's bound, when set): one GEMM whose epilogue adds the shared
+  // shard and stores each result into every rank's receive region (lamport_device.cuh), then a Lamport
+  // kernel that only receives, copies out and re-arms the sentinels (LamportCall::presend). The GEMM is
+  // the skinny kernel where the skinny kernels take the rows (so not after set_skinny_max_tokens(0)) and
+  // the decode dispatch finds it pays (decode_dispatch.h: on sm_90 a latent of at most 2048, as
+  // measured; or any latent within the set bound), else the tensor-core kernel of dense_push_gemm.h
+  // (contiguous x and W, n and k multiples of 8). Otherwise, and where the block does not fit the
+  // group's receive region, the composed default (cuBLASLt accumulating into the shard, then the
+  // one-shot all-gather).
   void up_projection_all_gather(Communicator& comm, const TensorView& x, const TensorView& w_shard,
                                 const TensorView& shard, const TensorView& out) override;
 
@@ -139,9 +148,9 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   void set_gemv_max_tokens(int tokens);
   int gemv_max_tokens() const;
 
-  // Up to how many rows tier 0's up-projection pushes its results into the peers from the GEMM's
-  // epilogue (up_projection_all_gather): 0..kSkinnyMaxRows (8, the default); 0 turns it off (the
-  // benchmark and the tests compare both). Throws Error outside that range.
+  // Up to how many rows tier 0's up-projection pushes into the peers from its epilogue
+  // (up_projection_all_gather): 0..kDensePushMaxRows (128); default kDefaultFusedUpProjectionMaxTokens;
+  // 0 turns it off (the benchmark and the tests compare both). Throws Error outside that range.
   void set_fused_up_projection_max_tokens(int tokens);
   // The longest latent (the GEMM's reduction) with which it pushes, in place of the decode dispatch's
   // measured rule (bench tail measures the push past that rule with it); -1 (the default) restores the

@@ -37,9 +37,10 @@
 //     previous call has completed, and the all-gather kernel that follows it on the stream receives,
 //     clears what it read and advances the epoch as usual.
 //   - Every wait is bounded: past timeout_ns on the global timer, or when the group's abort flag is
-//     raised (by the host's abort(), or by a wait of the group that timed out), the waiting thread gives
-//     up, the call records its failure in *status (first error wins) and the kernel completes; the host
-//     reads the word at its check point. A group that failed is not reused.
+//     raised (kAbortByHost by the host's abort(), kAbortByTimeout by a wait of the group that timed out),
+//     the waiting thread gives up, the call records its failure in *status (first error wins: its own
+//     timeout, a peer's timeout seen through the flag, or the host's abort) and the kernel completes; the
+//     host reads the word at its check point. A group that failed is not reused.
 //   - Co-residency: a rank's kernel uses at most 1 / (2 x the ranks sharing its GPU) of the SMs
 //     (launch_lamport), so the ranks' spinning kernels never take every SM of a GPU they share and a
 //     peer's kernel can always start.
@@ -88,7 +89,7 @@ struct Waiter {
   __device__ void fail(LamportFailure failure, uint32_t pending) {
     if (!failed) {
       atomicCAS(peers->status, 0, lamport_status(failure, op, __ffs(pending) - 1, epoch));
-      if (failure == LamportFailure::timeout) *const_cast<volatile int*>(peers->abort) = 1;
+      if (failure == LamportFailure::timeout) *const_cast<volatile int*>(peers->abort) = kAbortByTimeout;
     }
     failed = true;
   }
@@ -189,7 +190,11 @@ __device__ __forceinline__ void wait_for_all(const LamportPeers& peers, int slot
     }
     if ((spin & 31u) == 31u) {
       if (global_timer_ns() > waiter.deadline) waiter.fail(LamportFailure::timeout, pending);
-      if ((spin & 1023u) == 1023u && *waiter.peers->abort != 0) waiter.fail(LamportFailure::aborted, pending);
+      if ((spin & 1023u) == 1023u) {
+        const int flag = *waiter.peers->abort;
+        if (flag != 0)
+          waiter.fail(flag == kAbortByTimeout ? LamportFailure::peer_timeout : LamportFailure::aborted, pending);
+      }
     }
   }
 }

@@ -29,7 +29,8 @@ struct LamportPeers {
   // groups allocate a few more, unused).
   uint32_t* state = nullptr;
   const volatile int* abort = nullptr;  // the group's abort flag (host-mapped): non-zero releases every wait;
-                                        // raised by the host (abort()) or by a call that timed out
+                                        // kAbortByHost from the host (abort()), kAbortByTimeout from a call that
+                                        // timed out
   int* status = nullptr;                // this rank's error word (host-mapped): 0, or lamport_status()
   uint64_t timeout_ns = 0;              // the longest a wait may spin before the call fails
   // How many ranks of the group share this rank's GPU (a simulated group: all of them): a spinning
@@ -42,8 +43,14 @@ enum class LamportOp : int { all_reduce = 1, reduce_scatter = 2, all_gather = 3,
 // "all-reduce", "reduce-scatter", "all-gather" or "barrier" (lamport_status.cpp).
 const char* lamport_op_name(LamportOp op);
 
-// The error word a failed call leaves in LamportPeers::status.
-enum class LamportFailure : int { timeout = 1, aborted = 2 };
+// The values of the abort flag: raised by the host's abort(), or by a wait of the group that timed out.
+inline constexpr int kAbortByHost = 1;
+inline constexpr int kAbortByTimeout = 2;
+
+// Why a call failed: its own wait passed the deadline (timeout); the group was aborted by the host
+// (aborted); another rank's wait timed out and released this one before its own deadline
+// (peer_timeout: the same missing message seen from a rank that looked at the flag first).
+enum class LamportFailure : int { timeout = 1, aborted = 2, peer_timeout = 3 };
 
 // The error word a failed call leaves in LamportPeers::status: bits 0-7 the failure, 8-11 the op,
 // 12-15 the lowest source rank whose message had not arrived, 16-31 the call's epoch (mod 2^16).

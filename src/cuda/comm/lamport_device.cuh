@@ -75,4 +75,16 @@ __device__ __forceinline__ void push_all_gather(const LamportPeers& peers, int s
     region_of<T>(peers, peer, slot, peers.rank)[row * chunk + col] = payload;
 }
 
+// Elements (row, col) and (row, col + 1) of this rank's block, stored as one 4-byte word into every rank's
+// region (T 16-bit, col even, chunk even: the word is aligned).
+template <class T>
+__device__ __forceinline__ void push_all_gather_pair(const LamportPeers& peers, int slot, int64_t chunk, int64_t row,
+                                                     int64_t col, T lo, T hi) {
+  static_assert(sizeof(T) == 2, "a pair of 16-bit elements");
+  const uint32_t word = static_cast<uint32_t>(bits_of(as_payload(lo))) | static_cast<uint32_t>(bits_of(as_payload(hi)))
+                                                                             << 16;
+  for (int peer = 0; peer < peers.size; ++peer)
+    *reinterpret_cast<uint32_t*>(region_of<T>(peers, peer, slot, peers.rank) + row * chunk + col) = word;
+}
+
 }  // namespace latentmoe::cuda::lamport

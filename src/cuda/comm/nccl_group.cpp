@@ -169,7 +169,7 @@ struct GroupState {
   // stopped by ncclCommRevoke (NCCL 2.28.7 on; looked up at run time so that an older libnccl still
   // loads the library).
   void abort() noexcept {
-    if (host_flags != nullptr) reinterpret_cast<volatile int*>(host_flags)[0] = 1;
+    if (host_flags != nullptr) reinterpret_cast<volatile int*>(host_flags)[0] = cuda::kAbortByHost;
     if (revoked.exchange(true)) return;
     using Revoke = ncclResult_t (*)(ncclComm_t, int);
     auto revoke = reinterpret_cast<Revoke>(dlsym(RTLD_DEFAULT, "ncclCommRevoke"));

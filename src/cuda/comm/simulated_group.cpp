@@ -156,7 +156,7 @@ class SimulatedGpuCommunicator final : public cuda::LamportCommunicator {
 
   void abort() override {
     // Host-mapped: every spinning kernel of the group sees it without any stream operation.
-    reinterpret_cast<volatile int*>(memory_->host_flags)[0] = 1;
+    reinterpret_cast<volatile int*>(memory_->host_flags)[0] = cuda::kAbortByHost;
   }
 
   void check() override {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "cuda/comm/lamport.h"
 #include "cuda/common/activation.cuh"
 #include "cuda/common/convert.cuh"
 
@@ -56,6 +57,15 @@ struct KernelArgs {
   int k_tiles_per_split = 0;
   float* partials = nullptr;     // [tiles][k_splits][kBlockM * kBlockN]
   int* tile_counters = nullptr;  // [tiles], zero between launches
+
+  // The pushing dense GEMM only (the mma.sync kernel's kPush instances; dense_push_gemm.h): one
+  // "expert" of dense_rows rows (no expert_offsets, no sorted_pairs), and the epilogue adds
+  // addend [dense_rows, n] (row stride ld_addend) and stores each result into every rank's receive
+  // region of the group's next all-gather (lamport::push_all_gather_pair) instead of into `out`.
+  int dense_rows = 0;
+  const void* addend = nullptr;
+  int64_t ld_addend = 0;
+  LamportPeers push;
 };
 
 struct TileInfo {

@@ -26,12 +26,21 @@
 // the bf16 kernel's. The decode of step 0 runs at the end of the prologue. The raw ring is per
 // thread (nobody reads another's groups), so it needs no barrier either.
 //
+// The pushing dense GEMM (kPush; tier 0's up-projection above the skinny kernels, dense_push_gemm.h): one
+// matrix of args.dense_rows rows instead of experts (m-tile e covers rows [e kBlockM, (e + 1) kBlockM)),
+// and an epilogue that adds the shared shard (args.addend) to each pair of results and stores the pair
+// into every rank's receive region of the group's next all-gather, in the slot the rank's epoch names
+// (read after the wait on the previous kernel, the collective that advanced it). With split-K only the
+// last CTA of a tile pushes, once, the sum of all splits in split order: every element is stored once
+// per peer, as the all-gather's send step would, and the bits do not depend on which CTA came last.
+//
 // Programmatic dependent launch (sm_90): the gate/up kernel lets the down kernel launch early; the down
 // kernel finds its tile and starts streaming its weights (which no earlier kernel writes) before
 // griddepcontrol.wait, and reads activation rows and writes its output only after it. Without the
 // launch attribute both instructions are no-ops.
 #pragma once
 
+#include "cuda/comm/lamport_device.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/grouped_gemm_common.cuh"
 #include "cuda/gemm/mxfp4_device.cuh"
@@ -136,8 +145,10 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * kBlockK + ((chunk ^ (row & 7)) << 3);
 }
 
-template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
+// kPush (Mode::plain, bf16/f16 weights only): the pushing dense GEMM of dense_push_gemm.h (the file comment).
+template <class T, class Cfg, Mode kMode, bool kMxfp4 = false, bool kPush = false>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_kernel(const KernelArgs args) {
+  static_assert(!kPush || (kMode == Mode::plain && !kMxfp4), "the push epilogue is the dense plain GEMM's");
   constexpr int kBM = Cfg::kBlockM;
   constexpr int kBN = Cfg::kBlockN;
   constexpr int kBK = Cfg::kBlockK;
@@ -179,7 +190,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   const int groups = args.n_groups;
   const int entry = tile_index / groups;
   const int group = tile_index - entry * groups;
-  if (!find_tile<kThreads>(args.expert_offsets, args.num_experts, kBM, entry, &s_tile, s_scan)) {
+  bool found;
+  if constexpr (kPush) {
+    // Dense: m-tile `entry` of the one matrix of dense_rows rows.
+    found = entry * kBM < args.dense_rows;
+    if (threadIdx.x == 0) s_tile = TileInfo{0, entry * kBM, min(args.dense_rows, (entry + 1) * kBM)};
+    __syncthreads();
+  } else {
+    found = find_tile<kThreads>(args.expert_offsets, args.num_experts, kBM, entry, &s_tile, s_scan);
+  }
+  if (!found) {
     pdl_wait();
     return;
   }
@@ -332,6 +352,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
     pdl_wait();
     if (args.trigger_dependents) pdl_trigger();
   }
+  // The push's slot: the previous collective of the stream (complete after the wait) advanced the epoch.
+  const int push_slot = kPush ? lamport::next_slot(args.push) : 0;
   for (int i = tid; i < kBM; i += kThreads) {
     int src = -1;
     if (i < rows) {
@@ -502,6 +524,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
           } else {
             v0 = acc[i][j][half * 2 + 0];
             v1 = acc[i][j][half * 2 + 1];
+          }
+          if constexpr (kPush) {
+            const T* addend =
+                static_cast<const T*>(args.addend) + static_cast<int64_t>(row_begin + row) * args.ld_addend;
+            v0 += to_float(addend[col]);
+            v1 += to_float(addend[col + 1]);
+            lamport::push_all_gather_pair<T>(args.push, push_slot, n, row_begin + row, col, from_float<T>(v0),
+                                             from_float<T>(v1));
+            continue;
           }
           *reinterpret_cast<uint32_t*>(out_row + col) = pack2<T>(v0, v1);
         }

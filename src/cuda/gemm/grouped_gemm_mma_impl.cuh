@@ -21,10 +21,10 @@ using CfgL4 = MmaConfig<96, 128, 64, 2, 4, 4, 2>;     // 8 warps (112 KB, 2 CTAs
 using CfgL = MmaConfig<128, 128, 64, 2, 4, 3, 2>;     // 8 warps (96 KB, 2 CTAs/SM)
 using CfgXL = MmaConfig<128, 256, 64, 2, 4, 3, 1>;    // 8 warps (144 KB, 1 CTA/SM)
 
-template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
+template <class T, class Cfg, Mode kMode, bool kMxfp4 = false, bool kPush = false>
 void launch_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
   static std::atomic<uint64_t> done_mask{0};
-  auto kernel = grouped_mma_kernel<T, Cfg, kMode, kMxfp4>;
+  auto kernel = grouped_mma_kernel<T, Cfg, kMode, kMxfp4, kPush>;
   constexpr int kSmem = kMxfp4 ? Cfg::kSmemBytesMxfp4 : Cfg::kSmemBytes;
   ensure_smem_limit(reinterpret_cast<const void*>(kernel), kSmem, &done_mask);
   const int out_per_tile = kMode == Mode::gated ? Cfg::kBlockN / 2 : Cfg::kBlockN;
