@@ -492,6 +492,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
       if (!s_is_last) break;  // uniform; nt_count is 1 with split-K
       __threadfence();
       zero_accumulators();
+      // Unrolled so that the loads of four splits are in flight at once: one at a time, each split cost an
+      // L2 round trip, and this CTA's reduction is the kernel's tail. The adds keep split order.
+#pragma unroll 4
       for (int sp = 0; sp < args.k_splits; ++sp) {
         const float* part = args.partials + (tile_base + sp) * (kAccPerThread * kThreads);
 #pragma unroll
