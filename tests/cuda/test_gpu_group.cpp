@@ -131,13 +131,14 @@ INSTANTIATE_TEST_SUITE_P(TpAndDtype, GpuGroupCollectives,
 
 // Tier 0's up-projection + all-gather (Backend::up_projection_all_gather) on simulated ranks: every
 // rank's out [T, d] = [block_0 | ... | block_{tp-1}], block_r = shard_r + x · W_r^T, against a host
-// sum, the same bits on every rank. With the fused path (T <= the push bound, 64 here: a GEMM's epilogue
-// pushes into the peers, LamportCall::presend) `shard` is left as it was; with it off (a bound of 0, T
-// past the bound, a latent past set_fused_up_projection_max_latent's bound) the composed path accumulates
-// into it: which one ran is observable. Which GEMM pushes: the skinny kernel up to 8 tokens where the
-// measured rule of sm_90 takes it (decode_dispatch.h: a latent of at most 2048, or any latent within a set
-// bound), else the tensor-core kernel (dense_push_gemm.h: above 8 tokens, with the skinny kernels off, or
-// past the rule). T 17, 33, 64 and 65 cross the tensor-core kernel's m-tiles (16, 32, 64 and 128 rows).
+// sum, the same bits on every rank. With the fused path (a GEMM's epilogue pushes into the peers,
+// LamportCall::presend) `shard` is left as it was; with the composed one (cuBLASLt accumulating into it,
+// then the all-gather) it is not: which one ran is observable. The push runs up to the token bound (64
+// here) where a rule takes it: with max_latent = -1 the measured rules of sm_90 (decode_dispatch.h: the
+// skinny kernel up to 8 tokens with a latent of at most 2048, the tensor-core kernel never); with
+// max_latent >= 0 (set_fused_up_projection_max_latent) any latent up to it, on the skinny kernel where it
+// takes the rows and on the tensor-core kernel (dense_push_gemm.h) above 8 tokens or with the skinny
+// kernels off. T 17, 33, 64 and 65 cross that kernel's m-tiles (16, 32, 64 and 128 rows).
 void expect_tier0_up_projection_matches(int kTp, int64_t kLatent, int64_t max_latent = -1) {
   constexpr int64_t kShard = 40;  // the shard is not a multiple of 16 rows
   constexpr int kBound = 64;
@@ -158,7 +159,8 @@ void expect_tier0_up_projection_matches(int kTp, int64_t kLatent, int64_t max_la
     for (const Case& c :
          {Case{1, true}, Case{5, false}, Case{8, true}, Case{3, true}, Case{9, true}, Case{2, true, false},
           Case{17, true}, Case{33, false}, Case{33, true}, Case{64, true}, Case{65, true}, Case{1, true}}) {
-      const bool fused = c.fused_on && c.tokens <= kBound && (max_latent < 0 || kLatent <= max_latent);
+      const bool by_rule = c.skinny_on && c.tokens <= 8 && kLatent <= 2048;
+      const bool fused = c.fused_on && c.tokens <= kBound && (max_latent >= 0 ? kLatent <= max_latent : by_rule);
       SCOPED_TRACE(name_of(dtype) + ", l " + std::to_string(kLatent) + ", T " + std::to_string(c.tokens) +
                    (fused ? ", fused" : ", composed"));
       const HostTensor x = random_tensor(dtype, {c.tokens, kLatent}, 11 + static_cast<uint32_t>(c.tokens));
@@ -175,6 +177,11 @@ void expect_tier0_up_projection_matches(int kTp, int64_t kLatent, int64_t max_la
         backend.set_skinny_max_tokens(c.skinny_on ? 8 : 0);
         DeviceTensor dx = upload(backend, x), dw = upload(backend, weights[r]), dshard = upload(backend, shards[r]);
         DeviceTensor dout = poisoned(backend, dtype, {c.tokens, kShard * kTp});
+        DeviceTensor before = upload(backend, x);
+        backend.synchronize();
+        // A collective right before, on the same stream and without a host sync, as tier 0's collective
+        // comes before its up-projection: the push reads the slot the collective's epoch names.
+        group[r]->all_reduce_sum(before.view, backend.stream());
         backend.up_projection_all_gather(*group[r], dx.view, dw.view, dshard.view, dout.view);
         backend.synchronize();
         group[r]->check();
@@ -205,13 +212,14 @@ void expect_tier0_up_projection_matches(int kTp, int64_t kLatent, int64_t max_la
 
 TEST(GpuGroup, tier0_up_projection_pushes_into_the_peers_and_matches_the_composed_path) {
   LATENTMOE_REQUIRE_GPU();
-  expect_tier0_up_projection_matches(4, 264);
+  expect_tier0_up_projection_matches(4, 264);        // the rules: the skinny push up to 8 tokens
+  expect_tier0_up_projection_matches(4, 264, 4096);  // past the rules: the tensor-core push above 8
 }
 
 // The same with one rank (the GEMM pushes into its own region): what compute-sanitizer runs. And a
-// latent of 2056, where the rule turns the skinny kernel down and the tensor-core kernel pushes at every T
-// (with split-K: 33 k-tiles, one n-tile), where a latent bound of 4096 lets the skinny kernel push up to
-// 8 tokens, and where one of 256 excludes the push (composed).
+// latent of 2056, where the rules keep the composed path, and where a latent bound of 4096 replaces them
+// (the skinny push up to 8 tokens, the tensor-core push above, with split-K: 33 k-tiles, one n-tile), or
+// one of 256 excludes the push (composed).
 TEST(GpuGroup, a_one_rank_tier0_up_projection_pushes_into_its_own_region) {
   LATENTMOE_REQUIRE_GPU();
   expect_tier0_up_projection_matches(1, 264);

@@ -841,16 +841,18 @@ void CudaBackend::up_projection_all_gather(Communicator& comm, const TensorView&
                         (s.fused_up_projection_max_latent < 0 || latent <= s.fused_up_projection_max_latent) &&
                         x.dtype() == out.dtype() && w_shard.dtype() == out.dtype() && shard.dtype() == out.dtype() &&
                         x.stride(1) == 1 && w_shard.stride(1) == 1 && shard.stride(1) == 1 && out.stride(1) == 1;
-  // Which GEMM pushes: the skinny kernel where the decode dispatch finds it pays (or within the latent bound
-  // that replaces the rule), else the tensor-core kernel (dense_push_gemm.h).
+  // Which GEMM pushes: the skinny kernel where the decode dispatch finds it pays, else the tensor-core
+  // kernel (dense_push_gemm.h) where the dispatch finds that one pays; a latent bound, when set, replaces
+  // both rules (decode_dispatch.h).
+  const bool bound_set = s.fused_up_projection_max_latent >= 0;
   const bool skinny =
-      pushable && s.skinny(rows) &&
-      (s.fused_up_projection_max_latent >= 0 || skinny_pays(*s.dispatch, SkinnyOp::tier0_push, rows, latent, 0)) &&
+      pushable && s.skinny(rows) && (bound_set || skinny_pays(*s.dispatch, SkinnyOp::tier0_push, rows, latent, 0)) &&
       skinny_supported(x.dtype(), rows, latent, {{x.data(), x.stride(0)}, {w_shard.data(), w_shard.stride(0)}});
   const DensePushProblem dense{out.dtype(),     x.data(), rows,         w_shard.data(),
                                w_shard.size(0), latent,   shard.data(), shard.stride(0)};
-  const bool tensor_core =
-      pushable && !skinny && x.stride(0) == latent && w_shard.stride(0) == latent && dense_push_supported(dense);
+  const bool tensor_core = pushable && !skinny &&
+                           (bound_set || latent <= s.dispatch->tier0_tensor_core_push_max_latent) &&
+                           x.stride(0) == latent && w_shard.stride(0) == latent && dense_push_supported(dense);
   if (!skinny && !tensor_core) {
     Backend::up_projection_all_gather(comm, x, w_shard, shard, out);
     return;

@@ -105,16 +105,16 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
                               const TensorView& gamma, float eps, const TensorView& latent_out,
                               const TensorView& shared_shard_out) override;
 
-  // Tier 0's up-projection + all-gather with a GPU group, up to fused_up_projection_max_tokens rows
-  // (within set_fused_up_projection_max_latent's bound, when set): one GEMM whose epilogue adds the shared
-  // shard and stores each result into every rank's receive region (lamport_device.cuh), then a Lamport
-  // kernel that only receives, copies out and re-arms the sentinels (LamportCall::presend). The GEMM is
-  // the skinny kernel where the skinny kernels take the rows (so not after set_skinny_max_tokens(0)) and
-  // the decode dispatch finds it pays (decode_dispatch.h: on sm_90 a latent of at most 2048, as
-  // measured; or any latent within the set bound), else the tensor-core kernel of dense_push_gemm.h
-  // (contiguous x and W, n and k multiples of 8). Otherwise, and where the block does not fit the
-  // group's receive region, the composed default (cuBLASLt accumulating into the shard, then the
-  // one-shot all-gather).
+  // Tier 0's up-projection + all-gather with a GPU group, up to fused_up_projection_max_tokens rows:
+  // one GEMM whose epilogue adds the shared shard and stores each result into every rank's receive region
+  // (lamport_device.cuh), then a Lamport kernel that only receives, copies out and re-arms the sentinels
+  // (LamportCall::presend). The GEMM is the skinny kernel where the skinny kernels take the rows (so not
+  // after set_skinny_max_tokens(0)) and the decode dispatch finds it pays (decode_dispatch.h: on sm_90 a
+  // latent of at most 2048), else the tensor-core kernel of dense_push_gemm.h (contiguous x and W, n and
+  // k multiples of 8) where the dispatch finds that one pays (on sm_90: never, as measured on simulated
+  // ranks). set_fused_up_projection_max_latent replaces both rules. Otherwise, and where the block does
+  // not fit the group's receive region, the composed default (cuBLASLt accumulating into the shard,
+  // then the one-shot all-gather).
   void up_projection_all_gather(Communicator& comm, const TensorView& x, const TensorView& w_shard,
                                 const TensorView& shard, const TensorView& out) override;
 
@@ -153,8 +153,8 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // 0 turns it off (the benchmark and the tests compare both). Throws Error outside that range.
   void set_fused_up_projection_max_tokens(int tokens);
   // The longest latent (the GEMM's reduction) with which it pushes, in place of the decode dispatch's
-  // measured rule (bench tail measures the push past that rule with it); -1 (the default) restores the
-  // rule. Throws Error below -1.
+  // measured rules: the skinny kernel where it takes the rows, else the tensor-core kernel (bench tail
+  // measures the push past the rules with it); -1 (the default) restores the rules. Throws Error below -1.
   void set_fused_up_projection_max_latent(int64_t latent);
 
   int device_ordinal() const;

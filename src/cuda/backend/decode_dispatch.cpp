@@ -34,6 +34,13 @@ constexpr std::array<DecodeDispatch, 1> kTable = {{
         // 222.1); the threshold lies between: 2048. Simulated ranks share the GPU's SMs; real GPUs
         // (issue 14) may move it.
         .tier0_push_max_latent = 2048,
+        // Commits bb1f348 and 5424dd7, ranks simulated on one H200 (bench tail with
+        // --fused-up-projection-max-tokens 64 against 0 in one call, T 1-64, both presets, tp 2/4/8;
+        // docs/PERFORMANCE.md, "Tier 0's push from the tensor-core GEMM"): tier 0's tail with the push
+        // from the tensor-core kernel was slower than cuBLASLt + the one-shot all-gather at every Kimi-K3
+        // point (3-36%) and at Nemotron-3's tp 2 and 4 above 8 tokens (3-28%), even at its tp 8
+        // (0.96-1.00x): never, until real GPUs (issue 14) measure the latency the push saves.
+        .tier0_tensor_core_push_max_latent = 0,
     },
 }};
 

@@ -25,6 +25,10 @@ struct DecodeDispatch {
   // Tier 0's up-projection pushed into the peers from the skinny GEMM's epilogue
   // (CudaBackend::up_projection_all_gather): when its reduction (the latent size) is at most this.
   int64_t tier0_push_max_latent = 0;
+  // The same push from the tensor-core GEMM (cuda/gemm/dense_push_gemm.h) where the skinny kernel does
+  // not take it (more rows than kSkinnyMaxRows, or a latent past tier0_push_max_latent): when the
+  // latent size is at most this; 0: never.
+  int64_t tier0_tensor_core_push_max_latent = 0;
 };
 
 // The row of `compute_capability`; an architecture without a row of its own gets the sm_90 (H200)
