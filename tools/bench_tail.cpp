@@ -277,7 +277,7 @@ TailPoint make_point(const Block& block, const Plan& plan, int64_t tokens, int64
     PathResult result;
     result.path = path;
     if (is_tier(path)) {
-      const TailTier tier = kTiers[index_of(path)];
+      const TailTier tier = kAllTailTiers[index_of(path)];
       result.reason = refusal(support, tier, tokens);
       result.ran = result.reason.empty();
       if (result.ran) {
@@ -399,7 +399,7 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
       }
 
       std::vector<TailTier> tiers;  // every rank has the same support (same layout): every rank skips alike
-      for (const TailTier tier : kTiers)
+      for (const TailTier tier : kAllTailTiers)
         if (runner.tier_support().allows(tier, tokens)) tiers.push_back(tier);
       for (const TailTier tier : tiers) {
         const bench_access::TailTensors t = bench_access::tail_tensors(state, tier, out, tokens);

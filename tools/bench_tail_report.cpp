@@ -142,7 +142,7 @@ const char* tier_label(TailTier tier) {
 std::optional<double> policy_layer_ratio(const TailPoint& point) {
   if (!point.policy_tier) return std::nullopt;
   double best = std::numeric_limits<double>::infinity();
-  for (TailTier tier : kTiers) {
+  for (TailTier tier : kAllTailTiers) {
     const PathResult& result = point.at(path_of(tier));
     if (result.ran && result.layer) best = std::min(best, result.layer->us);
   }
@@ -161,7 +161,7 @@ std::string format_block_header(const TailPoint& first) {
   titles.append(cell("touched"));
   std::string subtitles = "#             ";
   subtitles.append(cell(""));
-  for (TailTier tier : kTiers) {
+  for (TailTier tier : kAllTailTiers) {
     titles.append(cell(tier_label(tier))).append(cell(tier_label(tier)));
     subtitles.append(cell("tail")).append(cell("layer"));
   }
@@ -180,7 +180,7 @@ std::string format_point_line(const TailPoint& point) {
   std::snprintf(head, sizeof(head), " %13lld", static_cast<long long>(point.tokens));
   std::string text = head;
   text.append(cell(std::to_string(point.touched_experts)));
-  for (TailTier tier : kTiers) {
+  for (TailTier tier : kAllTailTiers) {
     const PathResult& result = point.at(path_of(tier));
     text += time_cell(result.ran, result.time.us);
     text += time_cell(result.ran && result.layer.has_value(), result.layer ? result.layer->us : 0.0);

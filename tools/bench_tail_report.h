@@ -100,9 +100,7 @@ struct TailRunInfo {
   std::string error;  // the failure that ended the run early (empty: none)
 };
 
-// The four tiers, in the order of the report's columns (and of TailPath's first four paths).
-constexpr std::array<TailTier, 4> kTiers = {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
-                                            TailTier::column_parallel};
+// The report's tier columns follow kAllTailTiers (latentmoe/tier.h), as TailPath's first four paths do.
 // The path that times `tier`.
 TailPath path_of(TailTier tier);
 

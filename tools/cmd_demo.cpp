@@ -68,8 +68,6 @@ int run_demo(int64_t num_tokens, int num_timed_runs, BackendKind requested, GpuP
              const std::string& save_directory) {
   if (!save_directory.empty()) save_demo_files(save_directory, num_tokens);
   const BackendKind backend = resolve_backend_kind(requested);
-  constexpr TailTier kTiers[] = {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
-                                 TailTier::column_parallel};
   constexpr int kTpSizes[] = {1, 2, 4, 8};
   struct Tolerance {
     DType dtype;
@@ -113,7 +111,7 @@ int run_demo(int64_t num_tokens, int num_timed_runs, BackendKind requested, GpuP
       const auto reference = run(1, TailTier::native, BackendKind::cpu);
       if (backend == BackendKind::cpu) print_row(TailTier::native, 1, 0.0, reference[0].forward_ms, true);
       for (int tp_size : kTpSizes) {
-        for (TailTier tier : kTiers) {
+        for (TailTier tier : kAllTailTiers) {
           if (tp_size == 1 && (backend == BackendKind::cpu || tier != TailTier::native)) continue;
           const auto results = run(tp_size, tier, backend);
           bool identical = true;

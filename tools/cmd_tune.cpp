@@ -38,8 +38,6 @@
 namespace latentmoe::tools {
 namespace {
 
-constexpr TailTier kTiers[] = {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
-                               TailTier::column_parallel};
 constexpr int64_t kMaxTokens = int64_t{1} << 20;
 // On the CPU the presets are scaled down by this much unless --scale says otherwise: kimi-k3 at full
 // size is ~60 GB of weights, and the reference backend is slow by design.
@@ -194,7 +192,7 @@ void run_tune(const TuneArguments& args) {
                     ? " (ranks simulated on one GPU: NVLink costs are missing, the crossovers are not this machine's)"
                     : "",
                 "tokens");
-    for (TailTier tier : kTiers) std::printf(" %18s", std::string(to_string(tier)).c_str());
+    for (TailTier tier : kAllTailTiers) std::printf(" %18s", std::string(to_string(tier)).c_str());
     std::printf("  fastest\n");
     // One group per tp, its ranks built once (a full-size layer's weights take tens of seconds to place),
     // then every token count and tier on it.
@@ -228,12 +226,12 @@ void run_tune(const TuneArguments& args) {
         row.ms[static_cast<size_t>(timed_tiers[i])] = slowest;
       }
       std::optional<TailTier> fastest;
-      for (TailTier tier : kTiers) {
+      for (TailTier tier : kAllTailTiers) {
         const auto& ms = row.ms[static_cast<size_t>(tier)];
         if (ms && (!fastest || *ms < *row.ms[static_cast<size_t>(*fastest)])) fastest = tier;
       }
       std::printf("%8lld", static_cast<long long>(row.num_tokens));
-      for (TailTier tier : kTiers) std::printf(" %18s", format_ms(row.ms[static_cast<size_t>(tier)]).c_str());
+      for (TailTier tier : kAllTailTiers) std::printf(" %18s", format_ms(row.ms[static_cast<size_t>(tier)]).c_str());
       std::printf("  %s\n", fastest ? std::string(to_string(*fastest)).c_str() : "-");
       rows.push_back(row);
     }

@@ -13,6 +13,10 @@ namespace latentmoe {
 
 enum class TailTier { native, tail_fusion, allreduce_overlap, column_parallel };
 
+// Every tier, in the enum's order (the order of tables and reports).
+inline constexpr std::array<TailTier, 4> kAllTailTiers{TailTier::native, TailTier::tail_fusion,
+                                                       TailTier::allreduce_overlap, TailTier::column_parallel};
+
 std::string_view to_string(TailTier tier);
 // Parses "native", "tail_fusion", "allreduce_overlap", "column_parallel"; throws on anything else.
 TailTier parse_tail_tier(std::string_view name);

@@ -7,8 +7,6 @@ namespace latentmoe::detail {
 
 void apply_gpu_group_limits(TierSupport& support, const LayerConfig& config, DType dtype, int tp_size,
                             const GpuGroupLimits& group) {
-  constexpr TailTier kTiers[] = {TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
-                                 TailTier::column_parallel};
   support.peers_reachable = group.one_shot;
   support.collectives =
       group.one_shot
@@ -20,7 +18,7 @@ void apply_gpu_group_limits(TierSupport& support, const LayerConfig& config, DTy
   if (group.dtype != dtype) {
     const std::string reason = "cannot run: the GPU group carries " + std::string(dtype_name(group.dtype)) +
                                " but this layer runs in " + std::string(dtype_name(dtype));
-    for (TailTier tier : kTiers) support.refuse(tier, reason);
+    for (TailTier tier : kAllTailTiers) support.refuse(tier, reason);
     return;
   }
   if (!group.one_shot) {

@@ -15,9 +15,6 @@
 namespace latentmoe {
 namespace {
 
-constexpr std::array<TailTier, 4> kTiers{TailTier::native, TailTier::tail_fusion, TailTier::allreduce_overlap,
-                                         TailTier::column_parallel};
-
 constexpr std::string_view kTailFusionMaxTokensVar = "LATENTMOE_TAIL_FUSION_MAX_TOKENS";
 constexpr std::string_view kSharedStreamTokenThresholdVar = "LATENTMOE_SHARED_STREAM_TOKEN_THRESHOLD";
 constexpr std::string_view kDisableSharedStreamVar = "LATENTMOE_DISABLE_SHARED_STREAM";
@@ -61,7 +58,7 @@ std::string_view to_string(TailTier tier) {
 }
 
 TailTier parse_tail_tier(std::string_view name) {
-  for (TailTier tier : kTiers) {
+  for (TailTier tier : kAllTailTiers) {
     if (to_string(tier) == name) return tier;
   }
   detail::throw_error("unknown tail tier '", name,
@@ -147,7 +144,7 @@ void TierSupport::bound(TailTier tier, int64_t max_tokens, std::string reason) {
 }
 
 void TierSupport::restrict_to(const TierSupport& other) {
-  for (TailTier tier : kTiers) {
+  for (TailTier tier : kAllTailTiers) {
     const TierLimit& limit = other[tier];
     if (!limit.supported) {
       refuse(tier, limit.reason);
