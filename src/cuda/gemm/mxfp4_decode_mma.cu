@@ -58,9 +58,6 @@ constexpr int kGroup = kMxfp4Group;  // columns per scale
 constexpr int kChunk = 2;            // consecutive scale groups a warp takes at a time (one 32-byte sector of a row)
 constexpr int kMaxTokens = 8;        // the MMA's N
 constexpr int kMaxPairs = kThreads;  // tokens * top_k: one thread per pair in the routing prologues
-// CTAs per SM the register budget must allow (at most 85 registers a thread): Kimi-K3's tp-8 gate/up at
-// one token is 384 CTAs, which at 2 per SM (113 registers) took 1.5 waves.
-constexpr int kMinCtasPerSm = 3;
 
 // One lane's share of one scale group: the code words of rows g and g + 8, their scale bytes, and the
 // 8 activation values of token g (zero for a token beyond the call's or one that does not take part).
@@ -156,7 +153,7 @@ __device__ __forceinline__ void load_x_chunk(GroupOperands (&op)[kChunk], const 
 // ---- gate/up -------------------------------------------------------------------------------------
 
 template <class T, bool kGated>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
+__global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
   __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
   const int pair = blockIdx.y;
@@ -292,7 +289,7 @@ __device__ void build_expert_list(const Mxfp4DownCall& p, ExpertList& list, int*
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
+__global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
   extern __shared__ int first_pair[];  // [num_experts]
   __shared__ ExpertList list;
   __shared__ int slot_of_pair[kMaxPairs];
