@@ -15,9 +15,13 @@
 #              kernels (NCCL above their default bound), then every collective through NCCL
 #              (--collectives nccl), then the one-shot kernels at every size (--one-shot-max-tokens
 #              4096), the PyTorch peer (torchrun), and the plot with the peer
+#   push       tier 0's push into the peers from its GEMM's epilogue past the decode dispatch's rules (any
+#              latent: the skinny kernel up to 8 tokens, the tensor-core one above) against the composed
+#              GEMM + all-gather, T 1-64 (tail_push_{on,off}.json): whether the push saves a link round
+#              on real GPUs (on simulated ranks it lost, docs/PERFORMANCE.md)
 #   tune       latentmoe tune at the same tp sizes: the table for this machine (tune_h200_tpN.json)
 # One device call may run 600 s, and these steps' own limits add up to more: run links,tests,processes,run
-# in one call, bench_tail (three bench runs and the peer, each with its limit) in a second, tune in a third
+# in one call, bench_tail (three bench runs and the peer, each with its limit) in a second, push and tune in a third
 # (tune builds each tp's ranks once since f312294; before, it rebuilt them for every point).
 source "$(dirname "$0")/gpu_script_env.sh" "$@"
 gpus=$(nvidia-smi -L | grep -c '^GPU')
@@ -120,6 +124,16 @@ if has bench_tail; then
   fi
   python3 bench/plot_tail.py "$out/tail.json" "${peer_args[@]}" --out "$out/tail.png" > "$out/plot.log" 2>&1
   echo "plot rc=$?"
+fi
+if has push; then
+  for push in on off; do
+    tokens=64; [[ $push == off ]] && tokens=0
+    LATENTMOE_COLLECTIVE_TIMEOUT_MS=10000 timeout 150 "$bin/latentmoe" bench tail --backend cuda \
+      --placement "$placement" --tp "$tps" --tokens 1,2,4,8,16,32,64 --fused-up-projection-max-tokens "$tokens" \
+      --fused-up-projection-max-latent 1048576 --max-seconds 100 --commit "$commit" \
+      --json "$out/tail_push_$push.json" > "$out/tail_push_$push.txt" 2>&1
+    echo "bench tail (push $push) rc=$?"; tail -n 3 "$out/tail_push_$push.txt"
+  done
 fi
 if has tune; then
   for tp in ${tps//,/ }; do
