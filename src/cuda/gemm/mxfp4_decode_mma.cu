@@ -114,21 +114,6 @@ __device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int64_t fi
 // from immediate offsets with no test; the last, partial one reads its missing groups as zero codes.
 __device__ __forceinline__ void load_chunk(GroupOperands (&op)[kChunk], const TileRows& r, int64_t q0, int64_t groups) {
   if (q0 + kChunk <= groups) {
-    // SPEED-OF-LIGHT EXPERIMENT (wrong values, benchmark only, reverted): what a load-time repack could give
-    // at most: one 16-byte code load and one 2-byte scale load per lane and chunk, the same bytes.
-    {
-      const int t = static_cast<int>(threadIdx.x % 4);
-      const uint8_t* row = (t < 2 ? r.code_lo : r.code_hi) - 4 * t;
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + q0 * (kGroup / 2) + (t & 1) * 16));
-      const uint32_t sc = __ldg(reinterpret_cast<const unsigned short*>(r.scale_lo + q0));
-      op[0].code_lo = v.x;
-      op[0].code_hi = v.y;
-      op[1].code_lo = v.z;
-      op[1].code_hi = v.w;
-      op[0].scale_lo = op[1].scale_lo = sc & 0xFFu;
-      op[0].scale_hi = op[1].scale_hi = sc >> 8;
-      return;
-    }
     const uint8_t* code_lo = r.code_lo + q0 * (kGroup / 2);
     const uint8_t* code_hi = r.code_hi + q0 * (kGroup / 2);
     const uint8_t* scale_lo = r.scale_lo + q0;

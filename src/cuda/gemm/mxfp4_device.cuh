@@ -35,9 +35,7 @@ __device__ __forceinline__ uint32_t shift_left(uint32_t w) {
 template <class T, int kI>
 __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    // SPEED-OF-LIGHT EXPERIMENT (wrong values, benchmark only, reverted): one shift and one mask, as a
-    // repacked nibble order could give.
-    const uint32_t bits = shift_left<6 - 4 * kI>(w) & 0x81C081C0u;
+    const uint32_t bits = (shift_left<6 - 4 * kI>(w) & 0x01C001C0u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
     __nv_bfloat162 value = *reinterpret_cast<const __nv_bfloat162*>(&bits);
     value = __hmul2(value, __nv_bfloat162(__ushort_as_bfloat16(0x7E80), __ushort_as_bfloat16(0x7E80)));  // 2^126
     return *reinterpret_cast<const uint32_t*>(&value);
