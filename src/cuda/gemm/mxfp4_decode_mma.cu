@@ -153,7 +153,7 @@ __device__ __forceinline__ void load_x_chunk(GroupOperands (&op)[kChunk], const 
 // ---- gate/up -------------------------------------------------------------------------------------
 
 template <class T, bool kGated>
-__global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
+__global__ void __launch_bounds__(kThreads, 3) mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
   __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
   const int pair = blockIdx.y;
@@ -195,15 +195,10 @@ __global__ void __launch_bounds__(kThreads) mxfp4_mma_gate_up_kernel(Mxfp4GateUp
       if constexpr (kGated) group_mma<T>(gate, v[j], 1.0f, 1.0f);
     }
   };
-  GroupOperands ua[kChunk], va[kChunk], ub[kChunk], vb[kChunk];
-  int64_t chunk = warp;
-  if (chunk < chunks) load(ua, va, chunk);
-  for (; chunk < chunks; chunk += 2 * kWarps) {
-    if (chunk + kWarps < chunks) load(ub, vb, chunk + kWarps);
+  GroupOperands ua[kChunk], va[kChunk];
+  for (int64_t chunk = warp; chunk < chunks; chunk += kWarps) {
+    load(ua, va, chunk);
     compute(ua, va);
-    if (chunk + kWarps >= chunks) break;
-    if (chunk + 2 * kWarps < chunks) load(ua, va, chunk + 2 * kWarps);
-    compute(ub, vb);
   }
   for (int i = 0; i < 4; ++i) {
     partial[warp][0][i][lane] = up[i];
@@ -289,7 +284,7 @@ __device__ void build_expert_list(const Mxfp4DownCall& p, ExpertList& list, int*
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
+__global__ void __launch_bounds__(kThreads, 3) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
   extern __shared__ int first_pair[];  // [num_experts]
   __shared__ ExpertList list;
   __shared__ int slot_of_pair[kMaxPairs];
