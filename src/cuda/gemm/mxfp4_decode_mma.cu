@@ -58,6 +58,11 @@ constexpr int kGroup = kMxfp4Group;  // columns per scale
 constexpr int kChunk = 2;            // consecutive scale groups a warp takes at a time (one 32-byte sector of a row)
 constexpr int kMaxTokens = 8;        // the MMA's N
 constexpr int kMaxPairs = kThreads;  // tokens * top_k: one thread per pair in the routing prologues
+// CTAs per SM the register budget must allow (at most 80 registers a thread). Measured on the H200 (b014371,
+// docs/MXFP4.md): 5-7% faster than 2 per SM from 2 to 8 tokens, both presets; Kimi-K3 tp 8's 384 gate/up
+// CTAs at one token then run in one wave instead of 1.5. With the gate/up double buffer the gated kernel
+// spilled at this bound and was slower (05fbeeb).
+constexpr int kMinCtasPerSm = 3;
 
 // One lane's share of one scale group: the code words of rows g and g + 8, their scale bytes, and the
 // 8 activation values of token g (zero for a token beyond the call's or one that does not take part).
@@ -153,7 +158,7 @@ __device__ __forceinline__ void load_x_chunk(GroupOperands (&op)[kChunk], const 
 // ---- gate/up -------------------------------------------------------------------------------------
 
 template <class T, bool kGated>
-__global__ void __launch_bounds__(kThreads, 3) mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
   __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
   const int pair = blockIdx.y;
@@ -178,8 +183,8 @@ __global__ void __launch_bounds__(kThreads, 3) mxfp4_mma_gate_up_kernel(Mxfp4Gat
   const TileRows gate_rows = kGated ? tile_rows(p.gate, first_row, row0, t) : up_rows;
   float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   // Chunks of kChunk consecutive groups per warp (chunk c: groups kChunk c ..; the lanes of a row read
-  // whole sectors), double-buffered: the loads of a warp's next chunk are issued before the MMAs of
-  // its current one.
+  // whole sectors), one at a time: double-buffering them measured nothing (221b153) and its registers
+  // kept the kernel at 2 CTAs per SM (kMinCtasPerSm).
   const int64_t chunks = (groups + kChunk - 1) / kChunk;
   auto load = [&](GroupOperands(&u)[kChunk], GroupOperands(&v)[kChunk], int64_t chunk) {
     load_chunk(u, up_rows, chunk * kChunk, groups);
@@ -284,7 +289,7 @@ __device__ void build_expert_list(const Mxfp4DownCall& p, ExpertList& list, int*
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads, 3) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
   extern __shared__ int first_pair[];  // [num_experts]
   __shared__ ExpertList list;
   __shared__ int slot_of_pair[kMaxPairs];
@@ -298,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 3) mxfp4_mma_down_kernel(Mxfp4DownCa
   const int64_t groups = p.down.cols / kGroup;
   // Work items (touched expert, chunk of kChunk consecutive groups) in expert-major order; each warp of
   // the cluster takes one contiguous range of them (so it walks an expert's chunks in order, one division
-  // per warp), double-buffered as in gate/up.
+  // per warp), double-buffered (78 registers, within kMinCtasPerSm's budget).
   const int chunks = static_cast<int>((groups + kChunk - 1) / kChunk);
   const int items = list.count * chunks;  // 32-bit: count <= 256 pairs, chunks <= INT_MAX / 256 (host check)
   const int warps_total = split * kWarps;
