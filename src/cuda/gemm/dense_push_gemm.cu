@@ -74,15 +74,7 @@ void dense_push_gemm(const DensePushProblem& p, const LamportPeers& peers, void*
   launch.programmatic = hopper;
   launch.trigger = hopper;
   launch.sm_count = current_sm_count();
-  if (workspace != nullptr) {
-    LATENTMOE_CHECK(workspace_bytes >= dense_push_workspace_bytes() && aligned16(workspace),
-                    "dense push GEMM: the workspace (", workspace_bytes,
-                    " bytes) is smaller than dense_push_workspace_bytes() or not 16-byte aligned");
-    launch.tile_counters = static_cast<int*>(workspace);
-    launch.num_tile_counters = kCounters;
-    launch.partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + kCounters * sizeof(int));
-    launch.partial_floats = kPartialBytes / sizeof(float);
-  }
+  gg::attach_split_k(launch, workspace, workspace_bytes, kCounters, kPartialBytes, "dense push GEMM");
   if (p.dtype == DType::bf16) {
     launch_typed<__nv_bfloat16>(p.rows, args, launch, stream);
   } else {

@@ -18,6 +18,19 @@ void check_launch(const char* what) {
   LATENTMOE_CHECK(err == cudaSuccess, what, ": launch failed: ", cudaGetErrorString(err));
 }
 
+void attach_split_k(MmaLaunch& launch, void* workspace, size_t workspace_bytes, int64_t counters, size_t partial_bytes,
+                    const char* what) {
+  if (workspace == nullptr) return;
+  const size_t needed = static_cast<size_t>(counters) * sizeof(int) + partial_bytes;
+  LATENTMOE_CHECK(workspace_bytes >= needed, what, ": a workspace of ", workspace_bytes, " bytes is smaller than the ",
+                  needed, " its split-K needs");
+  LATENTMOE_CHECK((reinterpret_cast<uintptr_t>(workspace) & 15) == 0, what, ": the workspace is not 16-byte aligned");
+  launch.tile_counters = static_cast<int*>(workspace);
+  launch.num_tile_counters = counters;
+  launch.partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + counters * sizeof(int));
+  launch.partial_floats = partial_bytes / sizeof(float);
+}
+
 namespace {
 
 int current_device() {
@@ -184,18 +197,6 @@ void check_common(DType dtype, const MoeLayout& layout, const ExpertGemmWeights&
                   ": the layout's device arrays are missing");
 }
 
-// Points the launch at the split-K workspace (none when workspace is null).
-void attach_split_k(gg::MmaLaunch& launch, void* workspace, size_t workspace_bytes) {
-  if (workspace == nullptr) return;
-  LATENTMOE_CHECK(workspace_bytes >= gg::kSplitKWorkspaceBytes, "grouped GEMM: a workspace of ", workspace_bytes,
-                  " bytes is smaller than grouped_gemm_workspace_bytes() = ", gg::kSplitKWorkspaceBytes);
-  LATENTMOE_CHECK(aligned16(workspace), "grouped GEMM: the workspace is not 16-byte aligned");
-  launch.tile_counters = static_cast<int*>(workspace);
-  launch.num_tile_counters = gg::kSplitKCounters;
-  launch.partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + gg::kSplitKCounters * sizeof(int));
-  launch.partial_floats = gg::kSplitKPartialBytes / sizeof(float);
-}
-
 void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& args, int64_t num_tokens,
          int64_t intermediate, int64_t latent, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const bool down = mode == gg::Mode::plain;
@@ -238,7 +239,7 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.sm_count = current_sm_count();
   launch.prefer_two_tiles = down;
   launch.k_splits = choice.k_splits;
-  attach_split_k(launch, workspace, workspace_bytes);
+  gg::attach_split_k(launch, workspace, workspace_bytes, gg::kSplitKCounters, gg::kSplitKPartialBytes, "grouped GEMM");
   const bool wgmma = variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall;
   if (wgmma) {
     LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the ", detail::to_string(variant),

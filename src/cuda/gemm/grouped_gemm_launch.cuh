@@ -47,6 +47,12 @@ int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, 
                          int num_experts);
 void launch_simt(DType dtype, Mode mode, const KernelArgs& args, int64_t max_rows, cudaStream_t stream);
 
+// Points `launch` at a split-K workspace of `counters` tile counters followed by `partial_bytes` of fp32
+// partial sums (none when workspace is null). Throws Error naming `what` when the workspace is smaller than
+// that or not 16-byte aligned.
+void attach_split_k(MmaLaunch& launch, void* workspace, size_t workspace_bytes, int64_t counters, size_t partial_bytes,
+                    const char* what);
+
 // Throws latentmoe::Error naming `what` if the last launch failed.
 void check_launch(const char* what);
 
