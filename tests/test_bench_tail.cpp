@@ -464,7 +464,16 @@ INSTANTIATE_TEST_SUITE_P(
         BadOption{"tp_one", "bench tail --backend cpu --preset kimi-k3 --scale 64 --tp 1 --tokens 1", "--tp 1"},
         BadOption{"scale_not_dividing", "bench tail --backend cpu --preset kimi-k3 --scale 5 --tp 2 --tokens 1",
                   "--scale 5"},
-        BadOption{"bad_dtype", "bench tail --backend cpu --preset kimi-k3 --scale 64 --tp 2 --dtype f8", "f8"}),
+        BadOption{"bad_dtype", "bench tail --backend cpu --preset kimi-k3 --scale 64 --tp 2 --dtype f8", "f8"},
+        // The bound the CUDA backend accepts (fused_up_projection_bounds.h), checked on every backend.
+        BadOption{"fused_up_projection_past_the_push_kernel",
+                  "bench tail --backend cpu --preset kimi-k3 --scale 64 --tp 2 --tokens 1 "
+                  "--fused-up-projection-max-tokens 129",
+                  "--fused-up-projection-max-tokens 129 is outside 0..128"},
+        BadOption{"fused_up_projection_negative",
+                  "bench tail --backend cpu --preset kimi-k3 --scale 64 --tp 2 --tokens 1 "
+                  "--fused-up-projection-max-tokens -1",
+                  "--fused-up-projection-max-tokens -1 is outside 0..128"}),
     [](const ::testing::TestParamInfo<BadOption>& info) { return std::string(info.param.name); });
 
 TEST(BenchTailCommand, an_unwritable_json_fails_before_anything_is_measured) {

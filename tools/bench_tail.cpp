@@ -62,7 +62,7 @@ struct Plan {
   bench::Runs runs;
   GroupRequest group;
   std::string collectives;  // "one_shot" or "nccl"
-  int fused_up_projection_max_tokens = 64;
+  int fused_up_projection_max_tokens = cuda::kDefaultFusedUpProjectionMaxTokens;
   int64_t fused_up_projection_max_latent = -1;
 };
 
@@ -93,8 +93,10 @@ Plan plan_of(const BenchTailOptions& options) {
   LATENTMOE_CHECK(options.collectives == "one_shot" || options.collectives == "nccl", "--collectives '",
                   options.collectives, "' is not one_shot or nccl");
   plan.collectives = options.collectives;
-  LATENTMOE_CHECK(options.fused_up_projection_max_tokens >= 0 && options.fused_up_projection_max_tokens <= 128,
-                  "--fused-up-projection-max-tokens ", options.fused_up_projection_max_tokens, " is outside 0..128");
+  LATENTMOE_CHECK(options.fused_up_projection_max_tokens >= 0 &&
+                      options.fused_up_projection_max_tokens <= cuda::kDensePushMaxRows,
+                  "--fused-up-projection-max-tokens ", options.fused_up_projection_max_tokens, " is outside 0..",
+                  cuda::kDensePushMaxRows);
   plan.fused_up_projection_max_tokens = options.fused_up_projection_max_tokens;
   LATENTMOE_CHECK(options.fused_up_projection_max_latent >= -1, "--fused-up-projection-max-latent ",
                   options.fused_up_projection_max_latent, " is below -1");

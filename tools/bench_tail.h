@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda/backend/fused_up_projection_bounds.h"  // plain C++: the CPU-only build includes it too
+
 namespace latentmoe::tools {
 
 struct BenchTailOptions {
@@ -23,8 +25,9 @@ struct BenchTailOptions {
   std::string placement = "auto";  // CUDA: auto|simulated|devices (latentmoe/gpu_group.h)
   std::string collectives = "one_shot";  // one_shot|nccl (devices only: every collective through NCCL)
   // CUDA: up to how many tokens tier 0's up-projection pushes into the peers from its GEMM's epilogue
-  // (CudaBackend::set_fused_up_projection_max_tokens, 0..128; 0: the composed GEMM + all-gather).
-  int fused_up_projection_max_tokens = 64;
+  // (CudaBackend::set_fused_up_projection_max_tokens, 0..kDensePushMaxRows; 0: the composed GEMM +
+  // all-gather).
+  int fused_up_projection_max_tokens = cuda::kDefaultFusedUpProjectionMaxTokens;
   // CUDA: the longest latent with which it pushes, in place of the decode dispatch's measured rule
   // (CudaBackend::set_fused_up_projection_max_latent); -1: the rule.
   int64_t fused_up_projection_max_latent = -1;

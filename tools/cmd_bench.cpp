@@ -1,6 +1,7 @@
 // latentmoe bench layer and bench tail: options and registration; the work is in bench_layer.cpp and
 // bench_tail.cpp.
 #include <memory>
+#include <string>
 
 #include "bench_layer.h"
 #include "bench_tail.h"
@@ -73,9 +74,10 @@ void register_bench_command(CLI::App& app) {
                    "message one-shot")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   tail->add_option("--fused-up-projection-max-tokens", tail_options->fused_up_projection_max_tokens,
-                   "CUDA: up to this many tokens (0..128, default 64) tier 0's up-projection pushes into the peers "
-                   "from its GEMM's epilogue (the skinny kernel where it pays, else the tensor-core one); 0: the "
-                   "GEMM, then the all-gather");
+                   "CUDA: up to this many tokens (0.." + std::to_string(cuda::kDensePushMaxRows) + ", default " +
+                       std::to_string(cuda::kDefaultFusedUpProjectionMaxTokens) +
+                       ") tier 0's up-projection pushes into the peers from its GEMM's epilogue (the skinny kernel "
+                       "where it pays, else the tensor-core one); 0: the GEMM, then the all-gather");
   tail->add_option(
       "--fused-up-projection-max-latent", tail_options->fused_up_projection_max_latent,
       "CUDA: the longest latent with which tier 0 pushes, and with which the skinny kernel pushes in place "

@@ -27,6 +27,7 @@
 #include <memory>
 
 #include "core/backend.h"
+#include "cuda/backend/fused_up_projection_bounds.h"
 #include "cuda/common/device.h"  // cuda_device_count, for the users of this header
 #include "cuda/gemm/dense_push_gemm.h"
 #include "cuda/gemm/gemv.h"
@@ -38,10 +39,6 @@ struct ExpertGemmWeights;  // cuda/gemm/grouped_gemm.h
 
 // The shapes the internal workspaces are sized for (core/backend.h).
 using WorkspaceSpec = ::latentmoe::detail::WorkspaceSpec;
-
-// Tier 0's pushing up-projection's default token bound (set_fused_up_projection_max_tokens): tier 0's own
-// default capacity (tail_fusion_max_tokens, docs/CONFIG.md).
-inline constexpr int kDefaultFusedUpProjectionMaxTokens = 64;
 
 class CudaBackend final : public ::latentmoe::detail::Backend {
  public:

@@ -16,13 +16,11 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/backend/fused_up_projection_bounds.h"  // kDensePushMaxRows
 #include "cuda/comm/lamport.h"
 #include "latentmoe/dtype.h"
 
 namespace latentmoe::cuda {
-
-// The most rows one call takes: the largest m-tile of the mma.sync kernel.
-inline constexpr int kDensePushMaxRows = 128;
 
 struct DensePushProblem {
   DType dtype = DType::bf16;
