@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "checkpoint_test_util.h"
+#include "error_test_util.h"
 #include "latentmoe/checkpoint.h"
 #include "latentmoe/error.h"
 #include "latentmoe/random.h"
@@ -22,6 +23,7 @@ namespace latentmoe {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::expect_error;
 using testing::shard_file_name;
 using testing::write_index;
 using testing::write_sharded_checkpoint;
@@ -96,29 +98,7 @@ class CheckpointTest : public ::testing::Test {
 
   // Checkpoint::open(path) throws an Error containing every fragment.
   static void expect_open_error(const std::string& path, const std::vector<std::string>& fragments) {
-    try {
-      Checkpoint::open(path);
-      ADD_FAILURE() << "opened " << path;
-    } catch (const Error& error) {
-      for (const auto& fragment : fragments) {
-        EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)
-            << "expected \"" << fragment << "\" in: " << error.what();
-      }
-    }
-  }
-
-  // `call` throws an Error containing every fragment.
-  template <class Call>
-  static void expect_error(Call call, const std::vector<std::string>& fragments) {
-    try {
-      call();
-      ADD_FAILURE() << "no error";
-    } catch (const Error& error) {
-      for (const auto& fragment : fragments) {
-        EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)
-            << "expected \"" << fragment << "\" in: " << error.what();
-      }
-    }
+    expect_error([&] { Checkpoint::open(path); }, fragments);
   }
 
   testing::ScratchDir scratch{"checkpoint"};

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "error_test_util.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
@@ -30,18 +31,7 @@ namespace {
 
 using nlohmann::json;
 
-// The message of the Error `action` throws must contain every part.
-void expect_error(const std::function<void()>& action, const std::vector<std::string>& parts) {
-  try {
-    action();
-    ADD_FAILURE() << "no error; expected one containing \"" << parts.front() << "\"";
-  } catch (const Error& error) {
-    const std::string message = error.what();
-    for (const std::string& part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos) << "expected \"" << part << "\" in: " << message;
-    }
-  }
-}
+using testing::expect_error;
 
 // Kimi-K3-like (situ, latent norm, shared expert) with MXFP4 experts: l and I / 8 multiples of 32.
 LayerConfig kimi_mxfp4_config() {

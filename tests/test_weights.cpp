@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "error_test_util.h"
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
 #include "latentmoe/safetensors.h"
@@ -57,18 +58,7 @@ class WeightsTest : public ::testing::Test {
 
 using testing::expect_identical;
 
-// Error thrown by `action`, whose message must contain every string of `expected`.
-void expect_error(const std::function<void()>& action, const std::vector<std::string>& expected) {
-  try {
-    action();
-    ADD_FAILURE() << "no error; expected one containing \"" << expected.front() << "\"";
-  } catch (const Error& error) {
-    const std::string message = error.what();
-    for (const std::string& part : expected) {
-      EXPECT_NE(message.find(part), std::string::npos) << "expected \"" << part << "\" in: " << message;
-    }
-  }
-}
+using testing::expect_error;
 
 // Copies a safetensors file, letting `edit` drop (return false), rename or replace each tensor.
 void rewrite(const std::string& src, const std::string& dst,
