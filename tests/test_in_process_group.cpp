@@ -123,6 +123,8 @@ TEST(InProcessGroup, a_failing_rank_aborts_its_peers_instead_of_hanging) {
 
 TEST(InProcessGroup, a_missing_rank_times_out_with_a_clear_error) {
   auto group = make_in_process_group(2, {std::chrono::milliseconds(100)});
+  EXPECT_EQ(group[0]->timeout(), std::chrono::milliseconds(100));  // what a host's bounded waits go by
+  EXPECT_EQ(group[1]->timeout(), std::chrono::milliseconds(100));
   HostTensor buffer(DType::f32, {1, 2});
   try {
     group[0]->all_reduce_sum(buffer.view());  // rank 1 never arrives

@@ -129,7 +129,9 @@ class RecordingCommunicator final : public Communicator {
   void barrier(StreamHandle) override {}
   void abort() override { ++aborts; }
   std::string recent_collectives() const override { return "#7 all-reduce [37, 3584] NCCL"; }
+  std::chrono::milliseconds timeout() const override { return own_timeout; }
   int aborts = 0;
+  std::chrono::milliseconds own_timeout{0};  // 0: the environment's default
 };
 
 // The host's bounded wait for a rank's device work (detail::wait_or_abort, behind wait_for_device): work
@@ -156,6 +158,18 @@ TEST(WaitForDevice, a_wait_that_ends_passes_one_that_does_not_aborts_the_group_a
             "likely a collective that never completed; the group was aborted; this rank's last collectives, oldest "
             "first: #7 all-reduce [37, 3584] NCCL");
   EXPECT_EQ(comm.aborts, 1);
+  // A group that states its own timeout (a GPU group built with a longer one) is waited for twice that.
+  comm.own_timeout = std::chrono::milliseconds(7000);
+  EXPECT_NE(message_of([&] {
+              detail::wait_or_abort(
+                  [&](std::chrono::milliseconds limit) {
+                    asked = limit;
+                    return false;
+                  },
+                  comm, 1, "the forward");
+            }).find("within 14000 ms (twice the collective timeout)"),
+            std::string::npos);
+  EXPECT_EQ(asked, std::chrono::milliseconds(14000));
   if (saved != nullptr) {
     ::setenv("LATENTMOE_COLLECTIVE_TIMEOUT_MS", saved_value.c_str(), 1);
   } else {

@@ -10,6 +10,7 @@
 //   - a rank that waits longer than the implementation's timeout throws Error (never hangs).
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +52,11 @@ class Communicator {
   // path each took (e.g. "all_reduce [37, 3584] NCCL"); empty where the communicator keeps none. Host
   // bookkeeping at enqueue time only: under graph capture it describes the capture.
   virtual std::string recent_collectives() const { return {}; }
+
+  // How long a collective of this group waits for its peers before it fails; 0 where the
+  // implementation does not say. A host that waits for a rank's device work gives up after twice this
+  // (twice default_collective_timeout(), latentmoe/gpu_group.h, where it is 0).
+  virtual std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(0); }
 };
 
 }  // namespace latentmoe

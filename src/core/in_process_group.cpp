@@ -77,6 +77,7 @@ class InProcessCommunicator final : public Communicator {
 
   int size() const override { return state_->size; }
   int rank() const override { return rank_; }
+  std::chrono::milliseconds timeout() const override { return state_->timeout; }
 
   void all_reduce_sum(const TensorView& buffer, StreamHandle) override {
     check_host_matrix(buffer, "all_reduce_sum");

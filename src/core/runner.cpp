@@ -235,7 +235,8 @@ namespace latentmoe {
 
 void detail::wait_or_abort(const std::function<bool(std::chrono::milliseconds)>& wait, Communicator& comm, int rank,
                            const char* what) {
-  const std::chrono::milliseconds limit = 2 * default_collective_timeout();
+  const std::chrono::milliseconds own = comm.timeout();
+  const std::chrono::milliseconds limit = 2 * (own.count() > 0 ? own : default_collective_timeout());
   if (wait(limit)) return;
   comm.abort();
   const std::string recent = comm.recent_collectives();

@@ -385,6 +385,7 @@ TEST(GpuGroup, a_timeout_releases_the_later_calls_of_the_group) {
   GpuGroupOptions options = timeout_test_options(DType::bf16, 300);
   options.host_rendezvous = false;  // rank 1 never arrives
   auto group = make_simulated_gpu_group(2, options);
+  EXPECT_EQ(group[0]->timeout(), std::chrono::milliseconds(300));  // what a host's bounded waits go by
   Rank rank;
   DeviceTensor buffer = device_empty(*rank.device, DType::bf16, {2, 64});
   const auto start = std::chrono::steady_clock::now();

@@ -298,8 +298,8 @@ void CudaBackend::check_layer(const LayerConfig& config, DType dtype, int tp_siz
   // bf16/f16 activations, on the grouped tensor-core GEMMs (gemm/grouped_gemm.h), in between and for f32
   // in batches of 8 on the decode kernels; decoded in registers or shared memory, never through a
   // dequantised copy (four times the experts' memory). So no layer is refused for them here.
-  LATENTMOE_CHECK(tp_size >= 1, "CUDA prepare: tp_size ", tp_size, " must be positive");
-  LATENTMOE_CHECK(is_compute_dtype(dtype), "CUDA prepare: ", dtype_name(dtype), " is not a compute dtype");
+  LATENTMOE_CHECK(tp_size >= 1, "CUDA backend: tp_size ", tp_size, " must be positive");
+  LATENTMOE_CHECK(is_compute_dtype(dtype), "CUDA backend: ", dtype_name(dtype), " is not a compute dtype");
   // The kernels' own limits, reported when the runner is built rather than at the first forward.
   LATENTMOE_CHECK(config.top_k <= kMaxRouteTopK, "the CUDA backend routes at most ", kMaxRouteTopK,
                   " experts per token; num_experts_per_tok is ", config.top_k);

@@ -25,6 +25,10 @@ class LamportCommunicator : public Communicator {
   // Enqueues one one-shot kernel of this rank on `stream` (the group's collectives and the backend's
   // fused steps alike). A group whose ranks share a GPU keeps them in step around it.
   virtual void launch(const LamportCall& call, cudaStream_t stream) { launch_lamport(lamport_peers(), call, stream); }
+  // The group's one-shot deadline (GpuGroupOptions::timeout).
+  std::chrono::milliseconds timeout() const override {
+    return std::chrono::milliseconds(static_cast<int64_t>(lamport_peers().timeout_ns / 1000000));
+  }
 };
 
 }  // namespace latentmoe::cuda

@@ -166,16 +166,25 @@ struct GroupState {
   }
 
   // Releases every wait: the one-shot kernels see the host-mapped flag; NCCL's own collectives are
-  // stopped by ncclCommRevoke (NCCL 2.28.7 on; looked up at run time so that an older libnccl still
-  // loads the library).
+  // stopped by ncclCommRevoke. It is looked up at run time so that the library still loads against an
+  // older libnccl (without it); a group exists only when the loaded libnccl is the release latentmoe was
+  // built against (the version check), which CMake requires to be 2.28.7 or newer, so it is found. Should
+  // a revoke fail, one line on stderr says that NCCL's collectives may keep waiting.
   void abort() noexcept {
     if (host_flags != nullptr) reinterpret_cast<volatile int*>(host_flags)[0] = cuda::kAbortByHost;
     if (revoked.exchange(true)) return;
     using Revoke = ncclResult_t (*)(ncclComm_t, int);
     auto revoke = reinterpret_cast<Revoke>(dlsym(RTLD_DEFAULT, "ncclCommRevoke"));
-    if (revoke == nullptr) return;
-    for (RankResources& r : ranks)
-      if (r.comm != nullptr) (void)revoke(r.comm, 0);
+    for (RankResources& r : ranks) {
+      if (r.comm == nullptr) continue;
+      const ncclResult_t result = revoke != nullptr ? revoke(r.comm, 0) : ncclInvalidUsage;
+      if (result != ncclSuccess && result != ncclInProgress) {
+        std::fprintf(stderr,
+                     "latentmoe: rank %d: could not revoke its NCCL communicator (%s); NCCL collectives in flight "
+                     "may keep waiting\n",
+                     r.rank, revoke != nullptr ? ncclGetErrorString(result) : "ncclCommRevoke not found");
+      }
+    }
   }
 };
 
