@@ -2,12 +2,12 @@
 // table (latentmoe/tune.h) that `latentmoe run --tune-file` and LATENTMOE_TUNE_FILE load.
 //
 // Method: for each tp and token count, every tier that the runners support is forced and timed
-// through the public path `latentmoe run --tp N` takes (run_local_group: ranks as threads on the CPU,
-// ranks simulated on one GPU on CUDA) on seeded random weights and inputs: warm-up calls, then the
-// median of the repeats, the slowest rank's. derive_crossovers turns the times into the policy's two
-// thresholds (a pure function, tested on its own); one entry per (tp, dtype, d, l).
-// Every option is checked, and the output's directory probed, before anything is measured; the table
-// is written atomically at the end, so a failure leaves no file.
+// through the public path `latentmoe run --tp N` takes (run_local_group: ranks as threads on the CPU;
+// on CUDA one GPU per rank where tp GPUs can serve, else simulated on one GPU) on seeded random weights and inputs:
+// warm-up calls, then the median of the repeats, the slowest rank's. derive_crossovers turns the times into the
+// policy's two thresholds (a pure function, tested on its own); one entry per (tp, dtype, d, l). Every option is
+// checked, and the output's directory probed, before anything is measured; the table is written atomically at the end,
+// so a failure leaves no file.
 #include <unistd.h>
 
 #include <algorithm>

@@ -83,8 +83,8 @@ void save_layer_weights(const std::string& path, const LayerWeights& full, const
 
 // Seeded random full weights for tests and the demo: matrices ~ U(-1,1)/sqrt(fan_in), bias and
 // gamma near 1, in `dtype`. `with_gate` also makes the router gate [E+Z, d]. With MXFP4 experts
-// (config.experts_format) the experts get uniform random codes and scale bytes near
-// 126 - log2(fan_in)/2 (docs/FILES.md), whose values are exact in F32, BF16 and F16.
+// (config.experts_format) the experts get uniform random codes and scale bytes
+// 124 - floor(log2(fan_in)/2) + {-1, 0, 1} (docs/FILES.md), whose values are exact in F32, BF16 and F16.
 LayerWeights make_random_layer_weights(const LayerConfig& config, DType dtype, uint64_t seed, bool with_gate = true);
 
 // `weights` with MXFP4 experts replaced by dense ones in weights.dtype holding exactly the decoded
