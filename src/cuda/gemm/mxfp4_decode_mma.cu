@@ -142,6 +142,25 @@ __device__ __forceinline__ void load_chunk(GroupOperands (&op)[kChunk], const Ti
   }
 }
 
+// Moves every pointer of `r` on by `groups` scale groups.
+__device__ __forceinline__ void advance(TileRows& r, int64_t groups) {
+  r.code_lo += groups * (kGroup / 2);
+  r.code_hi += groups * (kGroup / 2);
+  r.scale_lo += groups;
+  r.scale_hi += groups;
+}
+
+// Codes and scales of the kChunk groups `r` points at (all of them inside the matrix), from immediate offsets.
+__device__ __forceinline__ void load_whole_chunk(GroupOperands (&op)[kChunk], const TileRows& r) {
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+    op[j].code_lo = load_u32(r.code_lo + j * (kGroup / 2));
+    op[j].code_hi = load_u32(r.code_hi + j * (kGroup / 2));
+    op[j].scale_lo = __ldg(r.scale_lo + j);
+    op[j].scale_hi = __ldg(r.scale_hi + j);
+  }
+}
+
 // The activation values of chunk q0 for this lane's token (zero when it takes no part, and past the
 // groups).
 template <class T>
@@ -177,33 +196,52 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_gate_up_ker
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTileRows + g;
   const int64_t first_row = static_cast<int64_t>(expert) * p.up.rows;
   const int64_t groups = p.up.cols / kGroup;
-  const bool token_active = g < p.tokens && act_row[g] != INT_MAX;
-  const T* z_row = static_cast<const T*>(p.z) + (token_active ? g * p.ld_z : 0);
-  const TileRows up_rows = tile_rows(p.up, first_row, row0, t);
-  const TileRows gate_rows = kGated ? tile_rows(p.gate, first_row, row0, t) : up_rows;
+  // A token that takes no part reads row 0's values (MMA column g depends on this lane's column only, and
+  // its outputs are never stored), so every load is unconditional.
+  const T* z_row = static_cast<const T*>(p.z) + (g < p.tokens ? g * p.ld_z : 0) + 8 * t;
+  TileRows up_rows = tile_rows(p.up, first_row, row0, t);
+  TileRows gate_rows = kGated ? tile_rows(p.gate, first_row, row0, t) : up_rows;
   float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   // Chunks of kChunk consecutive groups per warp (chunk c: groups kChunk c ..; the lanes of a row read
   // whole sectors), one at a time: double-buffering them measured nothing (221b153) and its registers
-  // kept the kernel at 2 CTAs per SM (kMinCtasPerSm).
-  const int64_t chunks = (groups + kChunk - 1) / kChunk;
-  auto load = [&](GroupOperands(&u)[kChunk], GroupOperands(&v)[kChunk], int64_t chunk) {
-    load_chunk(u, up_rows, chunk * kChunk, groups);
-    if constexpr (kGated) load_chunk(v, gate_rows, chunk * kChunk, groups);
-    load_x_chunk(u, z_row, token_active, chunk * kChunk, groups, t);
+  // kept the kernel at 2 CTAs per SM (kMinCtasPerSm). The whole chunks walk pointers that advance by a
+  // constant (no 64-bit address arithmetic per load); a last, partial chunk is taken after the loop.
+  const int64_t whole_chunks = groups / kChunk;
+  constexpr int64_t kStrideGroups = static_cast<int64_t>(kWarps) * kChunk;
+  advance(up_rows, warp * kChunk);
+  if constexpr (kGated) advance(gate_rows, warp * kChunk);
+  const T* z_chunk = z_row + warp * kChunk * kGroup;
+  GroupOperands u[kChunk], v[kChunk];
+  for (int64_t chunk = warp; chunk < whole_chunks; chunk += kWarps) {
+    load_whole_chunk(u, up_rows);
+    if constexpr (kGated) load_whole_chunk(v, gate_rows);
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) v[j].x = u[j].x;
-  };
-  auto compute = [&](const GroupOperands(&u)[kChunk], const GroupOperands(&v)[kChunk]) {
+    for (int j = 0; j < kChunk; ++j) u[j].x = *reinterpret_cast<const uint4*>(z_chunk + j * kGroup);
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       group_mma<T>(up, u[j], 1.0f, 1.0f);
-      if constexpr (kGated) group_mma<T>(gate, v[j], 1.0f, 1.0f);
+      if constexpr (kGated) {
+        v[j].x = u[j].x;
+        group_mma<T>(gate, v[j], 1.0f, 1.0f);
+      }
     }
-  };
-  GroupOperands ua[kChunk], va[kChunk];
-  for (int64_t chunk = warp; chunk < chunks; chunk += kWarps) {
-    load(ua, va, chunk);
-    compute(ua, va);
+    advance(up_rows, kStrideGroups);
+    if constexpr (kGated) advance(gate_rows, kStrideGroups);
+    z_chunk += kStrideGroups * kGroup;
+  }
+  if (groups % kChunk != 0 && whole_chunks % kWarps == warp) {  // the partial chunk: the pointers are there
+    const int64_t left = groups - whole_chunks * kChunk;
+    load_chunk(u, up_rows, 0, left);
+    if constexpr (kGated) load_chunk(v, gate_rows, 0, left);
+    load_x_chunk(u, z_chunk - 8 * t, true, 0, left, t);
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      group_mma<T>(up, u[j], 1.0f, 1.0f);
+      if constexpr (kGated) {
+        v[j].x = u[j].x;
+        group_mma<T>(gate, v[j], 1.0f, 1.0f);
+      }
+    }
   }
   for (int i = 0; i < 4; ++i) {
     partial[warp][0][i][lane] = up[i];
@@ -316,16 +354,30 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel
   const T* act = nullptr;
   float2 slot_weight = make_float2(0.0f, 0.0f);
   auto load = [&](GroupOperands(&op)[kChunk], float2& weight) {
-    if (slot != rows_slot) {
+    if (slot != rows_slot) {  // a warp's range may begin inside an expert: start at its chunk
       rows_slot = slot;
       rows = tile_rows(p.down, static_cast<int64_t>(list.expert[slot]) * p.down.rows, row0, t);
+      advance(rows, static_cast<int64_t>(chunk) * kChunk);
       act_row = g < p.tokens ? list.act_row[slot][g] : -1;
-      act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols;
+      act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols +
+            static_cast<int64_t>(chunk) * kChunk * kGroup + 8 * t;
       slot_weight = make_float2(list.weight[slot][2 * t], list.weight[slot][2 * t + 1]);
     }
-    const int64_t q0 = static_cast<int64_t>(chunk) * kChunk;
-    load_chunk(op, rows, q0, groups);
-    load_x_chunk(op, act, act_row >= 0, q0, groups, t);
+    // Zeros for a token that does not name the expert: its weight is 0 there, and 0 * inf would be NaN.
+    const bool active = act_row >= 0;
+    if (chunk + 1 < chunks || groups % kChunk == 0) {  // a whole chunk, from the pointers' immediate offsets
+      load_whole_chunk(op, rows);
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        op[j].x = active ? *reinterpret_cast<const uint4*>(act + j * kGroup) : uint4{0, 0, 0, 0};
+      }
+    } else {
+      const int64_t left = groups - static_cast<int64_t>(chunk) * kChunk;
+      load_chunk(op, rows, 0, left);
+      load_x_chunk(op, act - 8 * t, active, 0, left, t);
+    }
+    advance(rows, kChunk);
+    act += kChunk * kGroup;
     weight = slot_weight;
     if (++chunk == chunks) {  // the next item
       chunk = 0;
