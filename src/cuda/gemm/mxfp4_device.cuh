@@ -16,8 +16,10 @@ namespace latentmoe::cuda {
 inline constexpr int kMxfp4Group = static_cast<int>(kMxfp4GroupSize);
 
 // 2^(s - 127) as a float, exactly: s 1..254 normal, s 0 the subnormal 2^-127 (0xFF is refused at load).
+// A float max (two instructions with the shift; the integer max compiled to a compare and a select):
+// s >= 1 gives at least 2^-126, s = 0 gives +0, which the max lifts to 2^-127 (no flush: -ftz=false).
 __device__ __forceinline__ float e8m0_scale(uint32_t s) {
-  return __int_as_float(max(static_cast<int>(s) << 23, 0x00400000));  // s >= 1: s << 23 >= 0x00800000
+  return fmaxf(__uint_as_float(s << 23), __uint_as_float(0x00400000u));
 }
 
 template <int kShift>
