@@ -63,6 +63,10 @@ constexpr int kMaxPairs = kThreads;  // tokens * top_k: one thread per pair in t
 // CTAs at one token then run in one wave instead of 1.5. With the gate/up double buffer the gated kernel
 // spilled at this bound and was slower (05fbeeb).
 constexpr int kMinCtasPerSm = 3;
+// The ungated (relu2) gate/up kernel needs fewer registers: 4 CTAs per SM (at most 64 registers). Measured
+// with ncu on nemotron3-super at 8 tokens (docs/MXFP4.md): at 70 registers (3 CTAs) it ran 23% slower than at
+// 62 (4 CTAs).
+constexpr int kMinCtasPerSmUngated = 4;
 
 // One lane's share of one scale group: the code words of rows g and g + 8, their scale bytes, and the
 // 8 activation values of token g (zero for a token beyond the call's or one that does not take part).
@@ -177,7 +181,7 @@ __device__ __forceinline__ void load_x_chunk(GroupOperands (&op)[kChunk], const 
 // ---- gate/up -------------------------------------------------------------------------------------
 
 template <class T, bool kGated>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
+__global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPerSmUngated) mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
   __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
   const int pair = blockIdx.y;
