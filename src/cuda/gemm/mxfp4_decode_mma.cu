@@ -102,7 +102,7 @@ __device__ __forceinline__ void group_mma(float (&acc)[4], const GroupOperands& 
 }
 
 // One lane's rows of a 16-row tile of one MXFP4 matrix: rows g and g + 8 of the expert whose first row
-// is `first_row`, each clamped to the matrix's last row (a row past it is read but never stored: the
+// is row expert * rows, each clamped to the matrix's last row (a row past it is read but never stored: the
 // kernels store only rows < rows), so every load is unconditional; their code bytes 4t .. 4t + 3 of
 // group 0 and their scale bytes of group 0.
 struct TileRows {
@@ -112,11 +112,16 @@ struct TileRows {
   const uint8_t* scale_hi;
 };
 
-__device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int64_t first_row, int64_t row0, int t) {
-  const int64_t row_bytes = m.cols / 2, groups = m.cols / kGroup;
-  const int64_t lo = first_row + min(row0, m.rows - 1), hi = first_row + min(row0 + 8, m.rows - 1);
-  return TileRows{m.packed + lo * row_bytes + 4 * t, m.packed + hi * row_bytes + 4 * t, m.scales + lo * groups,
-                  m.scales + hi * groups};
+// Offsets inside one expert's matrix are 32-bit (the host checks rows * cols / 2 <= INT_MAX): the set-up
+// of the pointers before the loops is a few 32-bit products instead of ~130 instructions of 64-bit ones
+// (measured on nemotron3-super's two-chunk relu2 loop, docs/MXFP4.md). `first_group`: where the pointers start.
+__device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int expert, int row0, int t, int first_group) {
+  const int rows = static_cast<int>(m.rows), groups = static_cast<int>(m.cols / kGroup), row_bytes = groups * (kGroup / 2);
+  const int lo = min(row0, rows - 1), hi = min(row0 + 8, rows - 1);
+  const int64_t expert_row = static_cast<int64_t>(expert) * rows;  // the one 64-bit product
+  const uint8_t* codes = m.packed + expert_row * row_bytes + first_group * (kGroup / 2) + 4 * t;
+  const uint8_t* scales = m.scales + expert_row * groups + first_group;
+  return TileRows{codes + lo * row_bytes, codes + hi * row_bytes, scales + lo * groups, scales + hi * groups};
 }
 
 // Codes and scales of groups q0 .. q0 + kChunk - 1. A whole chunk (the rule: q0 is warp-uniform) loads
@@ -197,28 +202,25 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTileRows + g;
-  const int64_t first_row = static_cast<int64_t>(expert) * p.up.rows;
-  const int64_t groups = p.up.cols / kGroup;
+  const int row0 = static_cast<int>(blockIdx.x) * kTileRows + g;
+  const int groups = static_cast<int>(p.up.cols / kGroup);  // 32-bit: check_expert_offsets
   // Only the tokens that name the expert read their activations (the others' MMA columns are zeros and
   // never stored): reading every token's row measured 6-7% slower on Nemotron's relu2 experts, whose
   // activation rows are as many bytes as the tile's codes.
   const bool token_active = g < p.tokens && act_row[g] != INT_MAX;
   const T* z_row = static_cast<const T*>(p.z) + (token_active ? g * p.ld_z : 0) + 8 * t;
-  TileRows up_rows = tile_rows(p.up, first_row, row0, t);
-  TileRows gate_rows = kGated ? tile_rows(p.gate, first_row, row0, t) : up_rows;
+  TileRows up_rows = tile_rows(p.up, expert, row0, t, warp * kChunk);
+  TileRows gate_rows = kGated ? tile_rows(p.gate, expert, row0, t, warp * kChunk) : up_rows;
   float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   // Chunks of kChunk consecutive groups per warp (chunk c: groups kChunk c ..; the lanes of a row read
   // whole sectors), one at a time: double-buffering them measured nothing (221b153) and its registers
   // kept the kernel at 2 CTAs per SM (kMinCtasPerSm). The whole chunks walk pointers that advance by a
   // constant (no 64-bit address arithmetic per load); a last, partial chunk is taken after the loop.
-  const int64_t whole_chunks = groups / kChunk;
-  constexpr int64_t kStrideGroups = static_cast<int64_t>(kWarps) * kChunk;
-  advance(up_rows, warp * kChunk);
-  if constexpr (kGated) advance(gate_rows, warp * kChunk);
+  const int whole_chunks = groups / kChunk;
+  constexpr int kStrideGroups = kWarps * kChunk;
   const T* z_chunk = z_row + warp * kChunk * kGroup;
   GroupOperands u[kChunk], v[kChunk];
-  for (int64_t chunk = warp; chunk < whole_chunks; chunk += kWarps) {
+  for (int chunk = warp; chunk < whole_chunks; chunk += kWarps) {
     load_whole_chunk(u, up_rows);
     if constexpr (kGated) load_whole_chunk(v, gate_rows);
 #pragma unroll
@@ -238,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
     z_chunk += kStrideGroups * kGroup;
   }
   if (groups % kChunk != 0 && whole_chunks % kWarps == warp) {  // the partial chunk: the pointers are there
-    const int64_t left = groups - whole_chunks * kChunk;
+    const int left = groups - whole_chunks * kChunk;
     load_chunk(u, up_rows, 0, left);
     if constexpr (kGated) load_chunk(v, gate_rows, 0, left);
     load_x_chunk(u, z_chunk - 8 * t, token_active, 0, left, t);
@@ -345,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel
   const int rank = static_cast<int>(blockIdx.x) % split;
   const int64_t tile = blockIdx.x / split;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t row0 = tile * kTileRows + g;
+  const int row0 = static_cast<int>(tile) * kTileRows + g;
   const int64_t groups = p.down.cols / kGroup;
   // Work items (touched expert, chunk of kChunk consecutive groups) in expert-major order; each warp of
   // the cluster takes one contiguous range of them (so it walks an expert's chunks in order, one division
@@ -364,8 +366,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel
   auto load = [&](GroupOperands(&op)[kChunk], float2& weight) {
     if (slot != rows_slot) {  // a warp's range may begin inside an expert: start at its chunk
       rows_slot = slot;
-      rows = tile_rows(p.down, static_cast<int64_t>(list.expert[slot]) * p.down.rows, row0, t);
-      advance(rows, static_cast<int64_t>(chunk) * kChunk);
+      rows = tile_rows(p.down, list.expert[slot], row0, t, chunk * kChunk);
       act_row = g < p.tokens ? list.act_row[slot][g] : -1;
       act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols +
             static_cast<int64_t>(chunk) * kChunk * kGroup + 8 * t;
@@ -435,6 +436,13 @@ void open_shared(Kernel kernel, size_t bytes) {
   }
 }
 
+// The kernels' in-expert offsets are 32-bit (tile_rows): one expert's codes below 2 GiB.
+void check_expert_offsets(const Mxfp4Matrices& m, const char* what) {
+  LATENTMOE_CHECK(m.rows >= 1 && m.cols >= kGroup && m.rows <= INT_MAX / (m.cols / 2), "MXFP4 tensor-core ", what,
+                  ": one expert's codes (", m.rows, " x ", m.cols / 2,
+                  " bytes) exceed the kernels' 32-bit in-expert offsets (2^31 - 1 bytes)");
+}
+
 }  // namespace
 
 bool mxfp4_mma_supported(DType dtype, int64_t tokens, int top_k, const void* x, int64_t ld_x) {
@@ -447,6 +455,8 @@ void mxfp4_mma_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream) {
                   "MXFP4 tensor-core gate/up: unsupported call");
   const int64_t tiles = (call.up.rows + kTileRows - 1) / kTileRows;
   LATENTMOE_CHECK(tiles <= INT_MAX, "MXFP4 gate/up: ", call.up.rows, " rows exceed the grid");
+  check_expert_offsets(call.up, "gate/up");
+  if (call.gate.packed != nullptr) check_expert_offsets(call.gate, "gate/up");
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(call.tokens * call.top_k));
   auto launch = [&](auto kernel) {
     launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), 0, stream, call);
@@ -473,6 +483,7 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
     while (split < 8 && tiles * split < target) split *= 2;
   }
   LATENTMOE_CHECK(tiles * split <= INT_MAX, "MXFP4 down: ", call.down.rows, " rows exceed the grid");
+  check_expert_offsets(call.down, "down");
   const size_t shared = static_cast<size_t>(call.num_experts) * sizeof(int);
   auto launch = [&](auto kernel) {
     open_shared(kernel, shared);
