@@ -220,13 +220,7 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   constexpr int kStrideGroups = kWarps * kChunk;
   const T* z_chunk = z_row + warp * kChunk * kGroup;
   GroupOperands u[kChunk], v[kChunk];
-  for (int chunk = warp; chunk < whole_chunks; chunk += kWarps) {
-    load_whole_chunk(u, up_rows);
-    if constexpr (kGated) load_whole_chunk(v, gate_rows);
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      u[j].x = token_active ? *reinterpret_cast<const uint4*>(z_chunk + j * kGroup) : uint4{0, 0, 0, 0};
-    }
+  auto compute = [&] {  // the chunk in u (and v), both matrices against u's activations
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       group_mma<T>(up, u[j], 1.0f, 1.0f);
@@ -235,6 +229,15 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
         group_mma<T>(gate, v[j], 1.0f, 1.0f);
       }
     }
+  };
+  for (int chunk = warp; chunk < whole_chunks; chunk += kWarps) {
+    load_whole_chunk(u, up_rows);
+    if constexpr (kGated) load_whole_chunk(v, gate_rows);
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      u[j].x = token_active ? *reinterpret_cast<const uint4*>(z_chunk + j * kGroup) : uint4{0, 0, 0, 0};
+    }
+    compute();
     advance(up_rows, kStrideGroups);
     if constexpr (kGated) advance(gate_rows, kStrideGroups);
     z_chunk += kStrideGroups * kGroup;
@@ -244,14 +247,7 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
     load_chunk(u, up_rows, 0, left);
     if constexpr (kGated) load_chunk(v, gate_rows, 0, left);
     load_x_chunk(u, z_chunk - 8 * t, token_active, 0, left, t);
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      group_mma<T>(up, u[j], 1.0f, 1.0f);
-      if constexpr (kGated) {
-        v[j].x = u[j].x;
-        group_mma<T>(gate, v[j], 1.0f, 1.0f);
-      }
-    }
+    compute();
   }
   for (int i = 0; i < 4; ++i) {
     partial[warp][0][i][lane] = up[i];
