@@ -1,4 +1,5 @@
-// Runs the latentmoe command-line tool (LATENTMOE_CLI_PATH, set by tests/CMakeLists.txt) for tests.
+// Runs the latentmoe command-line tool for tests: the build tree's (LATENTMOE_CLI_PATH, set by
+// tests/CMakeLists.txt) unless the caller names another.
 #pragma once
 
 #include <sys/wait.h>
@@ -24,10 +25,10 @@ inline std::string read_text_file(const std::filesystem::path& path) {
 }
 
 // `latentmoe <arguments>` through the shell, its stdout and stderr captured in files in `scratch`.
-inline CommandResult run_cli(const std::string& arguments, const std::filesystem::path& scratch) {
+inline CommandResult run_cli(const std::string& arguments, const std::filesystem::path& scratch,
+                             const std::string& tool = LATENTMOE_CLI_PATH) {
   const std::filesystem::path out_path = scratch / "stdout.txt", err_path = scratch / "stderr.txt";
-  const std::string command =
-      std::string(LATENTMOE_CLI_PATH) + " " + arguments + " >" + out_path.string() + " 2>" + err_path.string();
+  const std::string command = tool + " " + arguments + " >" + out_path.string() + " 2>" + err_path.string();
   const int status = std::system(command.c_str());
   CommandResult result;
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
