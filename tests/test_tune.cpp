@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "core/builtin_tune.h"
 #include "error_test_util.h"
 #include "latentmoe/error.h"
 #include "latentmoe/tune.h"
@@ -76,6 +77,8 @@ TEST(TuneTable, rejects_malformed_tables_naming_the_problem) {
           {"tp": 2, "tail_fusion_max_tokens": 1, "shared_stream_token_threshold": 1},
           {"tp": 2, "tail_fusion_max_tokens": 5, "shared_stream_token_threshold": 5}]})",
        "entries[1] repeats"},
+      {R"({"format": "latentmoe-tune-1", "device": "", "entries": []})", "\"device\" must be a non-empty string"},
+      {R"({"format": "latentmoe-tune-1", "device": 90, "entries": []})", "\"device\" must be a non-empty string"},
   };
   for (const auto& [text, expected] : cases) {
     const std::string message = message_of([&] { TuneTable::from_json(text, "bad.json"); });
@@ -117,6 +120,77 @@ TEST(TuneTable, the_policy_takes_defaults_then_the_table_then_the_environment) {
   EXPECT_EQ(policy.shared_stream_token_threshold, 1024);
   unsetenv("LATENTMOE_TAIL_FUSION_MAX_TOKENS");
   unsetenv("LATENTMOE_TUNE_FILE");
+}
+
+TEST(TuneTable, the_device_is_read_and_written_back) {
+  TuneTable table = TuneTable::from_json(
+      R"({"format": "latentmoe-tune-1", "device": "NVIDIA H200", "entries": [
+          {"tp": 2, "tail_fusion_max_tokens": 16, "shared_stream_token_threshold": 128}]})",
+      "t.json");
+  EXPECT_EQ(table.device, "NVIDIA H200");
+  EXPECT_EQ(TuneTable::from_json(table.to_json(), "again").device, "NVIDIA H200");
+  table.device.clear();  // ranks as threads or simulated: no "device" key at all
+  EXPECT_EQ(table.to_json().find("device"), std::string::npos);
+  EXPECT_TRUE(TuneTable::from_json(table.to_json(), "again").device.empty());
+}
+
+// Whatever tune/ holds in this checkout reads: a malformed or device-less table fails here, in CI,
+// not in a user's run.
+TEST(BuiltinTuneTables, every_table_under_tune_reads_and_names_its_device) {
+  const std::vector<TuneTable>& tables = builtin_tune_tables();
+  EXPECT_EQ(tables.size(), detail::builtin_tune_files().size());
+  for (const TuneTable& table : tables) EXPECT_FALSE(table.device.empty()) << table.machine;
+}
+
+constexpr const char* kH200Table = R"({"format": "latentmoe-tune-1", "machine": "8x NVIDIA H200, NVLink",
+  "device": "NVIDIA H200", "entries": [
+    {"tp": 8, "dtype": "bf16", "tail_fusion_max_tokens": 16, "shared_stream_token_threshold": 128},
+    {"tp": 2, "tail_fusion_max_tokens": 512, "shared_stream_token_threshold": 2048}]})";
+
+TEST(BuiltinTuneTables, a_table_without_a_device_or_a_second_one_for_a_device_is_refused) {
+  const detail::BuiltinTuneFile no_device[] = {{"tune/a.json", R"({"format": "latentmoe-tune-1", "entries": []})"}};
+  std::string message = message_of([&] { detail::read_builtin_tune_tables(no_device); });
+  EXPECT_NE(message.find("tune/a.json: a built-in tune table must name its \"device\""), std::string::npos) << message;
+  const detail::BuiltinTuneFile twice[] = {{"tune/a.json", kH200Table}, {"tune/b.json", kH200Table}};
+  message = message_of([&] { detail::read_builtin_tune_tables(twice); });
+  EXPECT_NE(message.find("tune/b.json: a second built-in tune table for device 'NVIDIA H200'"), std::string::npos)
+      << message;
+  const detail::BuiltinTuneFile broken[] = {{"tune/c.json", "{"}};
+  message = message_of([&] { detail::read_builtin_tune_tables(broken); });
+  EXPECT_NE(message.find("tune/c.json: invalid JSON"), std::string::npos) << message;
+}
+
+// defaults < the built-in table of the ranks' device < a table given < the environment.
+TEST(BuiltinTuneTables, apply_to_ranks_on_gpus_of_their_device_under_a_given_table_and_the_environment) {
+  const detail::BuiltinTuneFile files[] = {{"tune/h200.json", kH200Table}};
+  const std::vector<TuneTable> builtin = detail::read_builtin_tune_tables(files);
+  testing::ScratchDir dir("tune_builtin");
+  const std::string path = dir.file("tune.json");
+  std::ofstream(path) << kTable;  // tp 8 bf16 7168/3584: 96 and 1024; no tp 2 entry
+  unsetenv("LATENTMOE_TAIL_FUSION_MAX_TOKENS");
+  unsetenv("LATENTMOE_TUNE_FILE");
+  auto policy = [&](const std::string& table, int tp, DType dtype, std::string_view device) {
+    return detail::tuned_policy_over(builtin, table, tp, dtype, 7168, 3584, device);
+  };
+  // No device (threads, simulated ranks) or another device: the constants.
+  EXPECT_EQ(policy("", 8, DType::bf16, "").tail_fusion_max_tokens, TierPolicy::kDefaultTailFusionMaxTokens);
+  EXPECT_EQ(policy("", 8, DType::bf16, "NVIDIA H100 80GB HBM3").tail_fusion_max_tokens,
+            TierPolicy::kDefaultTailFusionMaxTokens);
+  // The device's table, per tp and dtype.
+  TierPolicy tuned = policy("", 8, DType::bf16, "NVIDIA H200");
+  EXPECT_EQ(tuned.tail_fusion_max_tokens, 16);
+  EXPECT_EQ(tuned.shared_stream_token_threshold, 128);
+  EXPECT_EQ(policy("", 8, DType::f16, "NVIDIA H200").tail_fusion_max_tokens, TierPolicy::kDefaultTailFusionMaxTokens);
+  EXPECT_EQ(policy("", 4, DType::bf16, "NVIDIA H200").tail_fusion_max_tokens, TierPolicy::kDefaultTailFusionMaxTokens);
+  // A table given wins where it has an entry, and leaves the built-in one where it has none.
+  EXPECT_EQ(policy(path, 8, DType::bf16, "NVIDIA H200").tail_fusion_max_tokens, 96);
+  EXPECT_EQ(policy(path, 2, DType::bf16, "NVIDIA H200").tail_fusion_max_tokens, 512);
+  // A variable wins over both; the other knob keeps the table's value.
+  setenv("LATENTMOE_TAIL_FUSION_MAX_TOKENS", "7", 1);
+  tuned = policy("", 8, DType::bf16, "NVIDIA H200");
+  EXPECT_EQ(tuned.tail_fusion_max_tokens, 7);
+  EXPECT_EQ(tuned.shared_stream_token_threshold, 128);
+  unsetenv("LATENTMOE_TAIL_FUSION_MAX_TOKENS");
 }
 
 }  // namespace

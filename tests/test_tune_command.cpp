@@ -215,6 +215,8 @@ TEST_F(TuneCommandTest, writes_a_table_that_run_accepts) {
   const nlohmann::json json = nlohmann::json::parse(testing::read_text_file(table_path));
   EXPECT_EQ(json.at("format"), "latentmoe-tune-1");
   EXPECT_FALSE(json.at("machine").get<std::string>().empty());
+  // Ranks as threads: no device, so the table cannot become a built-in one (tune/).
+  EXPECT_FALSE(json.contains("device"));
   const TuneTable table = TuneTable::from_file(table_path);
   ASSERT_EQ(table.entries.size(), 2u);
   for (int i = 0; i < 2; ++i) {

@@ -41,6 +41,7 @@
 #include "latentmoe/parallel.h"
 #include "latentmoe/presets.h"
 #include "latentmoe/runner.h"
+#include "latentmoe/tune.h"
 
 namespace latentmoe::tools {
 namespace {
@@ -93,10 +94,10 @@ Plan plan_of(const BenchTailOptions& options) {
   LATENTMOE_CHECK(options.collectives == "one_shot" || options.collectives == "nccl", "--collectives '",
                   options.collectives, "' is not one_shot or nccl");
   plan.collectives = options.collectives;
-  LATENTMOE_CHECK(options.fused_up_projection_max_tokens >= 0 &&
-                      options.fused_up_projection_max_tokens <= cuda::kDensePushMaxRows,
-                  "--fused-up-projection-max-tokens ", options.fused_up_projection_max_tokens, " is outside 0..",
-                  cuda::kDensePushMaxRows);
+  LATENTMOE_CHECK(
+      options.fused_up_projection_max_tokens >= 0 && options.fused_up_projection_max_tokens <= cuda::kDensePushMaxRows,
+      "--fused-up-projection-max-tokens ", options.fused_up_projection_max_tokens, " is outside 0..",
+      cuda::kDensePushMaxRows);
   plan.fused_up_projection_max_tokens = options.fused_up_projection_max_tokens;
   LATENTMOE_CHECK(options.fused_up_projection_max_latent >= -1, "--fused-up-projection-max-latent ",
                   options.fused_up_projection_max_latent, " is below -1");
@@ -318,6 +319,11 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
   // The widest message of a layer of T tokens: [T, d] or tier 0's [T, l + d/tp]; T (d + l) holds both.
   BenchGroup group =
       make_bench_group(plan.backend, tp, plan.dtype, max_tokens, config.hidden_size + config.latent_size, plan.group);
+  // The automatic policy is the one `latentmoe run` takes for this group (latentmoe/tune.h): on GPUs of
+  // their own, the built-in crossovers measured on that GPU model, then LATENTMOE_TUNE_FILE and the variables.
+  const TierPolicy policy =
+      tuned_policy("", tp, plan.dtype, config.hidden_size, config.latent_size,
+                   group.placement == "devices" ? describe_device(plan.backend, group.rank_device[0]) : std::string());
   std::vector<PointTimes> times(static_cast<size_t>(tp));
   bench::Rendezvous rendezvous(tp);
   TierSupport support;
@@ -336,6 +342,7 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
     const RankBuffers buffers = make_rank_buffers(*scratch, config, tp, rank, plan.dtype, options.seed, max_tokens);
     scratch->synchronize();
     RunnerOptions runner_options;
+    runner_options.policy = policy;
     runner_options.backend = plan.backend;
     runner_options.max_tokens = max_tokens;
     runner_options.device_ordinal = device;

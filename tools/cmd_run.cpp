@@ -7,6 +7,7 @@
 #include <string>
 
 #include "commands.h"
+#include "core/backend.h"
 #include "latentmoe/checkpoint.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/config.h"
@@ -93,7 +94,9 @@ void run_command(const RunArguments& args) {
   options.tp_size = args.tp_size;
   options.backend = backend;
   options.tier = tier;
-  options.policy = tuned_policy(args.tune_file, args.tp_size, dtype, config.hidden_size, config.latent_size);
+  // Ranks on GPUs of their own take the crossovers measured on that GPU model, where tune/ has them.
+  const std::string device = placement == GpuPlacement::devices ? detail::cuda_device_name(0) : std::string();
+  options.policy = tuned_policy(args.tune_file, args.tp_size, dtype, config.hidden_size, config.latent_size, device);
   auto results = run_local_group(
       config,
       [&](const ParallelConfig& parallel) {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "core/backend.h"
 #include "latentmoe/config.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
@@ -177,6 +178,8 @@ void run_tune(const TuneArguments& args) {
   }
   std::fflush(stdout);
 
+  // Whether every tp ran on GPUs of its own: only then does the table name its device (and may go under tune/).
+  bool every_tp_on_devices = !cpu;
   const LayerWeights full = make_random_layer_weights(config, dtype, args.seed, /*with_gate=*/false);
   auto shard_of = [&](const ParallelConfig& parallel) { return shard_layer_weights(full, config, parallel); };
   for (int tp : tp_sizes) {
@@ -187,6 +190,7 @@ void run_tune(const TuneArguments& args) {
       placement = resolve_gpu_placement(GpuPlacement::automatic, tp, &why);
       std::fprintf(stderr, "latentmoe tune: tp %d on the CUDA backend: %s\n", tp, why.c_str());
     }
+    if (placement != GpuPlacement::devices) every_tp_on_devices = false;
     std::printf("\n# tp %d%s\n%8s", tp,
                 placement == GpuPlacement::simulated && !cpu
                     ? " (ranks simulated on one GPU: NVLink costs are missing, the crossovers are not this machine's)"
@@ -251,6 +255,13 @@ void run_tune(const TuneArguments& args) {
   }
 
   // 3. The table, atomically.
+  if (every_tp_on_devices) {
+    table.device = detail::cuda_device_name(0);
+    std::printf(
+        "\n# device %s: every tp ran on GPUs of its own; committed under tune/, this table becomes the\n"
+        "#   built-in default for ranks on GPUs of that name (docs/CONFIG.md)\n",
+        table.device.c_str());
+  }
   table.write_file(args.output);
   std::printf("\n# wrote %s (%zu entries): latentmoe run --tune-file %s, or LATENTMOE_TUNE_FILE\n", args.output.c_str(),
               table.entries.size(), args.output.c_str());

@@ -4,12 +4,17 @@
 // Format (JSON):
 //   {"format": "latentmoe-tune-1",
 //    "machine": "8x NVIDIA H200, NVLink",                   (free text, reported)
+//    "device": "NVIDIA H200",                               (optional: see TuneTable::device)
 //    "entries": [{"tp": 8, "dtype": "bf16",                 (dtype optional: any)
 //                 "hidden_size": 7168, "latent_size": 3584, (optional: any shape)
 //                 "tail_fusion_max_tokens": 64, "shared_stream_token_threshold": 256}, ...]}
 // For a layer, the entry with the same tp that also matches the most of dtype and shapes wins; two
 // entries that match equally are an error when the table is read. Knobs set by the LATENTMOE_*
-// variables still override the table (defaults < table < environment).
+// variables still override the table (defaults < built-in table < table < environment).
+//
+// Built-in tables: the tables under tune/ in the source tree, measured by `latentmoe tune` on lent
+// machines and compiled into the library, are the defaults for ranks on GPUs of their own whose device
+// name is the table's "device" (tuned_policy's `device`).
 #pragma once
 
 #include <array>
@@ -35,6 +40,10 @@ struct TuneEntry {
 
 struct TuneTable {
   std::string machine;
+  // The CUDA device (its cudaDeviceProp::name, e.g. "NVIDIA H200") on which every entry's ranks ran,
+  // one GPU per rank; empty where they ran as threads or simulated on one GPU. `latentmoe tune` sets it
+  // only when every tp it measured had GPUs of its own. A built-in table must have one.
+  std::string device;
   std::vector<TuneEntry> entries;
 
   // Throws Error naming the file (or `origin`) and the offending entry or key.
@@ -80,10 +89,16 @@ struct Crossovers {
 };
 Crossovers derive_crossovers(const std::vector<TierTimes>& times);
 
-// The policy a runner of this layout takes: the defaults, then the table's entry for it (when a table
-// is given and has one), then the LATENTMOE_* variables. `table_path` empty: LATENTMOE_TUNE_FILE, if
-// set, names the table.
+// The built-in tables (tune/*.json, compiled in), read on the first call; at most one per device.
+// Throws Error naming the file if one is malformed or has no device (a test reads them all).
+const std::vector<TuneTable>& builtin_tune_tables();
+
+// The policy a runner of this layout takes: the defaults; then, where `device` names the GPUs its
+// ranks run on, one GPU per rank (empty: ranks as threads or simulated on one GPU), the built-in table
+// of that device's entry for the layout; then the entry of the table at `table_path` (empty:
+// LATENTMOE_TUNE_FILE, if set, names it); then the LATENTMOE_* variables. Each step keeps what the one
+// before set where it has no entry or no variable.
 TierPolicy tuned_policy(const std::string& table_path, int tp_size, DType dtype, int64_t hidden_size,
-                        int64_t latent_size);
+                        int64_t latent_size, std::string_view device = {});
 
 }  // namespace latentmoe

@@ -103,6 +103,7 @@ std::unique_ptr<Backend> make_cuda_backend(int) {
   throw_error("the CUDA backend is not available: latentmoe was built without CUDA");
 }
 int cuda_device_count() noexcept { return 0; }
+std::string cuda_device_name(int) { throw_error("no CUDA device: latentmoe was built without CUDA"); }
 bool cuda_peer_access_between(int) noexcept { return false; }
 #endif
 

@@ -10,6 +10,7 @@
 
 #include "core/atomic_file.h"
 #include "core/bounded_file.h"
+#include "core/builtin_tune.h"
 #include "latentmoe/error.h"
 #include "latentmoe/tier.h"
 
@@ -75,6 +76,12 @@ TuneTable TuneTable::from_json(std::string_view text, std::string_view origin) {
     LATENTMOE_CHECK(root.at("machine").is_string(), origin, ": \"machine\" must be a string");
     table.machine = root.at("machine").get<std::string>();
   }
+  if (root.contains("device")) {
+    const json& device = root.at("device");
+    LATENTMOE_CHECK(device.is_string() && !device.get<std::string>().empty(), origin,
+                    ": \"device\" must be a non-empty string (the CUDA device name)");
+    table.device = device.get<std::string>();
+  }
   LATENTMOE_CHECK(root.contains("entries") && root.at("entries").is_array(), origin, ": \"entries\" must be an array");
   const json& entries = root.at("entries");
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -137,6 +144,7 @@ std::string TuneTable::to_json() const {
   nlohmann::ordered_json root;
   root["format"] = kFormat;
   root["machine"] = machine;
+  if (!device.empty()) root["device"] = device;
   root["entries"] = nlohmann::ordered_json::array();
   for (const TuneEntry& entry : entries) {
     nlohmann::ordered_json item;
@@ -255,20 +263,43 @@ Crossovers derive_crossovers(const std::vector<TierTimes>& times) {
   return crossovers;
 }
 
-TierPolicy tuned_policy(const std::string& table_path, int tp_size, DType dtype, int64_t hidden_size,
-                        int64_t latent_size) {
+namespace detail {
+
+std::vector<TuneTable> read_builtin_tune_tables(std::span<const BuiltinTuneFile> files) {
+  std::vector<TuneTable> tables;
+  for (const BuiltinTuneFile& file : files) {
+    TuneTable table = TuneTable::from_json(file.text, file.name);
+    LATENTMOE_CHECK(!table.device.empty(), file.name,
+                    ": a built-in tune table must name its \"device\" (measured on GPUs of their own)");
+    for (const TuneTable& earlier : tables) {
+      LATENTMOE_CHECK(earlier.device != table.device, file.name, ": a second built-in tune table for device '",
+                      table.device, "'");
+    }
+    tables.push_back(std::move(table));
+  }
+  return tables;
+}
+
+TierPolicy tuned_policy_over(const std::vector<TuneTable>& builtin, const std::string& table_path, int tp_size,
+                             DType dtype, int64_t hidden_size, int64_t latent_size, std::string_view device) {
+  TierPolicy base;
+  auto take = [&](const TuneTable& table) {
+    if (const auto entry = table.find(tp_size, dtype, hidden_size, latent_size)) {
+      base.tail_fusion_max_tokens = entry->tail_fusion_max_tokens;
+      base.shared_stream_token_threshold = entry->shared_stream_token_threshold;
+    }
+  };
+  if (!device.empty()) {
+    for (const TuneTable& table : builtin) {
+      if (table.device == device) take(table);
+    }
+  }
   std::string path = table_path;
   if (path.empty()) {
     const char* value = std::getenv("LATENTMOE_TUNE_FILE");
     if (value != nullptr) path = value;
   }
-  TierPolicy base;
-  if (!path.empty()) {
-    if (const auto entry = TuneTable::from_file(path).find(tp_size, dtype, hidden_size, latent_size)) {
-      base.tail_fusion_max_tokens = entry->tail_fusion_max_tokens;
-      base.shared_stream_token_threshold = entry->shared_stream_token_threshold;
-    }
-  }
+  if (!path.empty()) take(TuneTable::from_file(path));
   return TierPolicy::from_lookup(
       [](std::string_view name) -> std::optional<std::string> {
         const char* value = std::getenv(std::string(name).c_str());
@@ -276,6 +307,20 @@ TierPolicy tuned_policy(const std::string& table_path, int tp_size, DType dtype,
         return std::string(value);
       },
       base);
+}
+
+}  // namespace detail
+
+const std::vector<TuneTable>& builtin_tune_tables() {
+  static const std::vector<TuneTable> tables = detail::read_builtin_tune_tables(detail::builtin_tune_files());
+  return tables;
+}
+
+TierPolicy tuned_policy(const std::string& table_path, int tp_size, DType dtype, int64_t hidden_size,
+                        int64_t latent_size, std::string_view device) {
+  static const std::vector<TuneTable> none;  // no device: the built-in tables are not even read
+  return detail::tuned_policy_over(device.empty() ? none : builtin_tune_tables(), table_path, tp_size, dtype,
+                                   hidden_size, latent_size, device);
 }
 
 }  // namespace latentmoe

@@ -14,6 +14,8 @@ std::unique_ptr<Backend> make_cuda_backend(int device_ordinal) {
 
 int cuda_device_count() noexcept { return cuda::cuda_device_count(); }
 
+std::string cuda_device_name(int device_ordinal) { return cuda::device_info(device_ordinal).name; }
+
 bool cuda_peer_access_between(int num_devices) noexcept {
   if (num_devices > cuda::cuda_device_count()) return false;
   for (int a = 0; a < num_devices; ++a) {
