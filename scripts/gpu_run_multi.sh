@@ -19,7 +19,9 @@
 #              latent: the skinny kernel up to 8 tokens, the tensor-core one above) against the composed
 #              GEMM + all-gather, T 1-64 (tail_push_{on,off}.json): whether the push saves a link round
 #              on real GPUs (on simulated ranks it lost, docs/PERFORMANCE.md)
-#   tune       latentmoe tune at the same tp sizes: the table for this machine (tune_h200_tpN.json)
+#   tune       latentmoe tune at the same tp sizes: the table for this machine (tune_h200_tpN.json, each with
+#              "device" when its tp had GPUs of its own); copied into tune/, they become the built-in defaults
+#              for that GPU model (the files of one device merge; tune/README.md)
 # One device call may run 600 s, and these steps' own limits add up to more: run links,tests,processes,run
 # in one call, bench_tail (three bench runs and the peer, each with its limit) in a second, push and tune in a third
 # (tune builds each tp's ranks once since f312294; before, it rebuilt them for every point).

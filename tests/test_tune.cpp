@@ -147,13 +147,31 @@ constexpr const char* kH200Table = R"({"format": "latentmoe-tune-1", "machine": 
     {"tp": 8, "dtype": "bf16", "tail_fusion_max_tokens": 16, "shared_stream_token_threshold": 128},
     {"tp": 2, "tail_fusion_max_tokens": 512, "shared_stream_token_threshold": 2048}]})";
 
-TEST(BuiltinTuneTables, a_table_without_a_device_or_a_second_one_for_a_device_is_refused) {
+// The files of one device merge (one `latentmoe tune` run per tp); one without a device, or one that
+// repeats another's entry, is refused naming the file.
+TEST(BuiltinTuneTables, files_of_one_device_merge_and_bad_ones_are_refused) {
+  const detail::BuiltinTuneFile per_tp[] = {
+      {"tune/h200_tp4.json", R"({"format": "latentmoe-tune-1", "device": "NVIDIA H200", "entries": [
+          {"tp": 4, "tail_fusion_max_tokens": 32, "shared_stream_token_threshold": 256}]})"},
+      {"tune/h100.json", R"({"format": "latentmoe-tune-1", "device": "NVIDIA H100 80GB HBM3", "entries": [
+          {"tp": 4, "tail_fusion_max_tokens": 8, "shared_stream_token_threshold": 64}]})"},
+      {"tune/h200_tp8.json", kH200Table}};
+  const std::vector<TuneTable> tables = detail::read_builtin_tune_tables(per_tp);
+  ASSERT_EQ(tables.size(), 2u);
+  EXPECT_EQ(tables[0].device, "NVIDIA H200");
+  EXPECT_EQ(tables[0].entries.size(), 3u);
+  EXPECT_EQ(tables[0].find(4, DType::bf16, 7168, 3584)->tail_fusion_max_tokens, 32);
+  EXPECT_EQ(tables[0].find(8, DType::bf16, 7168, 3584)->tail_fusion_max_tokens, 16);
+  EXPECT_EQ(tables[1].find(4, DType::bf16, 7168, 3584)->tail_fusion_max_tokens, 8);
+
   const detail::BuiltinTuneFile no_device[] = {{"tune/a.json", R"({"format": "latentmoe-tune-1", "entries": []})"}};
   std::string message = message_of([&] { detail::read_builtin_tune_tables(no_device); });
   EXPECT_NE(message.find("tune/a.json: a built-in tune table must name its \"device\""), std::string::npos) << message;
   const detail::BuiltinTuneFile twice[] = {{"tune/a.json", kH200Table}, {"tune/b.json", kH200Table}};
   message = message_of([&] { detail::read_builtin_tune_tables(twice); });
-  EXPECT_NE(message.find("tune/b.json: a second built-in tune table for device 'NVIDIA H200'"), std::string::npos)
+  EXPECT_NE(message.find("tune/b.json: entries[0] repeats the tp, dtype and shapes of an entry of another table for "
+                         "device 'NVIDIA H200'"),
+            std::string::npos)
       << message;
   const detail::BuiltinTuneFile broken[] = {{"tune/c.json", "{"}};
   message = message_of([&] { detail::read_builtin_tune_tables(broken); });

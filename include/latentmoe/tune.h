@@ -89,8 +89,9 @@ struct Crossovers {
 };
 Crossovers derive_crossovers(const std::vector<TierTimes>& times);
 
-// The built-in tables (tune/*.json, compiled in), read on the first call; at most one per device.
-// Throws Error naming the file if one is malformed or has no device (a test reads them all).
+// The built-in tables (tune/*.json, compiled in), read on the first call: one per device, holding the
+// entries of every file that names it. Throws Error naming the file if one is malformed, has no device or
+// repeats an entry of another file of its device (a test reads them all).
 const std::vector<TuneTable>& builtin_tune_tables();
 
 // The policy a runner of this layout takes: the defaults; then, where `device` names the GPUs its

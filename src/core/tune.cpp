@@ -266,16 +266,25 @@ Crossovers derive_crossovers(const std::vector<TierTimes>& times) {
 namespace detail {
 
 std::vector<TuneTable> read_builtin_tune_tables(std::span<const BuiltinTuneFile> files) {
-  std::vector<TuneTable> tables;
+  std::vector<TuneTable> tables;  // one per device: the entries of all its files
   for (const BuiltinTuneFile& file : files) {
     TuneTable table = TuneTable::from_json(file.text, file.name);
     LATENTMOE_CHECK(!table.device.empty(), file.name,
                     ": a built-in tune table must name its \"device\" (measured on GPUs of their own)");
-    for (const TuneTable& earlier : tables) {
-      LATENTMOE_CHECK(earlier.device != table.device, file.name, ": a second built-in tune table for device '",
-                      table.device, "'");
+    auto same_device = std::find_if(tables.begin(), tables.end(),
+                                    [&](const TuneTable& earlier) { return earlier.device == table.device; });
+    if (same_device == tables.end()) {
+      tables.push_back(std::move(table));
+      continue;
     }
-    tables.push_back(std::move(table));
+    for (size_t i = 0; i < table.entries.size(); ++i) {
+      for (const TuneEntry& earlier : same_device->entries) {
+        LATENTMOE_CHECK(!same_key(earlier, table.entries[i]), file.name, ": entries[", i,
+                        "] repeats the tp, dtype and shapes of an entry of another table for device '", table.device,
+                        "'");
+      }
+    }
+    same_device->entries.insert(same_device->entries.end(), table.entries.begin(), table.entries.end());
   }
   return tables;
 }
