@@ -60,20 +60,23 @@ TEST(CudaCli, run_takes_a_sharded_k3_mxfp4_checkpoint_at_every_tp) {
   write_safetensors((dir / "input.safetensors").string(),
                     {{"hidden_states", inputs.hidden_states.view()}, {"router_logits", inputs.router_logits.view()}});
 
-  auto run = [&](int tp, const std::string& backend) {
-    const fs::path out = dir / ("out_" + backend + "_tp" + std::to_string(tp) + ".safetensors");
-    const std::string arguments = "run --config " + (dir / "config.json").string() + " --weights " + index +
-                                  " --input " + (dir / "input.safetensors").string() + " --output " + out.string() +
-                                  " --prefix " + prefix + " --tp " + std::to_string(tp) + " --backend " + backend +
-                                  " --placement simulated";
-    const latentmoe::testing::CommandResult result = latentmoe::testing::run_cli(arguments, dir, tool);
-    EXPECT_EQ(result.exit_code, 0) << "latentmoe " << arguments << "\nstderr: " << result.err;
-    return SafetensorsFile::open(out.string());
+  auto run = [&](int tp, const std::string& backend, const fs::path& out) {
+    return latentmoe::testing::run_cli("run --config " + (dir / "config.json").string() + " --weights " + index +
+                                           " --input " + (dir / "input.safetensors").string() + " --output " +
+                                           out.string() + " --prefix " + prefix + " --tp " + std::to_string(tp) +
+                                           " --backend " + backend + " --placement simulated",
+                                       dir, tool);
   };
   for (int tp : {1, 2, 4, 8}) {
     SCOPED_TRACE("tp " + std::to_string(tp));
-    const SafetensorsFile cpu = run(tp, "cpu");
-    const SafetensorsFile gpu = run(tp, "cuda");
+    const fs::path cpu_out = dir / ("cpu_tp" + std::to_string(tp) + ".safetensors");
+    const fs::path gpu_out = dir / ("cuda_tp" + std::to_string(tp) + ".safetensors");
+    const latentmoe::testing::CommandResult cpu_run = run(tp, "cpu", cpu_out);
+    ASSERT_EQ(cpu_run.exit_code, 0) << cpu_run.err;
+    const latentmoe::testing::CommandResult gpu_run = run(tp, "cuda", gpu_out);
+    ASSERT_EQ(gpu_run.exit_code, 0) << gpu_run.err;
+    const SafetensorsFile cpu = SafetensorsFile::open(cpu_out.string());
+    const SafetensorsFile gpu = SafetensorsFile::open(gpu_out.string());
     const HostTensor output = gpu.read("output");
     EXPECT_EQ(count_non_finite(output), 0);
     EXPECT_LT(relative_error(output, cpu.read("output")), tolerance(DType::bf16));
