@@ -103,8 +103,8 @@ void size_nccl_group(GpuGroupOptions& options, int64_t max_tokens, int64_t per_t
 // Throws Error without CUDA or a GPU, for tp_size outside 1..16, or a capacity below 1.
 std::vector<std::unique_ptr<Communicator>> make_simulated_gpu_group(int tp_size, const GpuGroupOptions& options);
 
-// One thread per GPU: rank r on GPU r (0..tp_size-1). Creates the NCCL communicator (one unique id,
-// ncclCommInitRank per rank on a thread of its own), registers every rank's receive area as a
+// One thread per GPU: rank r on GPU r (0..tp_size-1). Creates the NCCL communicators (ncclCommInitAll
+// over GPUs 0..tp_size-1), registers every rank's receive area as a
 // symmetric window and reads the peers' pointers. Every rank's calls must then come from that rank's
 // own thread or stream, in the same order on every rank. Sets NCCL_NVLS_ENABLE=0 when unset. Throws
 // Error without CUDA or NCCL, with fewer than tp_size GPUs, when NCCL_NVLS_ENABLE is set to anything but
