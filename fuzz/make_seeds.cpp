@@ -26,6 +26,11 @@ int main(int argc, char** argv) {
         R"( "moe_intermediate_size": 16, "num_shared_experts": 1, "hidden_act": "relu2", "moe_renormalize": true})");
   write(root + "/config/missing_key.json", R"({"hidden_size": 64})");
   write(root + "/config/nested.json", R"({"hidden_size": [[[[[[1]]]]]], "moe_latent_size": {"a": {"b": 1}}})");
+  write(root + "/config/tune_table.json",
+        R"({"format": "latentmoe-tune-1", "machine": "8x H200", "device": "NVIDIA H200", "entries": [)"
+        R"({"tp": 8, "dtype": "bf16", "hidden_size": 7168, "latent_size": 3584, "tail_fusion_max_tokens": 64,)"
+        R"( "shared_stream_token_threshold": 256}, {"tp": 2, "tail_fusion_max_tokens": 512,)"
+        R"( "shared_stream_token_threshold": 1024}]})");
   const LayerWeights weights = make_random_layer_weights(tiny, DType::bf16, 1);
   save_layer_weights(root + "/weights/tiny_bf16.safetensors", weights, tiny);
   save_layer_weights(root + "/weights/tiny_f32.safetensors", make_random_layer_weights(tiny, DType::f32, 2), tiny);
