@@ -447,13 +447,13 @@ void open_shared(Kernel kernel, size_t bytes) {
   }
 }
 
-// The gate/up kernel's warps per tile along K: the fewest of 1 and 2 that still fill one wave of the warps
-// the SMs hold at the kernel's CTAs per SM ((tile, pair) units x split), else all 8. At a wave or more, fewer
-// warps per tile leave the chunks each SM walks in sequence and the bytes in flight about the same and only
-// drop set-up instructions; below a wave they would leave SMs idle. Pairs stand in for the touched experts
-// (an upper bound: only the device knows which pairs repeat an expert).
-// LATENTMOE_MXFP4_GATE_UP_SPLIT=1|2|8 forces one (to measure the rule).
-int choose_gate_up_split(int64_t tiles, int64_t pairs, bool gated) {
+// The gate/up kernel's warps per tile along K. With at least 64 groups of K (8 or more per warp at 8 warps a
+// tile) all 8: measured on an H100, Kimi-K3's gated experts (112 groups) ran 5-11% slower at tp-shard 1 with 1
+// or 2 warps a tile. Shorter K: the fewest of 1 and 2 whose warps ((tile, pair) units x split) still fill one
+// wave of the SMs at the kernel's CTAs per SM, else 8; Nemotron-3's relu2 experts (32 groups) ran 4-14% faster
+// with 1 or 2 (docs/MXFP4.md). Pairs stand in for the touched experts (an upper bound: only the device knows
+// which pairs repeat an expert). LATENTMOE_MXFP4_GATE_UP_SPLIT=1|2|8 forces one (to measure the rule).
+int choose_gate_up_split(int64_t tiles, int64_t pairs, int64_t groups, bool gated) {
   // Read at every call (a getenv beside a kernel launch), so that a test can force each split in turn.
   if (const char* value = std::getenv("LATENTMOE_MXFP4_GATE_UP_SPLIT"); value != nullptr && *value != '\0') {
     const std::string text(value);
@@ -461,6 +461,7 @@ int choose_gate_up_split(int64_t tiles, int64_t pairs, bool gated) {
                     "'; expected 1, 2 or 8");
     return text[0] - '0';
   }
+  if (groups >= 8 * kWarps) return kWarps;
   const int64_t resident =
       static_cast<int64_t>(current_sm_count()) * (gated ? kMinCtasPerSm : kMinCtasPerSmUngated) * kWarps;
   for (int split : {1, 2}) {
@@ -492,7 +493,7 @@ void mxfp4_mma_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream) {
   if (call.gate.packed != nullptr) check_expert_offsets(call.gate, "gate/up");
   const bool gated = call.gate.packed != nullptr;
   const int64_t pairs = call.tokens * call.top_k;
-  const int split = choose_gate_up_split(tiles, pairs, gated);
+  const int split = choose_gate_up_split(tiles, pairs, call.up.cols / kGroup, gated);
   const int64_t tiles_per_cta = kWarps / split;
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_cta - 1) / tiles_per_cta), static_cast<unsigned>(pairs));
   auto launch = [&](auto kernel) {
