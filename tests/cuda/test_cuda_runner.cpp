@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 
 #include "checkpoint_test_util.h"
 #include "cuda_test_util.h"
+#include "error_test_util.h"
 #include "latentmoe/checkpoint.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/error.h"
@@ -110,6 +112,58 @@ TEST(CudaRunner, mxfp4_experts_match_the_cpu_runner) {
       }
     }
   }
+}
+
+// Sets an environment variable for its lifetime, then unsets it (also when a check throws).
+class ScopedVariable {
+ public:
+  ScopedVariable(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedVariable() { ::unsetenv(name_); }
+  ScopedVariable(const ScopedVariable&) = delete;
+  ScopedVariable& operator=(const ScopedVariable&) = delete;
+
+ private:
+  const char* name_;
+};
+
+// The MXFP4 tensor-core gate/up kernel with 1 and 2 warps per tile along K (the test above runs the
+// automatic choice, which its small layers make 8): forced through LATENTMOE_MXFP4_GATE_UP_SPLIT, which
+// each rank's backend reads when the runner makes it. A latent
+// of 544 (17 groups: a partial chunk, taken by a different warp per split), 20 tiles of 16 rows (the last
+// CTA's tiles past the matrix at 8 tiles a CTA), gated and relu2, bf16 and f16, 3 and 8 tokens and 37 in
+// batches of 8; every result against the CPU runner.
+TEST(CudaRunner, mxfp4_gate_up_with_fewer_warps_per_tile_matches_the_cpu_runner) {
+  LATENTMOE_REQUIRE_GPU();
+  LayerConfig kimi_long = resized(kimi_k3_config(), {48, 544, 9, 4, 320, 40});
+  kimi_long.experts_format = ExpertWeightFormat::mxfp4;
+  LayerConfig nemotron = nemotron3_super_config();
+  nemotron = resized(nemotron, {48, 544, 5, 3, 320, 72});
+  nemotron.experts_format = ExpertWeightFormat::mxfp4;
+  uint64_t seed = 90;
+  for (const char* split : {"1", "2"}) {
+    const ScopedVariable forced("LATENTMOE_MXFP4_GATE_UP_SPLIT", split);
+    for (const LayerConfig& config : {kimi_long, nemotron}) {
+      for (DType dtype : {DType::bf16, DType::f16}) {
+        const LayerWeights weights = make_random_layer_weights(config, dtype, ++seed);
+        for (int64_t tokens : {int64_t{3}, int64_t{8}, int64_t{37}}) {
+          SCOPED_TRACE(std::string("split ") + split + ", " + std::string(to_string(config.activation)) + ", " +
+                       name_of(dtype) + ", T " + std::to_string(tokens));
+          const LocalGroupInputs inputs = latentmoe::testing::random_inputs(config, tokens, dtype, seed + tokens);
+          expect_cuda_matches_cpu(
+              config, [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, config, parallel); },
+              inputs, 1, dtype);
+        }
+      }
+    }
+  }
+  const ScopedVariable forced("LATENTMOE_MXFP4_GATE_UP_SPLIT", "3");  // anything but 1, 2 or 8 is refused by name
+  const LayerWeights weights = make_random_layer_weights(kimi_long, DType::bf16, 7);
+  const std::string message = latentmoe::testing::message_of([&] {
+    expect_cuda_matches_cpu(
+        kimi_long, [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, kimi_long, parallel); },
+        latentmoe::testing::random_inputs(kimi_long, 2, DType::bf16, 8), 1, DType::bf16);
+  });
+  EXPECT_NE(message.find("LATENTMOE_MXFP4_GATE_UP_SPLIT is '3'"), std::string::npos) << message;
 }
 
 // Issue 16's end-to-end case on the GPU: a Kimi-K3-style checkpoint (MXFP4 experts under the K3 names

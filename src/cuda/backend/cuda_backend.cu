@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <string_view>
 #include <thread>
 
@@ -38,6 +39,18 @@ namespace {
 constexpr size_t kAlignment = 256;
 
 size_t align_up(size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+
+// LATENTMOE_MXFP4_GATE_UP_SPLIT: the MXFP4 tensor-core gate/up's warps per tile along K (1, 2 or 8) in place of
+// its measured rule, for measuring the rule and for the tests that reach each split through a runner. Read
+// once, when a backend is made.
+int mxfp4_gate_up_split_from_environment() {
+  const char* value = std::getenv("LATENTMOE_MXFP4_GATE_UP_SPLIT");
+  if (value == nullptr || *value == '\0') return 0;
+  const std::string_view text(value);
+  LATENTMOE_CHECK(text == "1" || text == "2" || text == "8", "LATENTMOE_MXFP4_GATE_UP_SPLIT is '", text,
+                  "'; expected 1, 2 or 8 (warps per tile)");
+  return text[0] - '0';
+}
 
 // A tensor as rows x cols with a row stride: rank 1 is one row, rank 2 keeps its row stride (a
 // column block), higher ranks must be contiguous and fold their leading dimensions into rows.
@@ -119,6 +132,8 @@ struct CudaBackend::State {
   int64_t fused_up_projection_max_latent = -1;
   // The measured decode dispatch of this device's architecture (decode_dispatch.h).
   const DecodeDispatch* dispatch = nullptr;
+  // The MXFP4 tensor-core gate/up's warps per tile (Mxfp4GateUpCall::warps_per_tile; 0: its measured rule).
+  int mxfp4_gate_up_warps_per_tile = 0;
 
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
   bool overlapping = false;
@@ -156,6 +171,7 @@ CudaBackend::CudaBackend(int device_ordinal) : state_(std::make_unique<State>())
   s.ordinal = device_ordinal;
   s.info = device_info(device_ordinal);
   s.dispatch = &decode_dispatch(10 * s.info.major + s.info.minor);
+  s.mxfp4_gate_up_warps_per_tile = mxfp4_gate_up_split_from_environment();
   DeviceGuard guard(device_ordinal);
   LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.main_stream, cudaStreamNonBlocking));
   LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.aux_stream, cudaStreamNonBlocking));
@@ -511,6 +527,7 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
     gate_up.up = matrices(experts.up, experts.up_scale, intermediate, latent);
     if (gated) gate_up.gate = matrices(experts.gate, experts.gate_scale, intermediate, latent);
     gate_up.act = act;
+    gate_up.warps_per_tile = s.mxfp4_gate_up_warps_per_tile;
     Mxfp4DownCall down;
     down.dtype = z.dtype();
     down.top_k = gate_up.top_k;

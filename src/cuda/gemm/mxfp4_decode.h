@@ -45,6 +45,9 @@ struct Mxfp4GateUpCall {
   int64_t ld_z = 0;
   Mxfp4Matrices gate, up;
   void* act = nullptr;
+  // The tensor-core kernel's warps per 16-row tile along K (mxfp4_decode_mma.cu): 1, 2 or 8; 0 (the
+  // default): its measured rule (choose_gate_up_split). The CUDA-core kernel ignores it.
+  int warps_per_tile = 0;
 };
 void mxfp4_routed_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream);
 

@@ -18,10 +18,10 @@
 // deterministic run to run; the order of additions differs from the CPU reference's, so they agree
 // within rounding.
 //
-// gate/up: one CTA per (16-row tile, pair p); the CTA of the first pair naming an expert computes that
-//   expert for every token that names it (so each touched expert's weights are read once) and writes
-//   act row p' = the first pair by which each token names it; other CTAs of that expert exit. The 8 warps
-//   split the groups of K.
+// gate/up: one CTA per (8 / split consecutive 16-row tiles, pair p); the CTA of the first pair naming an
+//   expert computes that expert for every token that names it (so each touched expert's weights are read
+//   once) and writes act row p' = the first pair by which each token names it; other CTAs of that expert
+//   exit. The `split` warps of a tile (8, 2 or 1: choose_gate_up_split) share the groups of K.
 // down: one cluster of `split` CTAs per 16-row tile of the output; each warp of the cluster takes a
 //   contiguous range of the (touched expert, chunk of groups) work items; each item's products are
 //   weighted by the routing weight of each token (summed over the pairs by which a token names the
@@ -116,7 +116,8 @@ struct TileRows {
 // of the pointers before the loops is a few 32-bit products instead of ~130 instructions of 64-bit ones
 // (measured on nemotron3-super's two-chunk relu2 loop, docs/MXFP4.md). `first_group`: where the pointers start.
 __device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int expert, int row0, int t, int first_group) {
-  const int rows = static_cast<int>(m.rows), groups = static_cast<int>(m.cols / kGroup), row_bytes = groups * (kGroup / 2);
+  const int rows = static_cast<int>(m.rows), groups = static_cast<int>(m.cols / kGroup),
+            row_bytes = groups * (kGroup / 2);
   const int lo = min(row0, rows - 1), hi = min(row0 + 8, rows - 1);
   const int64_t expert_row = static_cast<int64_t>(expert) * rows;  // the one 64-bit product
   const uint8_t* codes = m.packed + expert_row * row_bytes + first_group * (kGroup / 2) + 4 * t;
@@ -185,8 +186,15 @@ __device__ __forceinline__ void load_x_chunk(GroupOperands (&op)[kChunk], const 
 
 // ---- gate/up -------------------------------------------------------------------------------------
 
-template <class T, bool kGated>
-__global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPerSmUngated) mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
+// kSplit: the warps that split one tile's K (8: the whole CTA on one tile, the groups of K spread over its
+// warps; 1: each warp one tile over all of K). A CTA covers kWarps / kSplit consecutive tiles. Fewer warps per
+// tile amortise each warp's pointer set-up and the CTA's routing prologue over more groups, where the call has
+// enough (tile, pair) units to fill the GPU without splitting K (choose_gate_up_split).
+template <class T, bool kGated, int kSplit>
+__global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPerSmUngated)
+    mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
+  static_assert(kSplit >= 1 && kWarps % kSplit == 0);
+  constexpr int kTilesPerCta = kWarps / kSplit;
   __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
   const int pair = blockIdx.y;
@@ -202,23 +210,26 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int row0 = static_cast<int>(blockIdx.x) * kTileRows + g;
+  const int part = warp % kSplit;  // this warp's share of K
+  const int first_tile = static_cast<int>(blockIdx.x) * kTilesPerCta;
+  // A tile past the matrix (the last CTA's) reads clamped rows (tile_rows) and stores nothing.
+  const int row0 = (first_tile + warp / kSplit) * kTileRows + g;
   const int groups = static_cast<int>(p.up.cols / kGroup);  // 32-bit: check_expert_offsets
   // Only the tokens that name the expert read their activations (the others' MMA columns are zeros and
   // never stored): reading every token's row measured 6-7% slower on Nemotron's relu2 experts, whose
   // activation rows are as many bytes as the tile's codes.
   const bool token_active = g < p.tokens && act_row[g] != INT_MAX;
   const T* z_row = static_cast<const T*>(p.z) + (token_active ? g * p.ld_z : 0) + 8 * t;
-  TileRows up_rows = tile_rows(p.up, expert, row0, t, warp * kChunk);
-  TileRows gate_rows = kGated ? tile_rows(p.gate, expert, row0, t, warp * kChunk) : up_rows;
+  TileRows up_rows = tile_rows(p.up, expert, row0, t, part * kChunk);
+  TileRows gate_rows = kGated ? tile_rows(p.gate, expert, row0, t, part * kChunk) : up_rows;
   float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   // Chunks of kChunk consecutive groups per warp (chunk c: groups kChunk c ..; the lanes of a row read
   // whole sectors), one at a time: double-buffering them measured nothing (221b153) and its registers
   // kept the kernel at 2 CTAs per SM (kMinCtasPerSm). The whole chunks walk pointers that advance by a
   // constant (no 64-bit address arithmetic per load); a last, partial chunk is taken after the loop.
   const int whole_chunks = groups / kChunk;
-  constexpr int kStrideGroups = kWarps * kChunk;
-  const T* z_chunk = z_row + warp * kChunk * kGroup;
+  constexpr int kStrideGroups = kSplit * kChunk;
+  const T* z_chunk = z_row + part * kChunk * kGroup;
   GroupOperands u[kChunk], v[kChunk];
   auto compute = [&] {  // the chunk in u (and v), both matrices against u's activations
 #pragma unroll
@@ -230,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
       }
     }
   };
-  for (int chunk = warp; chunk < whole_chunks; chunk += kWarps) {
+  for (int chunk = part; chunk < whole_chunks; chunk += kSplit) {
     load_whole_chunk(u, up_rows);
     if constexpr (kGated) load_whole_chunk(v, gate_rows);
 #pragma unroll
@@ -242,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
     if constexpr (kGated) advance(gate_rows, kStrideGroups);
     z_chunk += kStrideGroups * kGroup;
   }
-  if (groups % kChunk != 0 && whole_chunks % kWarps == warp) {  // the partial chunk: the pointers are there
+  if (groups % kChunk != 0 && whole_chunks % kSplit == part) {  // the partial chunk: the pointers are there
     const int left = groups - whole_chunks * kChunk;
     load_chunk(u, up_rows, 0, left);
     if constexpr (kGated) load_chunk(v, gate_rows, 0, left);
@@ -254,16 +265,18 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
     partial[warp][1][i][lane] = gate[i];
   }
   __syncthreads();
-  // 128 outputs of the tile (16 rows x 8 tokens): thread (i, lane) of the first 4 warps sums one in warp order.
-  if (threadIdx.x < 4 * 32) {
-    const int i = threadIdx.x / 32, l = threadIdx.x % 32;
+  // 128 outputs per tile (16 rows x 8 tokens): output (tile, i, lane) sums the tile's kSplit warps in warp order.
+#pragma unroll 1
+  for (int o = threadIdx.x; o < kTilesPerCta * 4 * 32; o += kThreads) {
+    const int tile = o / (4 * 32), i = (o / 32) % 4, l = o % 32;
     float u = 0.0f, v = 0.0f;
-    for (int w = 0; w < kWarps; ++w) {
-      u += partial[w][0][i][l];
-      v += partial[w][1][i][l];
+#pragma unroll
+    for (int w = 0; w < kSplit; ++w) {
+      u += partial[tile * kSplit + w][0][i][l];
+      v += partial[tile * kSplit + w][1][i][l];
     }
     const int token = 2 * (l % 4) + (i & 1);
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kTileRows + l / 4 + (i >= 2 ? 8 : 0);
+    const int64_t row = static_cast<int64_t>(first_tile + tile) * kTileRows + l / 4 + (i >= 2 ? 8 : 0);
     if (token < p.tokens && act_row[token] != INT_MAX && row < p.up.rows) {
       const float value = kGated ? act::gated(v, u, p.activation.activation == Activation::situ, p.activation.situ_beta,
                                               p.activation.situ_linear_beta)
@@ -432,6 +445,27 @@ void open_shared(Kernel kernel, size_t bytes) {
   }
 }
 
+// The gate/up kernel's warps per tile along K. With at least 64 groups of K (8 or more per warp at 8 warps a
+// tile) all 8: measured on an H100, Kimi-K3's gated experts (112 groups) ran 5-11% slower at tp-shard 1 with 1
+// or 2 warps a tile. Shorter K: the fewest of 1 and 2 whose warps ((tile, pair) units x split) still fill one
+// wave of the SMs at the kernel's CTAs per SM, else 8; Nemotron-3's relu2 experts (32 groups) ran 4-14% faster
+// with 1 or 2 (docs/MXFP4.md). Pairs stand in for the touched experts (an upper bound: only the device knows
+// which pairs repeat an expert). `forced` (the call's warps_per_tile) other than 0 is taken as it is.
+int choose_gate_up_split(int forced, int64_t tiles, int64_t pairs, int64_t groups, bool gated) {
+  if (forced != 0) {
+    LATENTMOE_CHECK(forced == 1 || forced == 2 || forced == kWarps, "MXFP4 gate/up: ", forced,
+                    " warps per tile; expected 0 (the measured rule), 1, 2 or ", kWarps);
+    return forced;
+  }
+  if (groups >= 8 * kWarps) return kWarps;
+  const int64_t resident =
+      static_cast<int64_t>(current_sm_count()) * (gated ? kMinCtasPerSm : kMinCtasPerSmUngated) * kWarps;
+  for (int split : {1, 2}) {
+    if (tiles * pairs * split >= resident) return split;
+  }
+  return kWarps;
+}
+
 // The kernels' in-expert offsets are 32-bit (tile_rows): one expert's codes below 2 GiB.
 void check_expert_offsets(const Mxfp4Matrices& m, const char* what) {
   LATENTMOE_CHECK(m.rows >= 1 && m.cols >= kGroup && m.rows <= INT_MAX / (m.cols / 2), "MXFP4 tensor-core ", what,
@@ -453,16 +487,29 @@ void mxfp4_mma_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream) {
   LATENTMOE_CHECK(tiles <= INT_MAX, "MXFP4 gate/up: ", call.up.rows, " rows exceed the grid");
   check_expert_offsets(call.up, "gate/up");
   if (call.gate.packed != nullptr) check_expert_offsets(call.gate, "gate/up");
-  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(call.tokens * call.top_k));
+  const bool gated = call.gate.packed != nullptr;
+  const int64_t pairs = call.tokens * call.top_k;
+  const int split = choose_gate_up_split(call.warps_per_tile, tiles, pairs, call.up.cols / kGroup, gated);
+  const int64_t tiles_per_cta = kWarps / split;
+  const dim3 grid(static_cast<unsigned>((tiles + tiles_per_cta - 1) / tiles_per_cta), static_cast<unsigned>(pairs));
   auto launch = [&](auto kernel) {
     launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), 0, stream, call);
   };
-  const bool gated = call.gate.packed != nullptr;
+  auto launch_split = [&](auto type, auto gated_constant) {
+    using T = decltype(type);
+    constexpr bool kGated = decltype(gated_constant)::value;
+    if (split == 1) {
+      launch(mxfp4_mma_gate_up_kernel<T, kGated, 1>);
+    } else if (split == 2) {
+      launch(mxfp4_mma_gate_up_kernel<T, kGated, 2>);
+    } else {
+      launch(mxfp4_mma_gate_up_kernel<T, kGated, kWarps>);
+    }
+  };
   if (call.dtype == DType::bf16) {
-    gated ? launch(mxfp4_mma_gate_up_kernel<__nv_bfloat16, true>)
-          : launch(mxfp4_mma_gate_up_kernel<__nv_bfloat16, false>);
+    gated ? launch_split(__nv_bfloat16{}, std::true_type{}) : launch_split(__nv_bfloat16{}, std::false_type{});
   } else {
-    gated ? launch(mxfp4_mma_gate_up_kernel<__half, true>) : launch(mxfp4_mma_gate_up_kernel<__half, false>);
+    gated ? launch_split(__half{}, std::true_type{}) : launch_split(__half{}, std::false_type{});
   }
 }
 
