@@ -6,6 +6,7 @@
 #include <fstream>
 #include <thread>
 
+#include "core/backend.h"
 #include "latentmoe/dtype.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
@@ -78,13 +79,7 @@ std::string describe_device(BackendKind backend, int device) {
   if (backend == BackendKind::cpu) {
     return cpu_model() + ", " + std::to_string(std::thread::hardware_concurrency()) + " hardware threads";
   }
-#ifdef LATENTMOE_WITH_CUDA
-  cudaDeviceProp properties{};
-  LATENTMOE_CUDA_CHECK(cudaGetDeviceProperties(&properties, device));
-  return properties.name;
-#else
-  no_cuda();
-#endif
+  return detail::cuda_device_name(device);
 }
 
 void bind_thread_to_device(BackendKind backend, int device) {

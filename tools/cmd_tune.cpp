@@ -32,10 +32,6 @@
 #include "latentmoe/weights.h"
 #include "tool_common.h"
 
-#ifdef LATENTMOE_WITH_CUDA
-#include <cuda_runtime_api.h>
-#endif
-
 namespace latentmoe::tools {
 namespace {
 
@@ -99,13 +95,8 @@ void check_output_path(const std::string& path) {
 // (run_tune places each tp on GPUs of its own when tp of them are present).
 std::string describe_machine(BackendKind backend, int largest_tp) {
   if (backend == BackendKind::cuda) {
-    std::string name = "CUDA GPU";
-    int count = 0;
-#ifdef LATENTMOE_WITH_CUDA
-    cudaDeviceProp properties{};
-    if (cudaGetDeviceProperties(&properties, 0) == cudaSuccess) name = properties.name;
-    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
-#endif
+    const int count = detail::cuda_device_count();
+    const std::string name = count > 0 ? detail::cuda_device_name(0) : "CUDA GPU";
     std::string text = name + " x" + std::to_string(count);
     if (count < largest_tp) text += ", tp ranks beyond the GPUs simulated on one GPU (no NVLink cost)";
     return text;
