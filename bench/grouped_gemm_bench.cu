@@ -307,12 +307,12 @@ int run(int argc, char** argv) {
   if (variants_arg == "all" && mxfp4) {
     for (GemmVariant v : {GemmVariant::mma_s_wide, GemmVariant::mma_m, GemmVariant::mma_l4}) variants.emplace_back(v);
     if (latentmoe::cuda::detail::wgmma_available()) {
-      for (GemmVariant v : {GemmVariant::wgmma, GemmVariant::wgmma_tall}) variants.emplace_back(v);
+      for (GemmVariant v : {GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow})
+        variants.emplace_back(v);
     }
   } else if (variants_arg == "all") {
     for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
-      if ((v == GemmVariant::wgmma || v == GemmVariant::wgmma_tall) && !latentmoe::cuda::detail::wgmma_available())
-        continue;
+      if (latentmoe::cuda::detail::is_wgmma(v) && !latentmoe::cuda::detail::wgmma_available()) continue;
       if (v != GemmVariant::simt) variants.emplace_back(v);
     }
   } else {

@@ -378,7 +378,7 @@ TEST_P(GroupedGemmCase, every_variant_matches_fp64_reference) {
   // n-tiles per CTA (a pipeline that runs across n-tile boundaries, the last group partial).
   std::vector<GemmChoice> choices = {GemmChoice(GemmVariant::automatic)};
   for (GemmVariant v : detail::all_variants()) {
-    if ((v == GemmVariant::wgmma || v == GemmVariant::wgmma_tall) && !detail::wgmma_available()) continue;
+    if (detail::is_wgmma(v) && !detail::wgmma_available()) continue;
     choices.emplace_back(v);
     if (v != GemmVariant::simt) choices.emplace_back(v, 3);
     // Split-K forced: 2 and 3 splits (the last split shorter when the k-tiles do not divide), on the
@@ -444,7 +444,8 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
         GemmChoice(GemmVariant::mma_l4),        GemmChoice(GemmVariant::mma_l4, 2)};
     if (detail::wgmma_available()) {  // the Hopper kernels decode into their swizzled weight tiles
       for (const GemmChoice& wgmma : {GemmChoice(GemmVariant::wgmma), GemmChoice(GemmVariant::wgmma, 3),
-                                      GemmChoice(GemmVariant::wgmma_tall), GemmChoice(GemmVariant::wgmma_tall, 2)})
+                                      GemmChoice(GemmVariant::wgmma_tall), GemmChoice(GemmVariant::wgmma_tall, 2),
+                                      GemmChoice(GemmVariant::wgmma_narrow), GemmChoice(GemmVariant::wgmma_narrow, 3)})
         choices.push_back(wgmma);
     }
     check_choices(problem, c.name, choices);

@@ -107,6 +107,8 @@ std::string to_string(GemmVariant variant) {
       return "wgmma";
     case GemmVariant::wgmma_tall:
       return "wgmma_tall";
+    case GemmVariant::wgmma_narrow:
+      return "wgmma_narrow";
   }
   return "unknown";
 }
@@ -114,7 +116,11 @@ std::string to_string(GemmVariant variant) {
 std::vector<GemmVariant> all_variants() {
   return {GemmVariant::simt,    GemmVariant::mma_s, GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
           GemmVariant::mma_m32, GemmVariant::mma_m, GemmVariant::mma_l4,     GemmVariant::mma_l,
-          GemmVariant::mma_xl,  GemmVariant::wgmma, GemmVariant::wgmma_tall};
+          GemmVariant::mma_xl,  GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow};
+}
+
+bool is_wgmma(GemmVariant variant) {
+  return variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall || variant == GemmVariant::wgmma_narrow;
 }
 
 namespace {
@@ -240,13 +246,16 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.prefer_two_tiles = down;
   launch.k_splits = choice.k_splits;
   gg::attach_split_k(launch, workspace, workspace_bytes, gg::kSplitKCounters, gg::kSplitKPartialBytes, "grouped GEMM");
-  const bool wgmma = variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall;
+  const bool wgmma = detail::is_wgmma(variant);
+  const gg::WgmmaShape shape = variant == GemmVariant::wgmma_tall     ? gg::WgmmaShape::tall
+                               : variant == GemmVariant::wgmma_narrow ? gg::WgmmaShape::narrow
+                                                                      : gg::WgmmaShape::wide;
   if (wgmma) {
     LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the ", detail::to_string(variant),
                     " variant needs an sm_90 device and sm_90a code");
   }
   if (mxfp4 && wgmma) {
-    gg::launch_wgmma_mxfp4(dtype, variant == GemmVariant::wgmma_tall, mode, args, launch, stream);
+    gg::launch_wgmma_mxfp4(dtype, shape, mode, args, launch, stream);
     return;
   }
   if (mxfp4) {
@@ -254,7 +263,7 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
     return;
   }
   if (wgmma) {
-    gg::launch_wgmma(dtype, variant == GemmVariant::wgmma_tall, mode, args, launch, stream);
+    gg::launch_wgmma(dtype, shape, mode, args, launch, stream);
     return;
   }
   if (dtype == DType::bf16) {

@@ -76,19 +76,22 @@ size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_exper
 namespace detail {
 
 enum class GemmVariant {
-  automatic,   // the table in grouped_gemm.cu
-  simt,        // fp32 SIMT (every dtype; the only engine for f32)
-  mma_s,       // mma.sync, 16-row tiles, 4 warps, 64 weight rows: small row counts (decode)
-  mma_s_wide,  // mma.sync, 16-row tiles, 4 warps, 128 weight rows
-  mma_s_k128,  // mma.sync, 16-row tiles, 4 warps, 64 weight rows, 128-deep k-tiles
-  mma_m32,     // mma.sync, 32-row tiles, 8 warps, 5 stages
-  mma_m,       // mma.sync, 64-row tiles, 8 warps
-  mma_l4,      // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
-  mma_l,       // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
-  mma_xl,      // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
-  wgmma,       // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N (<= 96)
-  wgmma_tall,  // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
+  automatic,     // the table in grouped_gemm.cu
+  simt,          // fp32 SIMT (every dtype; the only engine for f32)
+  mma_s,         // mma.sync, 16-row tiles, 4 warps, 64 weight rows: small row counts (decode)
+  mma_s_wide,    // mma.sync, 16-row tiles, 4 warps, 128 weight rows
+  mma_s_k128,    // mma.sync, 16-row tiles, 4 warps, 64 weight rows, 128-deep k-tiles
+  mma_m32,       // mma.sync, 32-row tiles, 8 warps, 5 stages
+  mma_m,         // mma.sync, 64-row tiles, 8 warps
+  mma_l4,        // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
+  mma_l,         // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
+  mma_xl,        // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
+  wgmma,         // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N (<= 96)
+  wgmma_tall,    // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
+  wgmma_narrow,  // sm_90a only: tiles of up to 96 expert rows against 128 weight rows, two CTAs per SM
 };
+// True for the variants that run the wgmma kernel (sm_90a only).
+bool is_wgmma(GemmVariant variant);
 
 // A variant, how many n-tiles one CTA computes (0: chosen from the shape) and how many CTAs split the
 // reduction of one output tile (0: chosen from the shape; 1: no split-K; more needs a workspace large
@@ -103,7 +106,7 @@ struct GemmChoice {
 
 std::string to_string(GemmVariant variant);
 std::vector<GemmVariant> all_variants();
-// True when the current device can run GemmVariant::wgmma and wgmma_tall: compute capability 9.0 and a
+// True when the current device can run the wgmma variants (is_wgmma): compute capability 9.0 and a
 // binary that carries sm_90a code.
 bool wgmma_available();
 // Splits of the reduction for `ctas` output tiles of num_k_tiles k-tiles each, when `resident` CTAs fit

@@ -38,19 +38,21 @@ bool wgmma_available() {
 
 namespace gg {
 
-void launch_wgmma_bf16(bool tall, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
-  launch_wgmma_typed<__nv_bfloat16>(tall, mode, args, launch, stream);
+void launch_wgmma_bf16(WgmmaShape shape, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                       cudaStream_t stream) {
+  launch_wgmma_typed<__nv_bfloat16>(shape, mode, args, launch, stream);
 }
 
-void launch_wgmma(DType dtype, bool tall, Mode mode, KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
+void launch_wgmma(DType dtype, WgmmaShape shape, Mode mode, KernelArgs args, const MmaLaunch& launch,
+                  cudaStream_t stream) {
   LATENTMOE_CHECK(dtype == DType::bf16 || dtype == DType::f16, "grouped GEMM (wgmma): dtype ", dtype_name(dtype),
                   " is not bf16 or f16");
   LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the wgmma variant needs an sm_90 device and sm_90a code");
   LATENTMOE_CHECK(args.expert_offsets != nullptr, "grouped GEMM (wgmma): expert_offsets is null");
   if (dtype == DType::bf16) {
-    launch_wgmma_bf16(tall, mode, args, launch, stream);
+    launch_wgmma_bf16(shape, mode, args, launch, stream);
   } else {
-    launch_wgmma_f16(tall, mode, args, launch, stream);
+    launch_wgmma_f16(shape, mode, args, launch, stream);
   }
 }
 

@@ -53,16 +53,18 @@
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/grouped_gemm_common.cuh"
 #include "cuda/gemm/grouped_gemm_launch.cuh"
-#include "cuda/gemm/grouped_gemm_mma.cuh"  // cp.async copies, the L2 policy, pack2
+#include "cuda/gemm/grouped_gemm_mma.cuh"           // cp.async copies, the L2 policy, pack2
+#include "cuda/gemm/grouped_gemm_wgmma_launch.cuh"  // WgmmaShape
 #include "cuda/gemm/grouped_gemm_wgmma_ops.cuh"
 #include "cuda/gemm/mxfp4_device.cuh"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda::gg {
 
-template <int kBlockM_, int kStages_, int kBlocksPerWg_>
+template <int kBlockM_, int kStages_, int kBlocksPerWg_, int kMinBlocks_ = 1>
 struct WgmmaConfig {
   static constexpr int kWarpGroups = 2;
+  static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the registers and shared memory must allow
   static constexpr int kThreads = kWarpGroups * 128;
   static constexpr int kBlocksPerWg = kBlocksPerWg_;                   // m64 weight blocks per warpgroup
   static constexpr int kWeightRows = kWarpGroups * 64 * kBlocksPerWg;  // weight rows per n-tile
@@ -133,7 +135,7 @@ __device__ __forceinline__ void wgmma_stage(float (&acc)[B][A], const uint64_t (
 #endif
 
 template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) grouped_wgmma_kernel(const KernelArgs args) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_wgmma_kernel(const KernelArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kThreads = Cfg::kThreads;
   constexpr int kStages = Cfg::kStages;
@@ -557,6 +559,13 @@ void launch_wgmma_cfg(KernelArgs args, const MmaLaunch& launch, cudaStream_t str
 using WgmmaCfg = WgmmaConfig<96, 5, 2>;
 // 256 rows per tile against 128 weight rows, 4 stages of 48 KB: 193 KB, one CTA per SM.
 using WgmmaTallCfg = WgmmaConfig<256, 4, 1>;
+// 96 rows per tile against 128 weight rows, 3 stages of 28 KB (MXFP4: two 16 KB decoded tiles, 3 row stages
+// of 12 KB and 3 raw stages of 5 KB): 85 KB, two CTAs per SM, so that one CTA's copies, decode and barriers
+// overlap the other's wgmmas.
+using WgmmaNarrowCfg = WgmmaConfig<96, 3, 1, 2>;
+static_assert(2 * (WgmmaNarrowCfg::kSmemBytes + 1024) <= 227 * 1024 &&
+                  2 * (WgmmaNarrowCfg::kSmemBytesMxfp4 + 1024) <= 227 * 1024,
+              "two narrow CTAs must fit one SM's shared memory");
 
 template <class T, class Cfg, bool kMxfp4>
 void launch_wgmma_shape(Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
@@ -572,11 +581,15 @@ void launch_wgmma_shape(Mode mode, const KernelArgs& args, const MmaLaunch& laun
 
 // kMxfp4: args.w0/w1 hold MXFP4 codes and args.s0/s1 their scales (grouped_gemm_wgmma_mxfp4.cu).
 template <class T, bool kMxfp4 = false>
-void launch_wgmma_typed(bool tall, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
-  if (tall) {
-    launch_wgmma_shape<T, WgmmaTallCfg, kMxfp4>(mode, args, launch, stream);
-  } else {
-    launch_wgmma_shape<T, WgmmaCfg, kMxfp4>(mode, args, launch, stream);
+void launch_wgmma_typed(WgmmaShape shape, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                        cudaStream_t stream) {
+  switch (shape) {
+    case WgmmaShape::wide:
+      return launch_wgmma_shape<T, WgmmaCfg, kMxfp4>(mode, args, launch, stream);
+    case WgmmaShape::tall:
+      return launch_wgmma_shape<T, WgmmaTallCfg, kMxfp4>(mode, args, launch, stream);
+    case WgmmaShape::narrow:
+      return launch_wgmma_shape<T, WgmmaNarrowCfg, kMxfp4>(mode, args, launch, stream);
   }
 }
 

@@ -4,8 +4,9 @@
 
 namespace latentmoe::cuda::gg {
 
-void launch_wgmma_f16(bool tall, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
-  launch_wgmma_typed<__half>(tall, mode, args, launch, stream);
+void launch_wgmma_f16(WgmmaShape shape, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                      cudaStream_t stream) {
+  launch_wgmma_typed<__half>(shape, mode, args, launch, stream);
 }
 
 }  // namespace latentmoe::cuda::gg

@@ -9,17 +9,26 @@
 
 namespace latentmoe::cuda::gg {
 
+// The tile shapes of the wgmma kernel (grouped_gemm_wgmma.cuh): expert rows x weight rows per tile.
+enum class WgmmaShape {
+  wide,    // up to 96 x 256, one CTA per SM (GemmVariant::wgmma)
+  tall,    // up to 256 x 128, one CTA per SM (GemmVariant::wgmma_tall)
+  narrow,  // up to 96 x 128, two CTAs per SM (GemmVariant::wgmma_narrow)
+};
+
 // Launches the wgmma kernel for bf16 or f16 (throws latentmoe::Error for other dtypes, or when
-// detail::wgmma_available() is false). Same contract as the mma.sync kernels (grouped_gemm.h). tall: tiles
-// of up to 256 expert rows against 128 weight rows (GemmVariant::wgmma_tall), else up to 96 against 256.
-void launch_wgmma(DType dtype, bool tall, Mode mode, KernelArgs args, const MmaLaunch& launch, cudaStream_t stream);
+// detail::wgmma_available() is false). Same contract as the mma.sync kernels (grouped_gemm.h).
+void launch_wgmma(DType dtype, WgmmaShape shape, Mode mode, KernelArgs args, const MmaLaunch& launch,
+                  cudaStream_t stream);
 
 // The same with MXFP4 weights: args.w0/w1 the codes, args.s0/s1 their scales (grouped_gemm_wgmma_mxfp4.cu).
-void launch_wgmma_mxfp4(DType dtype, bool tall, Mode mode, KernelArgs args, const MmaLaunch& launch,
+void launch_wgmma_mxfp4(DType dtype, WgmmaShape shape, Mode mode, KernelArgs args, const MmaLaunch& launch,
                         cudaStream_t stream);
 
 // Per element type (grouped_gemm_wgmma.cu, grouped_gemm_wgmma_f16.cu).
-void launch_wgmma_bf16(bool tall, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream);
-void launch_wgmma_f16(bool tall, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream);
+void launch_wgmma_bf16(WgmmaShape shape, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                       cudaStream_t stream);
+void launch_wgmma_f16(WgmmaShape shape, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                      cudaStream_t stream);
 
 }  // namespace latentmoe::cuda::gg

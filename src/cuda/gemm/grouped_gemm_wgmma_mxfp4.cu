@@ -6,7 +6,7 @@
 
 namespace latentmoe::cuda::gg {
 
-void launch_wgmma_mxfp4(DType dtype, bool tall, Mode mode, KernelArgs args, const MmaLaunch& launch,
+void launch_wgmma_mxfp4(DType dtype, WgmmaShape shape, Mode mode, KernelArgs args, const MmaLaunch& launch,
                         cudaStream_t stream) {
   LATENTMOE_CHECK(dtype == DType::bf16 || dtype == DType::f16, "grouped GEMM (wgmma, MXFP4): dtype ", dtype_name(dtype),
                   " is not bf16 or f16");
@@ -15,9 +15,9 @@ void launch_wgmma_mxfp4(DType dtype, bool tall, Mode mode, KernelArgs args, cons
                   "grouped GEMM (wgmma, MXFP4): ", args.expert_offsets == nullptr ? "expert_offsets" : "the scales",
                   " missing");
   if (dtype == DType::bf16) {
-    launch_wgmma_typed<__nv_bfloat16, true>(tall, mode, args, launch, stream);
+    launch_wgmma_typed<__nv_bfloat16, true>(shape, mode, args, launch, stream);
   } else {
-    launch_wgmma_typed<__half, true>(tall, mode, args, launch, stream);
+    launch_wgmma_typed<__half, true>(shape, mode, args, launch, stream);
   }
 }
 
