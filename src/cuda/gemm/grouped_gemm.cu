@@ -172,13 +172,15 @@ GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num
   // By rows per touched expert, measured on an H200 (grouped_gemm_bench --weights mxfp4 --variants all,
   // docs/MXFP4.md; kimi-k3 tp-shard 8 and 1, 256-4096 tokens): up to 16 rows the 16-row mma.sync tiles;
   // above, on Hopper, the wgmma kernel where bf16 takes it (at least 384 output columns), 6-18% faster
-  // than the best mma.sync shape at 1024 and 4096 tokens; else mma_m up to 48 rows, mma_l4 above. The
-  // tall wgmma tiles measured 1.6-1.8x slower than the 96-row ones with MXFP4 and are not chosen.
+  // than the best mma.sync shape at 1024 and 4096 tokens, in its narrow shape (128 weight rows, two CTAs
+  // per SM): 3-8% faster than the 256-row one at 256-4096 tokens, both presets (140c3c2,
+  // grouped_gemm_mxfp4_narrow_h200_140c3c2.json); else mma_m up to 48 rows, mma_l4 above. The tall wgmma
+  // tiles measured 1.6-1.8x slower than the 96-row ones with MXFP4 and are not chosen.
   (void)dtype, (void)gated;
   const int64_t mean_rows = mean_rows_per_touched_expert(num_tokens, top_k, num_experts);
   if (num_tokens <= 16 || mean_rows <= 16) return GemmVariant::mma_s_wide;
   const int64_t out_cols = down ? latent : intermediate;
-  if (out_cols >= 384 && wgmma_available()) return GemmVariant::wgmma;
+  if (out_cols >= 384 && wgmma_available()) return GemmVariant::wgmma_narrow;
   if (mean_rows <= 48) return GemmVariant::mma_m;
   return GemmVariant::mma_l4;
 }

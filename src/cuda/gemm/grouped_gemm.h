@@ -118,7 +118,7 @@ int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident);
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                            int64_t intermediate, int64_t latent);
 // The tile shape `automatic` takes with MXFP4 weights, by rows per touched expert: mma_s_wide up to 16;
-// above, wgmma on Hopper where at least 384 output columns, else mma_m up to 48 and mma_l4 above.
+// above, wgmma_narrow on Hopper where at least 384 output columns, else mma_m up to 48 and mma_l4 above.
 GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                                  int64_t intermediate, int64_t latent);
 
