@@ -87,6 +87,11 @@ class Runner {
   const TierSupport& tier_support() const;
   // The tier forward() would take for `num_tokens` tokens when none is forced (inside tier_support()).
   TailTier select_tier(int64_t num_tokens) const;
+  // The checks forward() makes before it runs anything (shapes, dtypes, devices, contiguity, the token
+  // count against max_tokens, a forced tier against tier_support()): throws Error naming the problem and
+  // returns the tier forward() would run. Allocates nothing. (A binding tells bad arguments from failures
+  // while running by calling it first: latentmoe/c_api.h.)
+  TailTier check_forward(const ForwardInputs& inputs, const ForwardOutputs& outputs) const;
   // Runs the layer. Inputs and outputs live on device() (host tensors for the CPU backend).
   // Returns the tier it ran. Throws Error on bad shapes or dtypes, a forced tier that tier_support()
   // does not allow for these tokens (naming why), or more than max_tokens tokens.

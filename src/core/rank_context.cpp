@@ -111,8 +111,14 @@ std::array<ScratchShape, kNumScratch> scratch_shapes(const LayerConfig& config, 
 }
 
 void RankContextState::reserve(const LayerConfig& config, DType dtype) {
-  const WorkspaceSpec layer_spec = WorkspaceSpec::for_layer(config, dtype, options.max_tokens, parallel.tp_size);
-  const auto shapes = scratch_shapes(config, dtype, options.max_tokens, parallel.tp_size);
+  reserve(scratch_shapes(config, dtype, options.max_tokens, parallel.tp_size),
+          WorkspaceSpec::for_layer(config, dtype, options.max_tokens, parallel.tp_size),
+          "this layer (d " + std::to_string(config.hidden_size) + ", l " + std::to_string(config.latent_size) + ", E " +
+              std::to_string(config.num_experts) + ", " + std::string(dtype_name(dtype)) + ")");
+}
+
+void RankContextState::reserve(const std::array<ScratchShape, kNumScratch>& shapes, const WorkspaceSpec& layer_spec,
+                               const std::string& what_needs) {
   const int num_buffers = has_staging() ? kNumScratch : kNumScratch - kNumStaging;
   bool grow_spec = !prepared || !spec.covers(layer_spec);
   bool grow_scratch = false;
@@ -129,9 +135,8 @@ void RankContextState::reserve(const LayerConfig& config, DType dtype) {
         break;
       }
     }
-    throw_error("construct every layer before the first forward: this layer (d ", config.hidden_size, ", l ",
-                config.latent_size, ", E ", config.num_experts, ", ", dtype_name(dtype), ") needs more of ", what,
-                " than rank ", parallel.rank,
+    throw_error("construct every layer before the first forward: ", what_needs, " needs more of ", what, " than rank ",
+                parallel.rank,
                 "'s context holds, and growing it now would move buffers that "
                 "earlier forwards (and CUDA graphs captured from them) use");
   }

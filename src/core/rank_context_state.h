@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "core/backend.h"
 #include "latentmoe/config.h"
@@ -56,6 +57,11 @@ struct RankContextState {
   // backend has already accepted the layer: Backend::check_layer). Throws Error when the layer needs
   // more than the context holds and a forward has already run through it.
   void reserve(const LayerConfig& config, DType dtype);
+  // The same for any user of the scratch (a layer, a Tail): the buffers `shapes` (zero bytes where it
+  // uses none) and the backend's workspaces `spec`; `what` names the user in the error ("this layer (d
+  // 7168, ...)").
+  void reserve(const std::array<ScratchShape, kNumScratch>& shapes, const WorkspaceSpec& layer_spec,
+               const std::string& what);
   bool has_staging() const { return options.host_staging && backend->device() != Device::cpu; }
   // The scratch buffer `which` seen with `shape` (which reserve() covered).
   TensorView view(Scratch which, const ScratchShape& shape) const;

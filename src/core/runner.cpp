@@ -16,10 +16,6 @@ namespace latentmoe {
 
 namespace detail {
 
-namespace {
-
-// One weight on the backend's device: a host view is copied there, a view already on the device is
-// used in place; undefined views stay undefined.
 DeviceTensor place(Backend& backend, const TensorView& weight, const char* name) {
   DeviceTensor placed;
   if (!weight.defined()) return placed;
@@ -51,8 +47,6 @@ void check_tensor(const TensorView& tensor, const char* name, DType dtype, std::
                   " but the runner's backend is on the ", device == Device::cpu ? "CPU" : "GPU");
   LATENTMOE_CHECK(tensor.data() != nullptr || tensor.numel() == 0, name, " has no data");
 }
-
-}  // namespace
 
 }  // namespace detail
 
@@ -181,8 +175,8 @@ TailTier Runner::select_tier(int64_t num_tokens) const {
   return select_tail_tier(impl_->options.policy, impl_->support, num_tokens);
 }
 
-TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outputs, StreamHandle stream) {
-  detail::RunnerState& state = *impl_;
+TailTier Runner::check_forward(const ForwardInputs& inputs, const ForwardOutputs& outputs) const {
+  const detail::RunnerState& state = *impl_;
   const LayerConfig& config = state.config;
   const Device device = state.backend->device();
   const int64_t d = config.hidden_size, l = config.latent_size, k = config.top_k;
@@ -213,6 +207,13 @@ TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outp
   const TailTier tier =
       inputs.tier.has_value() ? *inputs.tier : select_tail_tier(state.options.policy, state.support, num_tokens);
   state.support.check(tier, num_tokens);
+  return tier;
+}
+
+TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outputs, StreamHandle stream) {
+  detail::RunnerState& state = *impl_;
+  const TailTier tier = check_forward(inputs, outputs);
+  const int64_t num_tokens = inputs.hidden_states.size(0);
   if (num_tokens == 0) return tier;  // every rank sees the same T, so all skip the collectives together
 
   // From the first forward on, the context's buffers never move (graphs captured from it hold them).

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 
 #include "core/backend.h"
@@ -101,6 +102,16 @@ struct RunnerState {
   uint64_t bound_generation = 0;
   bool bound = false;
 };
+
+// One weight on the backend's device: a host view is copied there, a view already on the device is
+// used in place; undefined views stay undefined. `name` names it in the error for a GPU view on a CPU
+// backend. (Runner and Tail construction.)
+DeviceTensor place(Backend& backend, const TensorView& weight, const char* name);
+
+// Throws Error unless `tensor` is defined, of `shape` and `dtype`, contiguous, on `device` and has data
+// (`name` names it). Allocates nothing on success (forward validates every call).
+void check_tensor(const TensorView& tensor, const char* name, DType dtype, std::initializer_list<int64_t> shape,
+                  Device device);
 
 // Waits for the device work this rank has enqueued (its backend's streams), at most twice the
 // collective timeout (LATENTMOE_COLLECTIVE_TIMEOUT_MS): the one-shot kernels end themselves at their
