@@ -109,6 +109,10 @@ LMOE_API int lmoe_get_build_info(lmoe_build_info* info);
  * small nothing is written and LMOE_OK is returned (call again with a larger buffer). */
 LMOE_API int lmoe_config_normalize(const char* config_json, char* out, size_t out_size, size_t* needed);
 
+/* Whether a layer of this config can be split over tp ranks (tp divides d, l, I and Is; with MXFP4 experts
+ * I / tp is a multiple of 32): LMOE_INVALID_ARGUMENT naming the first size that does not divide. */
+LMOE_API int lmoe_config_check_parallel(const char* config_json, int32_t tp);
+
 /* --- contexts: one tensor-parallel rank ---------------------------------------------------------- */
 
 typedef struct lmoe_context_options {
@@ -138,6 +142,10 @@ LMOE_API int lmoe_simulated_group_create(int32_t tp, const lmoe_context_options*
  * after everything built on it. The first layer or tail built on a context is collective too (its
  * one-shot buffers are registered as an NCCL window): every rank builds its layers in the same order. */
 LMOE_API int lmoe_nccl_unique_id(uint8_t* id, size_t id_size);
+/* The checks lmoe_context_create_nccl makes before ncclCommInitRank (the libnccl release, NCCL_NVLS_ENABLE),
+ * on their own: a binding runs them on every rank and agrees on the result before the collective init, so
+ * that no rank waits in ncclCommInitRank for a peer that refused. */
+LMOE_API int lmoe_nccl_check(void);
 LMOE_API int lmoe_context_create_nccl(const lmoe_context_options* options, int32_t tp, int32_t rank, const uint8_t* id,
                                       size_t id_size, lmoe_context** out);
 /* The same over the caller's communicator (an ncclComm_t, not owned: it must outlive the context),

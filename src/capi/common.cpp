@@ -207,4 +207,14 @@ int lmoe_config_normalize(const char* config_json, char* out, size_t out_size, s
   });
 }
 
+int lmoe_config_check_parallel(const char* config_json, int32_t tp) {
+  return guarded([&] {
+    require(config_json, "config_json");
+    as_invalid_argument([&] {
+      const LayerConfig config = LayerConfig::from_json(config_json, "config");
+      validate_parallel(config, ParallelConfig{tp, 0, false});
+    });
+  });
+}
+
 }  // extern "C"

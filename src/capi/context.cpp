@@ -293,6 +293,17 @@ int lmoe_nccl_unique_id(uint8_t* id, size_t id_size) {
   });
 }
 
+int lmoe_nccl_check(void) {
+  return guarded([&] {
+#if defined(LATENTMOE_WITH_NCCL)
+    check_nvls_off();
+    check_nccl_version();
+#else
+    throw Error("latentmoe was built without NCCL: no process-group contexts");
+#endif
+  });
+}
+
 int lmoe_context_create_nccl(const lmoe_context_options* options, int32_t tp, int32_t rank, const uint8_t* id,
                              size_t id_size, lmoe_context** out) {
   return guarded([&] {
