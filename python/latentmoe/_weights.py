@@ -72,12 +72,14 @@ def _place(tensor, dtype, device):
 
 def compute_dtype(weights, prefix, dtype):
     """The layer's dtype: `dtype` when given, else that of its latent down-projection."""
+    if not isinstance(weights, dict):
+        raise ValueError(f"weights must be a dict of name -> torch.Tensor, got {type(weights).__name__}")
     if dtype is not None:
         if dtype not in _lib.COMPUTE_DTYPES:
             raise ValueError(f"dtype {dtype} is not a compute dtype (float32, bfloat16, float16)")
         return dtype
     for name in ("routed_expert_down_proj.weight", "fc1_latent_proj.weight"):
-        tensor = weights.get(prefix + name) if isinstance(weights, dict) else None
+        tensor = weights.get(prefix + name)
         if isinstance(tensor, torch.Tensor):
             if tensor.dtype not in _lib.COMPUTE_DTYPES:
                 raise ValueError(f"weights: tensor {prefix + name} has dtype {tensor.dtype}; weights must be float32, bfloat16 or float16")

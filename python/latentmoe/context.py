@@ -55,13 +55,16 @@ class RankContext:
             if device_type != _lib.DEVICE_CUDA:
                 raise ValueError(f"an NCCL communicator needs a CUDA device, not {self.device}")
             check(lib.lmoe_context_create_from_nccl_comm(ctypes.byref(options), ctypes.c_void_p(int(nccl_comm)), ctypes.byref(handle)))
-        elif group is not None and _group_size(group) > 1:
+        elif group is not None:
             if device_type != _lib.DEVICE_CUDA:
                 raise ValueError(
                     f"RankContext(group=...) on {self.device}: process groups are supported on CUDA devices only (NCCL); "
                     "on the CPU use latentmoe.simulated_group(tp, 'cpu', max_tokens) (ranks as threads)"
                 )
-            _create_from_group(options, group, self.device, handle)
+            if _group_size(group) > 1:
+                _create_from_group(options, group, self.device, handle)
+            else:  # one rank never communicates
+                check(lib.lmoe_context_create(ctypes.byref(options), ctypes.byref(handle)))
         else:
             check(lib.lmoe_context_create(ctypes.byref(options), ctypes.byref(handle)))
         self._adopt(handle.value)

@@ -55,6 +55,12 @@ class _Module(torch.nn.Module):
         self._finalizer()
 
 
+def _require_tensor(value, what, optional=False):
+    # The op's schema would refuse anything else too, but with torch's multi-line message and a RuntimeError.
+    if not isinstance(value, torch.Tensor) and not (optional and value is None):
+        raise ValueError(f"{what} must be a torch.Tensor{' or None' if optional else ''}, got {type(value).__name__}")
+
+
 def _release(handle, destroy):
     _ops.unregister(handle)
     destroy(ctypes.c_void_p(handle))
@@ -133,6 +139,9 @@ class LatentMoE(_Module):
         """hidden_states [T, d] in the layer's dtype; router_logits [T, E+Z] float32 (None: computed from
         gate.weight); latent_states [T, l] (None: hidden_states W_down^T); tier "auto" or a tier's name.
         Returns out [T, d], topk_ids [T, k] int32, topk_weights [T, k] float32."""
+        _require_tensor(hidden_states, "hidden_states")
+        _require_tensor(router_logits, "router_logits", optional=True)
+        _require_tensor(latent_states, "latent_states", optional=True)
         return torch.ops.latentmoe.layer_forward(hidden_states, router_logits, latent_states, self._handle,
                                                  _lib.tier_code(tier))
 
@@ -199,6 +208,8 @@ class LatentTail(_Module):
     def forward(self, shared_partial, latent_partial, tier="auto"):
         """shared_partial: this rank's S_r [T, d]; latent_partial: its L_r [T, l] (both un-reduced, left as
         they are). Returns out [T, d], the same on every rank."""
+        _require_tensor(shared_partial, "shared_partial")
+        _require_tensor(latent_partial, "latent_partial")
         return torch.ops.latentmoe.tail_forward(shared_partial, latent_partial, self._handle, _lib.tier_code(tier))
 
     def select_tier(self, num_tokens):
