@@ -32,6 +32,8 @@ _DTYPE_CODES = {
     torch.uint8: 4,
 }
 DTYPES_BY_CODE = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+DTYPE_F32 = 0
+DTYPE_I32 = 3
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 DEVICE_CPU = 0
@@ -252,6 +254,14 @@ for _name, (_restype, _argtypes) in _signatures.items():
     _function = getattr(lib, _name)
     _function.restype = _restype
     _function.argtypes = _argtypes
+
+def function(name, restype, argtypes):
+    """Another ctypes handle on the library's function `name` with its own signature."""
+    handle = ctypes.CDLL(LIBRARY_PATH)[name]
+    handle.restype = restype
+    handle.argtypes = argtypes
+    return handle
+
 
 if lib.lmoe_abi_version() != ABI_VERSION:
     raise ImportError(
