@@ -16,6 +16,7 @@
 #include "core/nccl_checks.h"
 #include "core/shard_layout.h"
 #include "error_test_util.h"
+#include "latentmoe/device.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
 #include "layer_test_util.h"

@@ -9,6 +9,7 @@
 
 #include "core/backend.h"
 #include "core/nccl_checks.h"
+#include "latentmoe/device.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
@@ -63,11 +64,11 @@ GpuPlacement parse_gpu_placement(std::string_view name) {
 
 GpuPlacement resolve_gpu_placement(GpuPlacement requested, int tp_size, std::string* why) {
   LATENTMOE_CHECK(tp_size >= 1, "GPU placement: tp must be at least 1, got ", tp_size);
-  const int devices = detail::cuda_device_count();
+  const int devices = cuda_device_count();
   // NCCL and peer access are asked only when they could matter (peer access initialises every device).
   const bool wanted = requested != GpuPlacement::simulated && devices >= tp_size;
   const std::string nccl = wanted ? detail::nccl_problem() : std::string();
-  const bool peers_ok = wanted && nccl.empty() && detail::cuda_peer_access_between(tp_size);
+  const bool peers_ok = wanted && nccl.empty() && cuda_peer_access_between(tp_size);
   return detail::choose_gpu_placement(requested, tp_size, devices, peers_ok, nccl, why);
 }
 

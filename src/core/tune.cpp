@@ -8,9 +8,9 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "core/atomic_file.h"
 #include "core/bounded_file.h"
 #include "core/builtin_tune.h"
+#include "latentmoe/atomic_file.h"
 #include "latentmoe/error.h"
 #include "latentmoe/tier.h"
 
@@ -165,7 +165,7 @@ std::string TuneTable::to_json() const {
 
 void TuneTable::write_file(const std::string& path) const {
   const std::string text = to_json();
-  detail::AtomicFile file(path, text.size());
+  AtomicFile file(path, text.size());
   file.write(text.data(), text.size());
   file.commit();
 }

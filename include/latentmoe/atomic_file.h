@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace latentmoe::detail {
+namespace latentmoe {
 
 class AtomicFile {
  public:
@@ -40,4 +40,4 @@ class AtomicFile {
   std::vector<char> buffer_;
 };
 
-}  // namespace latentmoe::detail
+}  // namespace latentmoe
