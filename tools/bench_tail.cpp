@@ -124,7 +124,7 @@ Plan plan_of(const BenchTailOptions& options) {
       try {
         validate_parallel(config, ParallelConfig{tp, 0, false});
       } catch (const Error& error) {
-        detail::throw_error("--tp ", tp, " for ", preset, " (scale ", plan.scale, "): ", error.what());
+        detail::throw_error("--tp ", tp, " for ", preset, " (scale ", plan.scale, "): ", error);
       }
     }
   }
@@ -381,7 +381,7 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
           comm.check();
         } catch (const Error& error) {
           detail::throw_error("bench tail: ", block.preset, " tp ", tp, " tokens ", tokens, ", ", path_name(path), part,
-                              ": ", error.what());
+                              ": ", error);
         }
         return runs;
       };

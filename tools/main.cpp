@@ -30,7 +30,9 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& error) {
     // --help and --version are "errors" with exit code 0; real parse errors get one line.
     if (error.get_exit_code() == 0) return app.exit(error);
-    std::cerr << "latentmoe: error: " << latentmoe::sanitize_error_text(error.what()) << " (see --help)\n";
+    // CLI11's message may echo an argument of any length: one echoed part, capped as such.
+    std::cerr << "latentmoe: error: " << latentmoe::sanitize_error_text(error.what(), latentmoe::kMaxPartBytes)
+              << " (see --help)\n";
     return 2;
   } catch (const latentmoe::Error& error) {
     std::cerr << "latentmoe: error: " << error.what() << "\n";
@@ -38,8 +40,8 @@ int main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     std::cerr << "latentmoe: error: out of memory\n";
     return 1;
-  } catch (const std::exception& error) {  // from the standard library: may echo input, so one safe line too
-    std::cerr << "latentmoe: error: " << latentmoe::sanitize_error_text(error.what()) << "\n";
+  } catch (const std::exception& error) {  // from the standard library: may echo a path, so one capped part
+    std::cerr << "latentmoe: error: " << latentmoe::sanitize_error_text(error.what(), latentmoe::kMaxPartBytes) << "\n";
     return 1;
   }
   return 0;
