@@ -11,6 +11,7 @@
 #include <string_view>
 #include <thread>
 
+#include "core/settings.h"
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/backend/decode_dispatch.h"
 #include "cuda/comm/lamport_communicator.h"
@@ -44,12 +45,9 @@ size_t align_up(size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * k
 // its measured rule, for measuring the rule and for the tests that reach each split through a runner. Read
 // once, when a backend is made.
 int mxfp4_gate_up_split_from_environment() {
-  const char* value = std::getenv("LATENTMOE_MXFP4_GATE_UP_SPLIT");
-  if (value == nullptr || *value == '\0') return 0;
-  const std::string_view text(value);
-  LATENTMOE_CHECK(text == "1" || text == "2" || text == "8", "LATENTMOE_MXFP4_GATE_UP_SPLIT is '", text,
-                  "'; expected 1, 2 or 8 (warps per tile)");
-  return text[0] - '0';
+  // 0: unset, the rule (the registry, core/settings.h, accepts only 1, 2 and 8).
+  using ::latentmoe::detail::Setting;
+  return static_cast<int>(::latentmoe::detail::read_integer(Setting::mxfp4_gate_up_split).value_or(0));
 }
 
 // A tensor as rows x cols with a row stride: rank 1 is one row, rank 2 keeps its row stride (a
