@@ -39,10 +39,9 @@ std::string expected_integer(const SettingSpec& spec) {
 
 constexpr std::string_view kBooleanValues = "0/1, true/false, yes/no or on/off";
 
-std::optional<std::string> non_empty(std::optional<std::string> value) {
-  if (value.has_value() && value->empty()) return std::nullopt;
-  return value;
-}
+// Indexed by SettingType.
+constexpr std::string_view kTypeNames[] = {"integer", "boolean", "path"};
+std::string_view type_name(SettingType type) { return kTypeNames[static_cast<size_t>(type)]; }
 
 }  // namespace
 
@@ -84,31 +83,35 @@ bool parse_boolean(const SettingSpec& spec, std::string_view text) {
   detail::throw_error(spec.name, "='", text, "' is not a boolean; expected ", kBooleanValues);
 }
 
+namespace {
+
+// The text of `id` from `lookup`, nullopt when unset or empty; `type` is what the caller parses it as.
+std::optional<std::string> text_of(Setting id, SettingType type, const SettingLookup& lookup) {
+  const SettingSpec& spec = setting_spec(id);
+  LATENTMOE_CHECK(spec.type == type, "internal error: ", spec.name, " is not a",
+                  type == SettingType::integer ? "n" : "", " ", type_name(type), " setting");
+  std::optional<std::string> text = lookup(spec.name);
+  if (text.has_value() && text->empty()) return std::nullopt;
+  return text;
+}
+
+}  // namespace
+
 std::optional<int64_t> read_integer(Setting id) { return read_integer(id, environment_value); }
 
 std::optional<int64_t> read_integer(Setting id, const SettingLookup& lookup) {
-  const SettingSpec& spec = setting_spec(id);
-  LATENTMOE_CHECK(spec.type == SettingType::integer, "internal error: ", spec.name, " is not an integer setting");
-  const std::optional<std::string> text = non_empty(lookup(spec.name));
-  if (!text) return std::nullopt;
-  return parse_integer(spec, *text);
+  const std::optional<std::string> text = text_of(id, SettingType::integer, lookup);
+  return text ? std::optional<int64_t>(parse_integer(setting_spec(id), *text)) : std::nullopt;
 }
 
 std::optional<bool> read_boolean(Setting id) { return read_boolean(id, environment_value); }
 
 std::optional<bool> read_boolean(Setting id, const SettingLookup& lookup) {
-  const SettingSpec& spec = setting_spec(id);
-  LATENTMOE_CHECK(spec.type == SettingType::boolean, "internal error: ", spec.name, " is not a boolean setting");
-  const std::optional<std::string> text = non_empty(lookup(spec.name));
-  if (!text) return std::nullopt;
-  return parse_boolean(spec, *text);
+  const std::optional<std::string> text = text_of(id, SettingType::boolean, lookup);
+  return text ? std::optional<bool>(parse_boolean(setting_spec(id), *text)) : std::nullopt;
 }
 
-std::optional<std::string> read_path(Setting id) {
-  const SettingSpec& spec = setting_spec(id);
-  LATENTMOE_CHECK(spec.type == SettingType::path, "internal error: ", spec.name, " is not a path setting");
-  return non_empty(environment_value(spec.name));
-}
+std::optional<std::string> read_path(Setting id) { return text_of(id, SettingType::path, environment_value); }
 
 int64_t integer_setting(Setting id) {
   const SettingSpec& spec = setting_spec(id);
@@ -130,7 +133,7 @@ std::string settings_markdown() {
         text.append("boolean: ").append(kBooleanValues);
         break;
       case SettingType::path:
-        text += "path";
+        text += type_name(spec.type);
         break;
     }
     text += " | ";
