@@ -9,8 +9,8 @@
 // backend), never on a forward: an engine calls forward from anywhere (a torch custom op, a captured
 // graph) and must not pay for, or be surprised by, the environment there. The object keeps what it read.
 //
-// docs/CONFIG.md, "Environment variables", is settings_markdown()'s table; the test above fails when the
-// two differ (it prints the table, and writes it into the file with LATENTMOE_REGENERATE_DOCS=1).
+// docs/CONFIG.md, "Environment variables", is settings_markdown()'s table: tests/test_settings.cpp fails
+// when the two differ, prints the table, and writes it into the file with LATENTMOE_REGENERATE_DOCS=1.
 #pragma once
 
 #include <array>
@@ -45,132 +45,112 @@ enum class Setting {
 enum class SettingType { integer, boolean, path };
 
 struct SettingSpec {
-  Setting id;
-  std::string_view name;
-  SettingType type;
+  Setting id{};
+  std::string_view name{};
+  SettingType type{};
   int64_t min = 0;  // integer: the accepted range
   int64_t max = std::numeric_limits<int64_t>::max();
-  std::span<const int64_t> values;  // integer: the accepted values, where not every one of [min, max] is
-  std::string_view unit;            // integer: what it counts ("tokens"), for messages and the docs
-  std::optional<int64_t> fallback;  // the value when unset (boolean: 0 or 1), where one value says it
-  std::string_view unset;           // what unset means, where `fallback` alone does not say it
-  std::string_view meaning;
-  std::string_view read_when;
+  std::span<const int64_t> values{};  // integer: the accepted values, where not every one of [min, max] is
+  std::string_view unit{};            // integer: what it counts ("tokens"), for messages and the docs
+  std::optional<int64_t> fallback{};  // the value when unset (boolean: 0 or 1), where one value says it
+  std::string_view unset{};           // what unset means, where `fallback` alone does not say it
+  std::string_view meaning{};
+  std::string_view read_when{};
 };
 
 inline constexpr int64_t kMxfp4GateUpSplits[] = {1, 2, 8};
 
-// Markdown cells: no '|'.
+// In the order of enum Setting (checked at compile time). Markdown cells: no '|'.
 inline constexpr std::array<SettingSpec, 10> kSettings{{
-    {Setting::tail_fusion_max_tokens,
-     "LATENTMOE_TAIL_FUSION_MAX_TOKENS",
-     SettingType::integer,
-     0,
-     std::numeric_limits<int64_t>::max(),
-     {},
-     "tokens",
-     TierPolicy::kDefaultTailFusionMaxTokens,
-     {},
-     "`TierPolicy::tail_fusion_max_tokens`: tier 0 (tail_fusion) up to this many tokens; 0 turns it off",
-     "when a tier policy is made: `TierPolicy::from_environment()` (its first call, cached for the process), "
-     "`tuned_policy()` (every call: `latentmoe run`, `bench tail`)"},
-    {Setting::shared_stream_token_threshold,
-     "LATENTMOE_SHARED_STREAM_TOKEN_THRESHOLD",
-     SettingType::integer,
-     0,
-     std::numeric_limits<int64_t>::max(),
-     {},
-     "tokens",
-     TierPolicy::kDefaultSharedStreamTokenThreshold,
-     {},
-     "`TierPolicy::shared_stream_token_threshold`: allreduce_overlap up to this many tokens, column_parallel above",
-     "as LATENTMOE_TAIL_FUSION_MAX_TOKENS"},
-    {Setting::disable_shared_stream,
-     "LATENTMOE_DISABLE_SHARED_STREAM",
-     SettingType::boolean,
-     0,
-     1,
-     {},
-     {},
-     0,
-     {},
-     "`TierPolicy::disable_shared_stream`: never allreduce_overlap",
-     "as LATENTMOE_TAIL_FUSION_MAX_TOKENS"},
-    {Setting::disable_tail_fusion,
-     "LATENTMOE_DISABLE_TAIL_FUSION",
-     SettingType::boolean,
-     0,
-     1,
-     {},
-     {},
-     0,
-     {},
-     "`TierPolicy::disable_tail_fusion`: never tail_fusion",
-     "as LATENTMOE_TAIL_FUSION_MAX_TOKENS"},
-    {Setting::tune_file,
-     "LATENTMOE_TUNE_FILE",
-     SettingType::path,
-     0,
-     0,
-     {},
-     {},
-     std::nullopt,
-     "no table (`--tune-file` wins where given)",
-     "a table of tier crossovers measured by `latentmoe tune`, taken over the built-in table of the ranks' GPU",
-     "`tuned_policy()` with no table path (every call: `latentmoe run`, `bench tail`)"},
-    {Setting::collective_timeout_ms,
-     "LATENTMOE_COLLECTIVE_TIMEOUT_MS",
-     SettingType::integer,
-     1,
-     3600000,
-     {},
-     "milliseconds",
-     kDefaultCollectiveTimeout.count(),
-     {},
-     "how long a GPU group's collective waits for its peers before it fails; a host waits for a rank's device "
-     "work twice that",
-     "`default_collective_timeout()`: when the local group or `bench tail` builds a GPU group (the group keeps "
-     "it: `Communicator::timeout()`); a host wait reads it only for a communicator that states no timeout"},
-    {Setting::one_shot_max_tokens,
-     "LATENTMOE_ONE_SHOT_MAX_TOKENS",
-     SettingType::integer,
-     1,
-     1048576,
-     {},
-     "tokens",
-     std::nullopt,
-     "512 (`kDefaultOneShotTokensTwoRanks`) up to two ranks, 64 (`kDefaultOneShotTokens`) above",
-     "how many tokens of a layer the one-shot collectives of ranks on GPUs of their own carry; NCCL above",
-     "`default_one_shot_tokens(tp)`: when such a group is sized (the local group, `tune`, `bench tail`, "
-     "engines)"},
-    {Setting::mxfp4_gate_up_split, "LATENTMOE_MXFP4_GATE_UP_SPLIT", SettingType::integer, 1, 8, kMxfp4GateUpSplits,
-     "warps per tile", std::nullopt, "the rule measured per shape (docs/MXFP4.md)",
-     "forces the MXFP4 tensor-core gate/up kernel's warps per tile along K (to measure the rule; tests)",
-     "when a CUDA backend is made (each runner's or rank context's)"},
-    {Setting::cuda_device_max_connections,
-     "CUDA_DEVICE_MAX_CONNECTIONS",
-     SettingType::integer,
-     1,
-     32,
-     {},
-     "hardware queues",
-     8,
-     "(CUDA's default)",
-     "CUDA's, checked and never set by the library: tp ranks simulated on one GPU need at least 4 tp (32 from tp "
-     "8 on), set before the process first calls CUDA (the tool and the GPU tests set 32)",
-     "when a simulated GPU group of tp > 1 is built"},
-    {Setting::nccl_nvls_enable,
-     "NCCL_NVLS_ENABLE",
-     SettingType::integer,
-     0,
-     2,
-     {},
-     {},
-     std::nullopt,
-     "NCCL's default (NVLink multicast where the GPUs have it): refused",
-     "NCCL's, checked and never set by the library: an NCCL group needs 0 (NVLink multicast off: it can put "
-     "GPUs shared with others out of service); the tool sets 0 for its own process where it is unset",
-     "when an NCCL group is built (`make_nccl_gpu_group`, `make_nccl_communicator`)"},
+    {.id = Setting::tail_fusion_max_tokens,
+     .name = "LATENTMOE_TAIL_FUSION_MAX_TOKENS",
+     .type = SettingType::integer,
+     .unit = "tokens",
+     .fallback = TierPolicy::kDefaultTailFusionMaxTokens,
+     .meaning = "`TierPolicy::tail_fusion_max_tokens`: tier 0 (tail_fusion) up to this many tokens; 0 turns it off",
+     .read_when = "when a tier policy is made: `TierPolicy::from_environment()` (its first call, cached for the "
+                  "process), `tuned_policy()` (every call: `latentmoe run`, `bench tail`)"},
+    {.id = Setting::shared_stream_token_threshold,
+     .name = "LATENTMOE_SHARED_STREAM_TOKEN_THRESHOLD",
+     .type = SettingType::integer,
+     .unit = "tokens",
+     .fallback = TierPolicy::kDefaultSharedStreamTokenThreshold,
+     .meaning = "`TierPolicy::shared_stream_token_threshold`: allreduce_overlap up to this many tokens, "
+                "column_parallel above",
+     .read_when = "as LATENTMOE_TAIL_FUSION_MAX_TOKENS"},
+    {.id = Setting::disable_shared_stream,
+     .name = "LATENTMOE_DISABLE_SHARED_STREAM",
+     .type = SettingType::boolean,
+     .fallback = 0,
+     .meaning = "`TierPolicy::disable_shared_stream`: never allreduce_overlap",
+     .read_when = "as LATENTMOE_TAIL_FUSION_MAX_TOKENS"},
+    {.id = Setting::disable_tail_fusion,
+     .name = "LATENTMOE_DISABLE_TAIL_FUSION",
+     .type = SettingType::boolean,
+     .fallback = 0,
+     .meaning = "`TierPolicy::disable_tail_fusion`: never tail_fusion",
+     .read_when = "as LATENTMOE_TAIL_FUSION_MAX_TOKENS"},
+    {.id = Setting::tune_file,
+     .name = "LATENTMOE_TUNE_FILE",
+     .type = SettingType::path,
+     .unset = "no table (`--tune-file` wins where given)",
+     .meaning = "a table of tier crossovers measured by `latentmoe tune`, taken over the built-in table of the "
+                "ranks' GPU",
+     .read_when = "`tuned_policy()` with no table path (every call: `latentmoe run`, `bench tail`)"},
+    {.id = Setting::collective_timeout_ms,
+     .name = "LATENTMOE_COLLECTIVE_TIMEOUT_MS",
+     .type = SettingType::integer,
+     .min = 1,
+     .max = 3600000,
+     .unit = "milliseconds",
+     .fallback = kDefaultCollectiveTimeout.count(),
+     .meaning = "how long a GPU group's collective waits for its peers before it fails; a host waits for a rank's "
+                "device work twice that",
+     .read_when = "`default_collective_timeout()`: when the local group or `bench tail` builds a GPU group (the "
+                  "group keeps it: `Communicator::timeout()`); a host wait reads it only for a communicator that "
+                  "states no timeout"},
+    {.id = Setting::one_shot_max_tokens,
+     .name = "LATENTMOE_ONE_SHOT_MAX_TOKENS",
+     .type = SettingType::integer,
+     .min = 1,
+     .max = 1048576,
+     .unit = "tokens",
+     .unset = "512 (`kDefaultOneShotTokensTwoRanks`) up to two ranks, 64 (`kDefaultOneShotTokens`) above",
+     .meaning = "how many tokens of a layer the one-shot collectives of ranks on GPUs of their own carry; NCCL "
+                "above",
+     .read_when = "`default_one_shot_tokens(tp)`: when such a group is sized (the local group, `tune`, `bench "
+                  "tail`, engines)"},
+    {.id = Setting::mxfp4_gate_up_split,
+     .name = "LATENTMOE_MXFP4_GATE_UP_SPLIT",
+     .type = SettingType::integer,
+     .min = 1,
+     .max = 8,
+     .values = kMxfp4GateUpSplits,
+     .unit = "warps per tile",
+     .unset = "the rule measured per shape (docs/MXFP4.md)",
+     .meaning = "forces the MXFP4 tensor-core gate/up kernel's warps per tile along K (to measure the rule; tests)",
+     .read_when = "when a CUDA backend is made (each runner's or rank context's)"},
+    {.id = Setting::cuda_device_max_connections,
+     .name = "CUDA_DEVICE_MAX_CONNECTIONS",
+     .type = SettingType::integer,
+     .min = 1,
+     .max = 32,
+     .unit = "hardware queues",
+     .fallback = 8,
+     .unset = "(CUDA's default)",
+     .meaning = "CUDA's, checked and never set by the library: tp ranks simulated on one GPU need at least 4 tp "
+                "(32 from tp 8 on), set before the process first calls CUDA (the tool and the GPU tests set 32)",
+     .read_when = "when a simulated GPU group of tp > 1 is built"},
+    {.id = Setting::nccl_nvls_enable,
+     .name = "NCCL_NVLS_ENABLE",
+     .type = SettingType::integer,
+     .min = 0,
+     .max = 2,
+     .unset = "NCCL's default (NVLink multicast where the GPUs have it): refused",
+     .meaning = "NCCL's, checked and never set by the library: an NCCL group needs 0 (NVLink multicast off: it "
+                "can put GPUs shared with others out of service); the tool sets 0 for its own process where it is "
+                "unset",
+     .read_when = "when an NCCL group is built (`make_nccl_gpu_group`, `make_nccl_communicator`)"},
 }};
 
 const SettingSpec& setting_spec(Setting id);
