@@ -16,6 +16,10 @@ int main(int argc, char** argv) {
   setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   // And each simulated rank's streams need hardware queues of their own (latentmoe/gpu_group.h).
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+  // The library keeps NVLink multicast off in its NCCL groups but sets no NCCL variable: it refuses to
+  // build one unless NCCL_NVLS_ENABLE=0. The tool is a process of its own and may set it, before NCCL
+  // starts; a value the user set (another one is then refused) is kept.
+  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
   CLI::App app{"latentmoe: the Mixture-of-Experts block of latent-MoE models under tensor parallelism"};
   app.set_version_flag("--version", latentmoe::tools::version_string());
   app.require_subcommand(1);

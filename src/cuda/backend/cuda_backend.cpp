@@ -6,9 +6,9 @@
 // operation checks only what the runner cannot know (the prepared workspace fits, kernel limits,
 // run_overlapped's slot rule); its argument checks are LATENTMOE_DEBUG_CHECKs, gone under NDEBUG.
 #include <chrono>
-#include <cstdlib>
 #include <thread>
 
+#include "core/settings.h"
 #include "cuda/backend/backend_state.h"
 #include "cuda/gemm/dense_push_gemm.h"
 #include "cuda/gemm/grouped_gemm.h"
@@ -22,12 +22,9 @@ namespace {
 // its measured rule, for measuring the rule and for the tests that reach each split through a runner. Read
 // once, when a backend is made.
 int mxfp4_gate_up_split_from_environment() {
-  const char* value = std::getenv("LATENTMOE_MXFP4_GATE_UP_SPLIT");
-  if (value == nullptr || *value == '\0') return 0;
-  const std::string_view text(value);
-  LATENTMOE_CHECK(text == "1" || text == "2" || text == "8", "LATENTMOE_MXFP4_GATE_UP_SPLIT is '", text,
-                  "'; expected 1, 2 or 8 (warps per tile)");
-  return text[0] - '0';
+  // 0: unset, the rule (the registry, core/settings.h, accepts only 1, 2 and 8).
+  using ::latentmoe::detail::Setting;
+  return static_cast<int>(::latentmoe::detail::read_integer(Setting::mxfp4_gate_up_split).value_or(0));
 }
 
 }  // namespace

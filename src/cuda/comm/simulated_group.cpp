@@ -8,11 +8,11 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
 
+#include "core/settings.h"
 #include "cuda/comm/lamport.h"
 #include "cuda/comm/lamport_call.h"
 #include "cuda/comm/lamport_communicator.h"
@@ -236,8 +236,7 @@ std::vector<std::unique_ptr<Communicator>> make_simulated_gpu_group(int tp_size,
   // queued behind it (seen on the H200: tp 8 with the default 8 hung until the timeout). Each rank
   // has two streams; ask for twice that many queues, all 32 from tp 8 on.
   if (tp_size > 1) {
-    const char* value = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-    const int connections = value != nullptr && *value != '\0' ? std::atoi(value) : 8;
+    const int64_t connections = detail::integer_setting(detail::Setting::cuda_device_max_connections);
     const int needed = std::min(32, 4 * tp_size);
     LATENTMOE_CHECK(connections >= needed, "GPU group: ", tp_size, " ranks simulated on one GPU need ",
                     "CUDA_DEVICE_MAX_CONNECTIONS >= ", needed, " (it is ", connections,
