@@ -29,6 +29,7 @@
 
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/kernels/fill.h"
+#include "harness/cublas_handle.h"
 #include "harness/timing.h"
 #include "latentmoe/error.h"
 
@@ -86,20 +87,14 @@ double measure_gemm_rate(Timer& timer, cudaStream_t stream) {
   DeviceMemory a(count * 2), b(count * 2), c(count * 2);
   fill(a.get(), count, 1.0f, 1, stream);
   fill(b.get(), count, 1.0f, 2, stream);
-  cublasHandle_t handle = nullptr;
-  LATENTMOE_CUBLAS_CHECK(cublasCreate(&handle));
-  struct Destroy {
-    cublasHandle_t handle;
-    ~Destroy() { cublasDestroy(handle); }
-  } destroy{handle};
-  LATENTMOE_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  const latentmoe::bench::CublasHandle handle(stream);
   const float alpha = 1.0f, beta = 0.0f;
   const double us = timer.median_us(
       stream,
       [&] {
-        LATENTMOE_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a.get(), CUDA_R_16BF, n,
-                                            b.get(), CUDA_R_16BF, n, &beta, c.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                                            CUBLAS_GEMM_DEFAULT));
+        LATENTMOE_CUBLAS_CHECK(cublasGemmEx(handle.get(), CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a.get(),
+                                            CUDA_R_16BF, n, b.get(), CUDA_R_16BF, n, &beta, c.get(), CUDA_R_16BF, n,
+                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
       },
       kCeilingRuns);
   return 2.0 * n * double(n) * n / (us * 1e-6);

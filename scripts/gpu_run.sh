@@ -32,7 +32,7 @@ if has nccl; then
   nccl_lib="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])')/lib"
   echo "libnccl for the nccl step: $nccl_lib"; ls "$nccl_lib"
   nvidia-smi topo -m 2>&1 | head -20
-  # NCCL_NVLS_ENABLE=0 stays exported (above): latentmoe refuses any other value.
+  # NCCL_NVLS_ENABLE=0 stays exported (above): latentmoe refuses any other value, unset included.
   LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LATENTMOE_TEST_REQUIRE_NCCL=1 \
     LATENTMOE_COLLECTIVE_TIMEOUT_MS=5000 NCCL_DEBUG=WARN timeout 420 "$bin/latentmoe_cuda_tests" \
     --gtest_filter='NcclGroup*' > "$out/nccl_tests.log" 2>&1

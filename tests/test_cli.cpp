@@ -207,6 +207,23 @@ TEST_F(CliTest, inspect_lists_tensors_and_version_and_help_work) {
   EXPECT_NE(result.exit_code, 0);
 }
 
+// The error contract's bound (include/latentmoe/error.h): a header holding a 10 MB tensor name gives one
+// line under 300 characters, 179 characters of the name and how many it left out.
+TEST_F(CliTest, inspect_of_a_ten_megabyte_tensor_name_fails_with_a_short_line) {
+  const std::string header =
+      "{\"" + std::string(10'000'000, 'n') + R"(": {"dtype": "F31", "shape": [1], "data_offsets": [0, 4]}})";
+  std::string length(8, '\0');
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<char>(header.size() >> (8 * i));
+  std::ofstream(dir / "long.safetensors", std::ios::binary) << length << header << std::string(4, '\0');
+  // Run in the scratch folder, so that the echoed path (a part of its own) is short.
+  const CommandResult result =
+      testing::run_cli("inspect long.safetensors", dir, "cd '" + dir.string() + "' && " + LATENTMOE_CLI_PATH);
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_EQ(result.err, "latentmoe: error: long.safetensors: tensor \"" + std::string(179, 'n') +
+                            "...(+9,999,821 more)\": unknown dtype \"F31\"\n");
+  EXPECT_LT(result.err.size(), 300u);
+}
+
 // A Kimi-K3-style checkpoint: MXFP4 routed experts under the K3 names and prefix, the config as
 // published (layer keys and quantization_config under text_config). run gives, bit for bit, the
 // library's result on dense experts holding the exactly dequantised values; inspect lists it.

@@ -12,11 +12,11 @@
 #include <string>
 
 #include "checkpoint_test_util.h"
+#include "cli_test_util.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/safetensors.h"
 #include "latentmoe/weights.h"
 #include "layer_test_util.h"
-#include "cli_test_util.h"
 #include "scratch_dir.h"
 
 namespace latentmoe {
@@ -172,8 +172,8 @@ TEST_F(CliCheckpoint, run_accepts_a_folder_holding_one_safetensors_file) {
   EXPECT_TRUE(bitwise_equal(a.read("topk_ids").view(), b.read("topk_ids").view()));
 }
 
-// Enable once load_layer_weights reads through a Checkpoint (tools/cmd_run.cpp's TODO): the same
-// layer, sharded over three files with an index, gives bit-identical output by folder and by index.
+// latentmoe run reads its weights through a Checkpoint (tools/cmd_run.cpp): the same layer, sharded over
+// three files with an index, gives output bit-identical to the one file's, by folder and by index.
 TEST_F(CliCheckpoint, run_reads_a_sharded_checkpoint) {
   const std::string prefix = "model.layers.3.mlp.";
   write_problem(prefix);

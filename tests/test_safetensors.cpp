@@ -331,6 +331,23 @@ TEST_F(SafetensorsTest, rejects_duplicates_and_bad_metadata) {
                   "duplicate field \"k\" in \"__metadata__\"");
 }
 
+// A header holding a 10 MB tensor name: the error echoes 179 characters of it and the count of the
+// rest (include/latentmoe/error.h); the command line's whole line: tests/test_cli.cpp.
+TEST_F(SafetensorsTest, a_ten_megabyte_tensor_name_is_echoed_short_with_the_count_left_out) {
+  const std::string file = path("long_name.st");
+  write_all(file, raw_file("{\"" + std::string(10'000'000, 'n') +
+                               R"(": {"dtype": "F31", "shape": [1], "data_offsets": [0, 4]}})",
+                           std::string(4, '\0')));
+  std::string message;
+  try {
+    const SafetensorsFile opened = SafetensorsFile::open(file);
+  } catch (const Error& error) {
+    message = error.what();
+  }
+  EXPECT_EQ(message, file + ": tensor \"" + std::string(179, 'n') + "...(+9,999,821 more)\": unknown dtype \"F31\"");
+  EXPECT_LT(message.size() - file.size(), 250u);
+}
+
 TEST_F(SafetensorsTest, survives_deeply_nested_json) {
   // 100k nested arrays in a shape: refused at depth 9, before anything deeper is built.
   const std::string nested = std::string(100000, '[') + std::string(100000, ']');

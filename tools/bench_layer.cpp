@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "latentmoe/config.h"
+#include "latentmoe/device.h"
 #include "latentmoe/error.h"
 #include "latentmoe/in_process_group.h"
 #include "latentmoe/mxfp4.h"
@@ -375,18 +376,17 @@ void run_bench_layer(const BenchLayerOptions& options) {
   } else {
     detail::throw_error("--dtype must be bf16 or f16, got '", options.dtype, "'");
   }
-  const int num_devices = bench_access::cuda_device_count();
+  const int num_devices = cuda_device_count();
   LATENTMOE_CHECK(num_devices > options.device && options.device >= 0, "bench layer: CUDA device ", options.device,
                   " is not present (", num_devices, " found)");
   // The bench's buffers, streams and timer live on this device, as does every runner (device_ordinal).
   LATENTMOE_CUDA_CHECK(cudaSetDevice(options.device));
 
-  cudaDeviceProp properties{};
-  LATENTMOE_CUDA_CHECK(cudaGetDeviceProperties(&properties, options.device));
+  const CudaDeviceProperties properties = cuda_device_properties(options.device);
   bench::Timer timer({.warmup = options.warmup, .iterations = options.iterations, .flush_l2 = true});
   const Ceilings ceilings = measure_ceilings(timer, options.device);
   std::printf("# latentmoe bench layer  device %s (sm_%d%d, %d SMs)  copy %.2f TB/s  dense bf16 GEMM %.0f TFLOP/s\n",
-              properties.name, properties.major, properties.minor, properties.multiProcessorCount,
+              properties.name.c_str(), properties.major, properties.minor, properties.num_sms,
               ceilings.copy_bytes_per_s / 1e12, ceilings.gemm_flops_per_s / 1e12);
   std::printf("# times are medians of %d runs after %d warm-up runs, L2 flushed before each; %%floor = floor/time\n",
               options.iterations, options.warmup);

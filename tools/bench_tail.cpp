@@ -33,8 +33,8 @@
 #include "bench_access.h"  // internal: the runner's state and the tail alone, for benchmarks only
 #include "bench_tail_platform.h"
 #include "bench_tail_report.h"
-#include "core/atomic_file.h"
 #include "harness/group_timing.h"
+#include "latentmoe/atomic_file.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
 #include "latentmoe/in_process_group.h"
@@ -63,7 +63,7 @@ struct Plan {
   bench::Runs runs;
   GroupRequest group;
   std::string collectives;  // "one_shot" or "nccl"
-  int fused_up_projection_max_tokens = cuda::kDefaultFusedUpProjectionMaxTokens;
+  int fused_up_projection_max_tokens = bench_access::kDefaultFusedUpProjectionMaxTokens;
   int64_t fused_up_projection_max_latent = -1;
 };
 
@@ -94,10 +94,10 @@ Plan plan_of(const BenchTailOptions& options) {
   LATENTMOE_CHECK(options.collectives == "one_shot" || options.collectives == "nccl", "--collectives '",
                   options.collectives, "' is not one_shot or nccl");
   plan.collectives = options.collectives;
-  LATENTMOE_CHECK(
-      options.fused_up_projection_max_tokens >= 0 && options.fused_up_projection_max_tokens <= cuda::kDensePushMaxRows,
-      "--fused-up-projection-max-tokens ", options.fused_up_projection_max_tokens, " is outside 0..",
-      cuda::kDensePushMaxRows);
+  LATENTMOE_CHECK(options.fused_up_projection_max_tokens >= 0 &&
+                      options.fused_up_projection_max_tokens <= bench_access::kDensePushMaxRows,
+                  "--fused-up-projection-max-tokens ", options.fused_up_projection_max_tokens, " is outside 0..",
+                  bench_access::kDensePushMaxRows);
   plan.fused_up_projection_max_tokens = options.fused_up_projection_max_tokens;
   LATENTMOE_CHECK(options.fused_up_projection_max_latent >= -1, "--fused-up-projection-max-latent ",
                   options.fused_up_projection_max_latent, " is below -1");
@@ -124,7 +124,7 @@ Plan plan_of(const BenchTailOptions& options) {
       try {
         validate_parallel(config, ParallelConfig{tp, 0, false});
       } catch (const Error& error) {
-        detail::throw_error("--tp ", tp, " for ", preset, " (scale ", plan.scale, "): ", error.what());
+        detail::throw_error("--tp ", tp, " for ", preset, " (scale ", plan.scale, "): ", error);
       }
     }
   }
@@ -146,7 +146,7 @@ Plan plan_of(const BenchTailOptions& options) {
 
 // A buffer of the bench's on a backend's device, and a view of it.
 struct Owned {
-  detail::DeviceBuffer buffer;
+  bench_access::DeviceBuffer buffer;
   TensorView view;
 };
 
@@ -381,7 +381,7 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
           comm.check();
         } catch (const Error& error) {
           detail::throw_error("bench tail: ", block.preset, " tp ", tp, " tokens ", tokens, ", ", path_name(path), part,
-                              ": ", error.what());
+                              ": ", error);
         }
         return runs;
       };
@@ -411,13 +411,13 @@ void run_block(const Block& block, const Plan& plan, const BenchTailOptions& opt
       for (const TailTier tier : kAllTailTiers)
         if (runner.tier_support().allows(tier, tokens)) tiers.push_back(tier);
       for (const TailTier tier : tiers) {
-        const bench_access::TailTensors t = bench_access::tail_tensors(state, tier, out, tokens);
+        const bench_access::TailTensors t = bench_access::tail_tensors(runner, tier, out, tokens);
         auto restore = [&] {
           backend.copy(latent_snapshot, t.latent_partial);
           if (t.shared_partial.defined()) backend.copy(shared_snapshot, t.shared_partial);
         };
         mine[index_of(path_of(tier))].time =
-            measure(path_of(tier), "", restore, [&] { bench_access::run_tail(state, tier, t); });
+            measure(path_of(tier), "", restore, [&] { bench_access::run_tail(runner, tier, t); });
       }
       // The whole layer per tier, the tiers taking turns in rounds of at most kLayerRoundRuns runs: a layer
       // of a thousand tokens runs for milliseconds and the GPU's clock drifts over a point's measurements,
@@ -528,7 +528,7 @@ void run_bench_tail(const BenchTailOptions& options) {
   const Clock::time_point started = Clock::now();
   // 1. Every option, and the JSON file's directory (a temporary file made and removed), before any work.
   const Plan plan = plan_of(options);
-  if (!options.json_path.empty()) detail::AtomicFile probe(options.json_path, 0);
+  if (!options.json_path.empty()) AtomicFile probe(options.json_path, 0);
 
   // 2. The ceilings and the run's description.
   TailRunInfo info;
@@ -551,7 +551,7 @@ void run_bench_tail(const BenchTailOptions& options) {
   auto write_json = [&] {
     if (options.json_path.empty()) return;
     const std::string text = to_json(info, points).dump(2) + "\n";
-    detail::AtomicFile file(options.json_path, text.size());
+    AtomicFile file(options.json_path, text.size());
     file.write(text.data(), text.size());
     file.commit();
   };

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/backend/fused_up_projection_bounds.h"  // plain C++: the CPU-only build includes it too
+#include "bench_access.h"  // internal: tier 0's push bounds, for benchmarks only
 
 namespace latentmoe::tools {
 
@@ -27,7 +27,7 @@ struct BenchTailOptions {
   // CUDA: up to how many tokens tier 0's up-projection pushes into the peers from its GEMM's epilogue
   // (CudaBackend::set_fused_up_projection_max_tokens, 0..kDensePushMaxRows; 0: the composed GEMM +
   // all-gather).
-  int fused_up_projection_max_tokens = cuda::kDefaultFusedUpProjectionMaxTokens;
+  int fused_up_projection_max_tokens = bench_access::kDefaultFusedUpProjectionMaxTokens;
   // CUDA: the longest latent with which it pushes, in place of the decode dispatch's measured rule
   // (CudaBackend::set_fused_up_projection_max_latent); -1: the rule.
   int64_t fused_up_projection_max_latent = -1;

@@ -6,7 +6,7 @@
 #include <fstream>
 #include <thread>
 
-#include "core/backend.h"
+#include "latentmoe/device.h"
 #include "latentmoe/dtype.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
@@ -79,7 +79,7 @@ std::string describe_device(BackendKind backend, int device) {
   if (backend == BackendKind::cpu) {
     return cpu_model() + ", " + std::to_string(std::thread::hardware_concurrency()) + " hardware threads";
   }
-  return detail::cuda_device_name(device);
+  return cuda_device_name(device);
 }
 
 void bind_thread_to_device(BackendKind backend, int device) {
@@ -92,7 +92,7 @@ void bind_thread_to_device(BackendKind backend, int device) {
 }
 
 std::unique_ptr<bench_access::Backend> make_scratch_backend(BackendKind backend, int device) {
-  if (backend == BackendKind::cpu) return detail::make_cpu_backend();
+  if (backend == BackendKind::cpu) return bench_access::make_cpu_backend();
 #ifdef LATENTMOE_WITH_CUDA
   return bench_access::make_cuda_backend(device);
 #else

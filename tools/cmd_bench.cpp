@@ -74,8 +74,8 @@ void register_bench_command(CLI::App& app) {
                    "message one-shot")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   tail->add_option("--fused-up-projection-max-tokens", tail_options->fused_up_projection_max_tokens,
-                   "CUDA: up to this many tokens (0.." + std::to_string(cuda::kDensePushMaxRows) + ", default " +
-                       std::to_string(cuda::kDefaultFusedUpProjectionMaxTokens) +
+                   "CUDA: up to this many tokens (0.." + std::to_string(bench_access::kDensePushMaxRows) +
+                       ", default " + std::to_string(bench_access::kDefaultFusedUpProjectionMaxTokens) +
                        ") tier 0's up-projection pushes into the peers from its GEMM's epilogue (the skinny kernel "
                        "where it pays, else the tensor-core one); 0: the GEMM, then the all-gather");
   tail->add_option(

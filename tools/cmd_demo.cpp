@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "commands.h"
-#include "core/atomic_file.h"
+#include "latentmoe/atomic_file.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/error.h"
 #include "latentmoe/local_group.h"
@@ -52,7 +52,7 @@ void save_demo_files(const std::string& directory, int64_t num_tokens) {
     std::filesystem::create_directories(folder, error);
     LATENTMOE_CHECK(!error, "demo --save: cannot create ", folder.string(), ": ", error.message());
     const std::string config = model.config.to_json() + "\n";
-    detail::AtomicFile config_file((folder / "config.json").string(), config.size());
+    AtomicFile config_file((folder / "config.json").string(), config.size());
     config_file.write(config.data(), config.size());
     config_file.commit();
     save_layer_weights((folder / "weights.safetensors").string(),

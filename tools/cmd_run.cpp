@@ -7,10 +7,10 @@
 #include <string>
 
 #include "commands.h"
-#include "core/backend.h"
 #include "latentmoe/checkpoint.h"
 #include "latentmoe/compare.h"
 #include "latentmoe/config.h"
+#include "latentmoe/device.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
 #include "latentmoe/local_group.h"
@@ -95,7 +95,7 @@ void run_command(const RunArguments& args) {
   options.backend = backend;
   options.tier = tier;
   // Ranks on GPUs of their own take the crossovers measured on that GPU model, where tune/ has them.
-  const std::string device = placement == GpuPlacement::devices ? detail::cuda_device_name(0) : std::string();
+  const std::string device = placement == GpuPlacement::devices ? cuda_device_name(0) : std::string();
   options.policy = tuned_policy(args.tune_file, args.tp_size, dtype, config.hidden_size, config.latent_size, device);
   auto results = run_local_group(
       config,

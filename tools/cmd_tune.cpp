@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "commands.h"
-#include "core/backend.h"
 #include "latentmoe/config.h"
+#include "latentmoe/device.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
 #include "latentmoe/local_group.h"
@@ -95,8 +95,8 @@ void check_output_path(const std::string& path) {
 // (run_tune places each tp on GPUs of its own when tp of them are present).
 std::string describe_machine(BackendKind backend, int largest_tp) {
   if (backend == BackendKind::cuda) {
-    const int count = detail::cuda_device_count();
-    const std::string name = count > 0 ? detail::cuda_device_name(0) : "CUDA GPU";
+    const int count = cuda_device_count();
+    const std::string name = count > 0 ? cuda_device_name(0) : "CUDA GPU";
     std::string text = name + " x" + std::to_string(count);
     if (count < largest_tp) text += ", tp ranks beyond the GPUs simulated on one GPU (no NVLink cost)";
     return text;
@@ -247,7 +247,7 @@ void run_tune(const TuneArguments& args) {
 
   // 3. The table, atomically.
   if (every_tp_on_devices) {
-    table.device = detail::cuda_device_name(0);
+    table.device = cuda_device_name(0);
     std::printf(
         "\n# device %s: every tp ran on GPUs of its own; committed under tune/, this table becomes the\n"
         "#   built-in default for ranks on GPUs of that name (docs/CONFIG.md)\n",

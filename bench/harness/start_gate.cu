@@ -1,7 +1,7 @@
 // The start gate (start_gate.h): the hold kernel and the pinned words it polls.
 #include <atomic>
 
-#include "cuda/common/cuda_check.h"
+#include "bench_access.h"  // internal: LATENTMOE_CUDA_CHECK
 #include "harness/start_gate.h"
 
 namespace latentmoe::bench {

@@ -7,7 +7,6 @@
 #include <fstream>
 #include <utility>
 
-#include "cuda/kernels/fill.h"  // read_through
 #include "latentmoe/error.h"
 
 namespace latentmoe::bench {
@@ -55,7 +54,7 @@ Timer::~Timer() {
 }
 
 void Timer::flush_l2(cudaStream_t stream) {
-  cuda::read_through(flush_.get(), flush_.bytes(), sink_.as<uint32_t>(), stream);
+  bench_access::read_through(flush_.get(), flush_.bytes(), sink_.as<uint32_t>(), stream);
 }
 
 std::vector<double> Timer::times_us(cudaStream_t stream, const std::function<void()>& body, const Runs& runs) {
@@ -95,7 +94,7 @@ EventClock::~EventClock() {
 }
 
 void EventClock::flush() {
-  if (flush_.get() != nullptr) cuda::read_through(flush_.get(), flush_.bytes(), sink_.as<uint32_t>(), stream_);
+  if (flush_.get() != nullptr) bench_access::read_through(flush_.get(), flush_.bytes(), sink_.as<uint32_t>(), stream_);
 }
 
 void EventClock::wait() { LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }

@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"  // LATENTMOE_CUDA_CHECK, LATENTMOE_CUBLAS_CHECK
+#include "bench_access.h"  // internal: LATENTMOE_CUDA_CHECK, LATENTMOE_CUBLAS_CHECK, the L2 flush
 #include "harness/group_timing.h"
 #include "harness/runs.h"
 #include "harness/start_gate.h"

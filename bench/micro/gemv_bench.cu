@@ -18,6 +18,7 @@
 
 #include "cuda/gemm/gemv.h"
 #include "cuda/kernels/fill.h"
+#include "harness/cublas_handle.h"
 #include "harness/timing.h"
 #include "latentmoe/error.h"
 
@@ -58,13 +59,7 @@ int run(int argc, char** argv) {
   // 3 warm-ups, the median of 30, the L2 flushed by reading 512 MiB before each run.
   latentmoe::bench::Timer timer({.warmup = 3, .iterations = 30, .flush_l2 = true}, size_t{512} << 20);
   const DeviceMemory sink(16);
-  cublasHandle_t handle = nullptr;
-  LATENTMOE_CUBLAS_CHECK(cublasCreate(&handle));
-  struct Destroy {
-    cublasHandle_t handle;
-    ~Destroy() { cublasDestroy(handle); }
-  } destroy{handle};
-  LATENTMOE_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  const latentmoe::bench::CublasHandle handle(stream);
 
   struct Shape {
     const char* name;
@@ -100,7 +95,7 @@ int run(int argc, char** argv) {
     const float one = 1.0f, zero = 0.0f;
     report_row("cublas", timer.median_us(stream, [&] {
       // y[n] = W[n, k] x[k]: column-major W^T is [k, n], so op(A) = A^T with A = W^T (lda = k).
-      LATENTMOE_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n), 1,
+      LATENTMOE_CUBLAS_CHECK(cublasGemmEx(handle.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n), 1,
                                           static_cast<int>(s.k), &one, w.get(), CUDA_R_16BF, static_cast<int>(s.k),
                                           x.get(), CUDA_R_16BF, static_cast<int>(s.k), &zero, y.get(), CUDA_R_16BF,
                                           static_cast<int>(s.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));

@@ -19,6 +19,10 @@
 
 namespace latentmoe {
 
+namespace cuda {
+class LamportCommunicator;  // internal: src/cuda/comm/lamport_communicator.h
+}  // namespace cuda
+
 // An opaque execution stream: cudaStream_t for CUDA communicators, ignored (nullptr) on the CPU.
 using StreamHandle = void*;
 
@@ -52,6 +56,13 @@ class Communicator {
   // path each took (e.g. "all_reduce [37, 3584] NCCL"); empty where the communicator keeps none. Host
   // bookkeeping at enqueue time only: under graph capture it describes the capture.
   virtual std::string recent_collectives() const { return {}; }
+
+  // What the group can do beyond the collectives above, asked by latentmoe's CUDA backend: a GPU group's
+  // one-shot (Lamport) kernels, which the backend launches itself to fuse a tail's collective with its
+  // norm, its reduce-scatter or its GEMM (latentmoe/gpu_group.h). nullptr (the default, and every
+  // communicator outside latentmoe): only the collectives above, which the backend then composes.
+  virtual cuda::LamportCommunicator* one_shot_kernels() { return nullptr; }
+  virtual const cuda::LamportCommunicator* one_shot_kernels() const { return nullptr; }
 
   // How long a collective of this group waits for its peers before it fails; 0 where the
   // implementation does not say. A host that waits for a rank's device work gives up after twice this

@@ -12,9 +12,6 @@ namespace latentmoe {
 // NaN anywhere gives NaN; a zero reference gives the max absolute difference.
 double max_relative_error(const TensorView& out, const TensorView& ref);
 
-// ||out - ref||_2 / ||ref||_2 (NaN anywhere gives NaN).
-double norm_relative_error(const TensorView& out, const TensorView& ref);
-
 // True when both host tensors have the same shape, dtype and bytes.
 bool bitwise_equal(const TensorView& a, const TensorView& b);
 

@@ -13,8 +13,9 @@
 // pointer read once through NCCL's device API. Where not every rank can load and store its peers'
 // buffers, or a message exceeds the one-shot capacity, the collectives go through ncclAllReduce /
 // ncclReduceScatter / ncclAllGather (column blocks packed into NCCL's contiguous chunks). NVLink
-// multicast stays off (NCCL_NVLS_ENABLE=0; another value is refused), and the loaded libnccl must be
-// the release latentmoe was built against (the device API has no ABI compatibility across releases).
+// multicast stays off: the process must set NCCL_NVLS_ENABLE=0 before NCCL starts (latentmoe sets no
+// NCCL variable; unset or another value is refused), and the loaded libnccl must be the release
+// latentmoe was built against (the device API has no ABI compatibility across releases).
 //
 // Ranks that share a GPU spin on each other, so such a process needs, set before its first CUDA call
 // (the latentmoe tool and the GPU tests set both):
@@ -49,6 +50,10 @@ GpuPlacement parse_gpu_placement(std::string_view name);
 // `why` receives one line for people ("8 ranks on GPUs 0..7, ..." or "... simulated on GPU 0 (...)").
 GpuPlacement resolve_gpu_placement(GpuPlacement requested, int tp_size, std::string* why = nullptr);
 
+// How long a collective waits for its peers by default (LATENTMOE_COLLECTIVE_TIMEOUT_MS overrides it:
+// default_collective_timeout()).
+inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{30000};
+
 struct GpuGroupOptions {
   int device = 0;             // the GPU every simulated rank runs on (NCCL groups: rank r on GPU r)
   DType dtype = DType::bf16;  // the dtype of every collective (the layer's compute dtype)
@@ -56,9 +61,9 @@ struct GpuGroupOptions {
   // every collective of a layer of T tokens (tier 0's carries [T, l + d/tp]); each rank's receive
   // area is 3 x tp_size x this.
   int64_t capacity_elements = 0;
-  // How long a collective waits for its peers before it fails (LATENTMOE_COLLECTIVE_TIMEOUT_MS
-  // overrides the default).
-  std::chrono::milliseconds timeout{30000};
+  // How long a collective waits for its peers before it fails (the local group and bench tail pass
+  // default_collective_timeout()).
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   // NCCL groups only. The largest tensor (rows x cols elements) one collective may carry: a message above
   // the one-shot capacity goes through NCCL, staged through a buffer of this many elements per rank
   // (column blocks packed into NCCL's contiguous chunks). 0: capacity_elements (every message one-shot).
@@ -78,7 +83,8 @@ struct GpuGroupOptions {
   bool host_rendezvous = true;
 };
 
-// The default timeout, or LATENTMOE_COLLECTIVE_TIMEOUT_MS when set (a positive integer).
+// kDefaultCollectiveTimeout, or LATENTMOE_COLLECTIVE_TIMEOUT_MS when set (an integer in 1..3600000), read
+// now: call it when a group is built, not per collective (docs/CONFIG.md, "Environment variables").
 std::chrono::milliseconds default_collective_timeout();
 
 // How many tokens of a layer the one-shot collectives of a group of GPUs of their own (NCCL groups)
@@ -95,6 +101,7 @@ inline constexpr int64_t kDefaultOneShotTokens = 64;
 inline constexpr int64_t kDefaultOneShotTokensTwoRanks = 512;
 // For a group of `tp_size` ranks: kDefaultOneShotTokensTwoRanks up to two ranks, else
 // kDefaultOneShotTokens; LATENTMOE_ONE_SHOT_MAX_TOKENS, when set (an integer in 1..1048576), for any.
+// Read now: call it when a group is sized.
 int64_t default_one_shot_tokens(int tp_size);
 // Sets options.capacity_elements and options.max_elements for layers of `per_token_elements` (d + l)
 // and up to `max_tokens` tokens: the one-shot path up to `one_shot_tokens` of them, NCCL above.
@@ -106,9 +113,10 @@ std::vector<std::unique_ptr<Communicator>> make_simulated_gpu_group(int tp_size,
 // One thread per GPU: rank r on GPU r (0..tp_size-1). Creates the NCCL communicators (ncclCommInitAll
 // over GPUs 0..tp_size-1), registers every rank's receive area as a
 // symmetric window and reads the peers' pointers. Every rank's calls must then come from that rank's
-// own thread or stream, in the same order on every rank. Sets NCCL_NVLS_ENABLE=0 when unset. Throws
-// Error without CUDA or NCCL, with fewer than tp_size GPUs, when NCCL_NVLS_ENABLE is set to anything but
-// 0, when the loaded libnccl is not the release latentmoe was built against, or when NCCL fails.
+// own thread or stream, in the same order on every rank. Throws Error without CUDA or NCCL, with fewer
+// than tp_size GPUs, when NCCL_NVLS_ENABLE is not 0 (unset included: NCCL would then use NVLink multicast
+// where the GPUs have it, and latentmoe sets no NCCL variable itself; the latentmoe tool sets it to 0 for
+// its process), when the loaded libnccl is not the release latentmoe was built against, or when NCCL fails.
 // The communicators free their NCCL resources together, when the last of them is destroyed.
 std::vector<std::unique_ptr<Communicator>> make_nccl_gpu_group(int tp_size, const GpuGroupOptions& options);
 

@@ -45,7 +45,8 @@ struct LocalGroupOptions {
   // false, tier_support says why) instead of failing.
   bool skip_unsupported_tier = false;
   // The CUDA backend at tp > 1: ranks simulated on GPU 0, or on GPUs 0..tp-1 (one thread per GPU, NCCL);
-  // automatic: devices when present (resolve_gpu_placement, latentmoe/gpu_group.h).
+  // automatic: devices when present (resolve_gpu_placement, latentmoe/gpu_group.h). Ranks on GPUs of
+  // their own need NCCL_NVLS_ENABLE=0 in the process's environment (make_nccl_gpu_group refuses otherwise).
   GpuPlacement placement = GpuPlacement::automatic;
 };
 

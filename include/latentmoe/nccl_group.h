@@ -27,7 +27,9 @@ namespace latentmoe {
 // owned and must outlive the returned communicator, whose destruction (collective too: the window is
 // deregistered) must come before ncclCommDestroy. abort() releases this rank's one-shot waits and
 // revokes `comm` (ncclCommRevoke); the peers' waits end at their timeout. Throws Error when
-// NCCL_NVLS_ENABLE is not 0, on a version mismatch (latentmoe/gpu_group.h), or when NCCL fails.
+// NCCL_NVLS_ENABLE is not 0 in this process's environment (unset included: `comm` was then initialised
+// with NVLink multicast where the GPUs have it), on a version mismatch (latentmoe/gpu_group.h), or when
+// NCCL fails.
 std::unique_ptr<Communicator> make_nccl_communicator(ncclComm_t comm, const GpuGroupOptions& options);
 
 }  // namespace latentmoe

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <string_view>
-#include <vector>
 
 #include "latentmoe/config.h"
 
@@ -15,7 +14,6 @@ LayerConfig kimi_k3_config();
 LayerConfig nemotron3_super_config();
 // "kimi-k3" or "nemotron3-super"; throws Error naming the accepted names otherwise.
 LayerConfig preset_config(std::string_view name);
-std::vector<std::string_view> preset_names();
 
 // `config` with new sizes (everything else kept), validated.
 struct LayerSizes {

@@ -23,11 +23,9 @@
 
 namespace latentmoe {
 
-class RankContext;
 namespace detail {
 struct RankContextState;
-// The context's internals (src/core/rank_context_state.h), for the runner.
-RankContextState& state_of(RankContext& context);
+struct RankContextAccess;  // internal (src/core/rank_context_state.h)
 }  // namespace detail
 
 enum class BackendKind { automatic, cpu, cuda };
@@ -73,7 +71,7 @@ class RankContext {
   size_t scratch_bytes() const;
 
  private:
-  friend detail::RankContextState& detail::state_of(RankContext& context);
+  friend struct detail::RankContextAccess;
   std::unique_ptr<detail::RankContextState> impl_;
 };
 

@@ -22,11 +22,9 @@
 
 namespace latentmoe {
 
-class Runner;
 namespace detail {
 struct RunnerState;
-// The runner's internals (src/core/runner_state.h): for the benchmark's per-phase timings only.
-RunnerState& state_of(Runner& runner);
+struct RunnerAccess;  // internal (src/core/runner_state.h)
 }  // namespace detail
 
 struct RunnerOptions {
@@ -109,7 +107,7 @@ class Runner {
   TailTier forward_host(const ForwardInputs& inputs, const ForwardOutputs& outputs);
 
  private:
-  friend detail::RunnerState& detail::state_of(Runner& runner);
+  friend struct detail::RunnerAccess;
   // `owned`: the private context of the constructors that take a communicator (null otherwise).
   void construct(RankContext& context, const LayerConfig& config, const ParallelConfig& parallel,
                  const LayerWeightViews& weights, const TierPolicy& policy, std::unique_ptr<RankContext> owned);

@@ -22,7 +22,7 @@
 namespace latentmoe {
 
 namespace detail {
-struct RunnerState;
+struct TailState;
 }  // namespace detail
 
 // The tail's weights, replicated on every rank as in the reference (views: host views are copied to the
@@ -68,7 +68,7 @@ class Tail {
                    std::optional<TailTier> tier, StreamHandle stream = nullptr);
 
  private:
-  std::unique_ptr<detail::RunnerState> state_;
+  std::unique_ptr<detail::TailState> state_;
 };
 
 }  // namespace latentmoe

@@ -22,7 +22,8 @@ std::string_view to_string(TailTier tier);
 TailTier parse_tail_tier(std::string_view name);
 
 // The knobs of the selection policy. Each can be set by an environment variable, read once per
-// process by TierPolicy::from_environment():
+// process by TierPolicy::from_environment() and at every call of tuned_policy() (latentmoe/tune.h;
+// docs/CONFIG.md, "Environment variables"):
 //   LATENTMOE_TAIL_FUSION_MAX_TOKENS         tail_fusion_max_tokens
 //   LATENTMOE_SHARED_STREAM_TOKEN_THRESHOLD  shared_stream_token_threshold
 //   LATENTMOE_DISABLE_SHARED_STREAM          disable_shared_stream (0/1/true/false)

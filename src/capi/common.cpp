@@ -5,8 +5,8 @@
 #include <string>
 
 #include "capi_internal.h"
-#include "core/backend.h"
 #include "latentmoe/config.h"
+#include "latentmoe/device.h"
 #include "latentmoe/tune.h"
 
 namespace latentmoe::capi {
@@ -195,7 +195,7 @@ int lmoe_get_build_info(lmoe_build_info* info) {
     info->has_nccl = 0;
     info->nccl_version_code = 0;
 #endif
-    info->cuda_device_count = detail::cuda_device_count();
+    info->cuda_device_count = cuda_device_count();
   });
 }
 

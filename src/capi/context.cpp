@@ -1,11 +1,11 @@
 // The C ABI's contexts: one rank alone, the ranks of a group in this process (the in-process group on
 // the CPU, the simulated GPU group on one GPU), and one rank per process over NCCL.
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "capi_internal.h"
-#include "core/backend.h"
+#include "core/settings.h"
+#include "latentmoe/device.h"
 #include "latentmoe/gpu_group.h"
 #include "latentmoe/in_process_group.h"
 
@@ -37,7 +37,7 @@ Placement placement_of(const lmoe_context_options* options) {
   throw InvalidArgument("device cuda:" + std::to_string(options->device_index) +
                         ": latentmoe was built without CUDA (this build runs on the CPU only)");
 #else
-  const int count = detail::cuda_device_count();
+  const int count = cuda_device_count();
   if (options->device_index < 0 || options->device_index >= count) {
     throw InvalidArgument("device cuda:" + std::to_string(options->device_index) + " does not exist (" +
                           std::to_string(count) + " CUDA device" + (count == 1 ? "" : "s") + " found)");
@@ -78,13 +78,13 @@ lmoe_context* new_handle(std::shared_ptr<ContextState> state) {
 }
 
 // Ranks that share one GPU spin on each other: a kernel loaded lazily, on first use, can wait for a peer's
-// collective that waits for that very rank (latentmoe/gpu_group.h). The variable is read by CUDA when the
-// process initialises it, so it can only be checked here, not set.
+// collective that waits for that very rank (latentmoe/gpu_group.h). CUDA reads the variable when the
+// process initialises it, so it is checked here (through the settings registry), never set.
 void check_module_loading() {
-  const char* value = std::getenv("CUDA_MODULE_LOADING");
-  if (value == nullptr || std::strcmp(value, "EAGER") != 0) {
-    throw Error(std::string("ranks simulated on one GPU need CUDA_MODULE_LOADING=EAGER (it is ") +
-                (value == nullptr ? "unset" : value) +
+  const std::optional<std::string> value = detail::read_path(detail::Setting::cuda_module_loading);
+  if (value != std::optional<std::string>("EAGER")) {
+    throw Error("ranks simulated on one GPU need CUDA_MODULE_LOADING=EAGER (it is " +
+                (value.has_value() ? "'" + *value + "'" : std::string("unset")) +
                 "): with lazy loading a rank's first launch of a kernel can wait for a peer's collective that "
                 "waits for it; set it before the process initialises CUDA (importing latentmoe before CUDA "
                 "starts sets it)");
@@ -119,7 +119,7 @@ RankContext& ContextState::ensure(DType dtype, int64_t per_token) {
 std::string ContextState::policy_device() const {
   // The built-in tune tables are measured with one GPU per rank: only such ranks take them.
   if (nccl_comm == nullptr || placement.device != Device::cuda) return {};
-  return detail::cuda_device_name(placement.index);
+  return cuda_device_name(placement.index);
 }
 
 Communicator& simulated_gpu_communicator(GroupState& group, int rank, DType dtype, int64_t per_token,
@@ -157,18 +157,6 @@ void check_nccl_version() {
   int loaded = 0;
   check_nccl(ncclGetVersion(&loaded), "ncclGetVersion", nullptr);
   if (auto mismatch = detail::nccl_version_mismatch(loaded, NCCL_VERSION_CODE)) throw Error(*mismatch);
-}
-
-// latentmoe keeps NVLink multicast off and sets no NCCL variable itself: NCCL reads NCCL_NVLS_ENABLE when
-// the communicator is initialised, so it must be "0" before that.
-void check_nvls_off() {
-  const char* value = std::getenv("NCCL_NVLS_ENABLE");
-  if (value == nullptr || std::strcmp(value, "0") != 0) {
-    throw Error(std::string("NCCL_NVLS_ENABLE must be 0 before latentmoe initialises NCCL (it is ") +
-                (value == nullptr ? "unset" : value) +
-                "): latentmoe keeps NVLink multicast (NVLS) off, since it can put GPUs shared with others out of "
-                "service; export NCCL_NVLS_ENABLE=0 before starting the process");
-  }
 }
 
 // Makes `device` current for the calling thread and restores the previous device when it ends.
@@ -296,7 +284,7 @@ int lmoe_nccl_unique_id(uint8_t* id, size_t id_size) {
 int lmoe_nccl_check(void) {
   return guarded([&] {
 #if defined(LATENTMOE_WITH_NCCL)
-    check_nvls_off();
+    detail::require_nvls_off();
     check_nccl_version();
 #else
     throw Error("latentmoe was built without NCCL: no process-group contexts");
@@ -323,7 +311,7 @@ int lmoe_context_create_nccl(const lmoe_context_options* options, int32_t tp, in
                             std::to_string(id_size));
     }
 #if defined(LATENTMOE_WITH_NCCL)
-    check_nvls_off();
+    detail::require_nvls_off();
     check_nccl_version();
     ncclUniqueId unique{};
     std::memcpy(&unique, id, sizeof(unique));

@@ -1,4 +1,4 @@
-#include "core/atomic_file.h"
+#include "latentmoe/atomic_file.h"
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -12,7 +12,7 @@
 
 #include "latentmoe/error.h"
 
-namespace latentmoe::detail {
+namespace latentmoe {
 namespace {
 
 constexpr size_t kBufferBytes = size_t{1} << 20;
@@ -111,4 +111,4 @@ void AtomicFile::commit() {
   }
 }
 
-}  // namespace latentmoe::detail
+}  // namespace latentmoe

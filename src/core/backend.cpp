@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "latentmoe/device.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::detail {
@@ -102,9 +103,17 @@ void Backend::run_overlapped(const std::function<void()>& main, const std::funct
 std::unique_ptr<Backend> make_cuda_backend(int) {
   throw_error("the CUDA backend is not available: latentmoe was built without CUDA");
 }
-int cuda_device_count() noexcept { return 0; }
-std::string cuda_device_name(int) { throw_error("no CUDA device: latentmoe was built without CUDA"); }
-bool cuda_peer_access_between(int) noexcept { return false; }
 #endif
 
 }  // namespace latentmoe::detail
+
+#ifndef LATENTMOE_WITH_CUDA
+namespace latentmoe {  // latentmoe/device.h without CUDA: no device
+int cuda_device_count() noexcept { return 0; }
+CudaDeviceProperties cuda_device_properties(int) {
+  detail::throw_error("no CUDA device: latentmoe was built without CUDA");
+}
+std::string cuda_device_name(int) { detail::throw_error("no CUDA device: latentmoe was built without CUDA"); }
+bool cuda_peer_access_between(int) noexcept { return false; }
+}  // namespace latentmoe
+#endif

@@ -212,13 +212,5 @@ std::unique_ptr<Backend> make_cpu_backend();
 // The CUDA backend on device `device_ordinal` (src/cuda/backend/); throws Error when latentmoe was
 // built without CUDA or the device does not exist.
 std::unique_ptr<Backend> make_cuda_backend(int device_ordinal);
-// Number of CUDA devices; 0 without CUDA, a driver or a GPU. Never throws.
-int cuda_device_count() noexcept;
-// The name of CUDA device `device_ordinal` (cudaDeviceProp::name, e.g. "NVIDIA H200"); throws Error
-// when latentmoe was built without CUDA or the device does not exist.
-std::string cuda_device_name(int device_ordinal);
-// Whether each of GPUs 0..num_devices-1 can access every other's memory (cudaDeviceCanAccessPeer);
-// false without CUDA or on any error. Never throws.
-bool cuda_peer_access_between(int num_devices) noexcept;
 
 }  // namespace latentmoe::detail

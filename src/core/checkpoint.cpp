@@ -228,8 +228,7 @@ struct Checkpoint::State {
       try {
         shard.file = std::make_unique<SafetensorsFile>(SafetensorsFile::open(shard.path));
       } catch (const Error& error) {
-        detail::throw_error(index_path, ": shard \"", shard.name, "\" (holding tensor \"", tensor,
-                            "\"): ", error.what());
+        detail::throw_error(index_path, ": shard \"", shard.name, "\" (holding tensor \"", tensor, "\"): ", error);
       }
     }
     return *shard.file;

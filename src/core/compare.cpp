@@ -33,19 +33,6 @@ double max_relative_error(const TensorView& out, const TensorView& ref) {
   return max_ref > 0.0 ? max_diff / max_ref : max_diff;
 }
 
-double norm_relative_error(const TensorView& out, const TensorView& ref) {
-  check_comparable(out, ref);
-  double diff = 0.0, norm = 0.0;
-  for (int64_t i = 0; i < out.numel(); ++i) {
-    const double a = load_as_float(out.data(), out.dtype(), i);
-    const double b = load_as_float(ref.data(), ref.dtype(), i);
-    if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::quiet_NaN();
-    diff += (a - b) * (a - b);
-    norm += b * b;
-  }
-  return norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-}
-
 bool bitwise_equal(const TensorView& a, const TensorView& b) {
   if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
   LATENTMOE_CHECK(a.is_contiguous() && b.is_contiguous() && a.device() == Device::cpu && b.device() == Device::cpu,

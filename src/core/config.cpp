@@ -772,7 +772,7 @@ LayerConfig LayerConfig::from_json(std::string_view json_text, std::string_view 
   try {
     config.validate();
   } catch (const Error& error) {
-    reader.fail(error.what());
+    reader.fail(error);
   }
   return config;
 }

@@ -99,6 +99,29 @@ size_t append_character(std::string& out, std::string_view text, size_t i) {
   return length;
 }
 
+// How many characters text[i..] holds: each well-formed UTF-8 sequence is one, every other byte one.
+size_t count_characters(std::string_view text, size_t i) {
+  size_t count = 0;
+  uint32_t code_point = 0;
+  while (i < text.size()) {
+    const size_t length = static_cast<unsigned char>(text[i]) < 0x80 ? 1 : utf8_sequence(text, i, code_point);
+    i += length == 0 ? 1 : length;
+    ++count;
+  }
+  return count;
+}
+
+// "...(+9,999,821 more)".
+std::string omission_marker(size_t omitted) {
+  const std::string digits = std::to_string(omitted);
+  std::string marker = "...(+";
+  for (size_t k = 0; k < digits.size(); ++k) {
+    if (k > 0 && (digits.size() - k) % 3 == 0) marker += ',';
+    marker += digits[k];
+  }
+  return marker + " more)";
+}
+
 bool needs_rendering(std::string_view text) {
   for (char c : text) {
     const auto byte = static_cast<unsigned char>(c);
@@ -112,28 +135,36 @@ bool needs_rendering(std::string_view text) {
 std::string sanitize_error_text(std::string_view text, size_t max_bytes) {
   if (text.size() <= max_bytes && !needs_rendering(text)) return std::string(text);
 
-  // "... (N bytes omitted)" takes at most 5 + 20 + 15 bytes; the cut leaves room for it.
-  constexpr size_t kSuffixReserve = 48;
-  const size_t keep = max_bytes > kSuffixReserve ? max_bytes - kSuffixReserve : 0;
   std::string out;
   out.reserve(std::min(max_bytes, text.size() * 4) + 1);
-  size_t cut_in = 0;   // input consumed when the output last fitted in `keep`
-  size_t cut_out = 0;  // the output length then
   size_t i = 0;
-  while (i < text.size()) {
+  size_t characters = 0;  // rendered so far
+  while (i < text.size() && out.size() <= max_bytes) {
     i += append_character(out, text, i);
-    if (out.size() <= keep) {
-      cut_in = i;
-      cut_out = out.size();
-    }
-    if (out.size() > max_bytes) {
-      out.resize(cut_out);
-      out += "... (" + std::to_string(text.size() - cut_in) + " bytes omitted)";
-      if (out.size() > max_bytes) out.resize(max_bytes);  // only for a max_bytes below the reserve
-      return out;
-    }
+    ++characters;
   }
-  return out;
+  if (out.size() <= max_bytes) return out;  // the whole text fitted
+
+  // Too long: keep the whole characters (an escape is one) that leave room for the marker. The marker
+  // is sized for every character omitted, the widest it can be, so the kept text fits whatever it says.
+  const size_t total = characters + count_characters(text, i);
+  const size_t widest = omission_marker(total).size();
+  const size_t keep = max_bytes > widest ? max_bytes - widest : 0;
+  std::string kept;
+  size_t shown = 0;
+  for (size_t k = 0; k < text.size();) {
+    const size_t before = kept.size();
+    const size_t length = append_character(kept, text, k);
+    if (kept.size() > keep) {
+      kept.resize(before);
+      break;
+    }
+    k += length;
+    ++shown;
+  }
+  kept += omission_marker(total - shown);
+  if (kept.size() > max_bytes) kept.resize(max_bytes);  // only for a max_bytes narrower than the marker
+  return kept;
 }
 
 }  // namespace latentmoe

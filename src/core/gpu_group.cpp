@@ -4,33 +4,23 @@
 #include "latentmoe/gpu_group.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "core/backend.h"
 #include "core/nccl_checks.h"
+#include "core/settings.h"
+#include "latentmoe/device.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
 
 std::chrono::milliseconds default_collective_timeout() {
-  const char* value = std::getenv("LATENTMOE_COLLECTIVE_TIMEOUT_MS");
-  if (value == nullptr || *value == '\0') return std::chrono::milliseconds(30000);
-  char* end = nullptr;
-  const long long ms = std::strtoll(value, &end, 10);
-  LATENTMOE_CHECK(end != value && *end == '\0' && ms > 0 && ms <= 3600000,
-                  "LATENTMOE_COLLECTIVE_TIMEOUT_MS must be an integer in 1..3600000 (milliseconds)");
-  return std::chrono::milliseconds(ms);
+  return std::chrono::milliseconds(detail::integer_setting(detail::Setting::collective_timeout_ms));
 }
 
 int64_t default_one_shot_tokens(int tp_size) {
-  const char* value = std::getenv("LATENTMOE_ONE_SHOT_MAX_TOKENS");
-  if (value == nullptr || *value == '\0') return tp_size <= 2 ? kDefaultOneShotTokensTwoRanks : kDefaultOneShotTokens;
-  char* end = nullptr;
-  const long long tokens = std::strtoll(value, &end, 10);
-  LATENTMOE_CHECK(end != value && *end == '\0' && tokens >= 1 && tokens <= 1048576,
-                  "LATENTMOE_ONE_SHOT_MAX_TOKENS must be an integer in 1..1048576 (tokens)");
-  return tokens;
+  if (auto tokens = detail::read_integer(detail::Setting::one_shot_max_tokens)) return *tokens;
+  return tp_size <= 2 ? kDefaultOneShotTokensTwoRanks : kDefaultOneShotTokens;
 }
 
 void size_nccl_group(GpuGroupOptions& options, int64_t max_tokens, int64_t per_token_elements,
@@ -63,11 +53,11 @@ GpuPlacement parse_gpu_placement(std::string_view name) {
 
 GpuPlacement resolve_gpu_placement(GpuPlacement requested, int tp_size, std::string* why) {
   LATENTMOE_CHECK(tp_size >= 1, "GPU placement: tp must be at least 1, got ", tp_size);
-  const int devices = detail::cuda_device_count();
+  const int devices = cuda_device_count();
   // NCCL and peer access are asked only when they could matter (peer access initialises every device).
   const bool wanted = requested != GpuPlacement::simulated && devices >= tp_size;
   const std::string nccl = wanted ? detail::nccl_problem() : std::string();
-  const bool peers_ok = wanted && nccl.empty() && detail::cuda_peer_access_between(tp_size);
+  const bool peers_ok = wanted && nccl.empty() && cuda_peer_access_between(tp_size);
   return detail::choose_gpu_placement(requested, tp_size, devices, peers_ok, nccl, why);
 }
 

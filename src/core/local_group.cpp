@@ -62,7 +62,7 @@ RankResult run_point(Runner& runner, const LayerConfig& config, const LocalGroup
   forward_inputs.tier = point.tier;
   ForwardOutputs forward_outputs{result.output.view(), result.topk_ids.view(), result.topk_weights.view()};
 
-  detail::RunnerState& state = detail::state_of(runner);
+  detail::RunnerState& state = detail::RunnerAccess::state(runner);
   const bool on_device = state.backend->device() != Device::cpu;
   ForwardInputs staged_inputs;
   ForwardOutputs staged_outputs;

@@ -1,7 +1,6 @@
 #include "core/nccl_checks.h"
 
-#include <cstring>
-
+#include "core/settings.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::detail {
@@ -32,24 +31,20 @@ std::optional<std::string> nccl_version_mismatch(int loaded_code, int built_code
          "where PyTorch ships it, or rebuild latentmoe against the loaded one";
 }
 
-NvlsDecision nvls_decision(const char* value, bool library_initialises) {
-  NvlsDecision decision;
-  const bool unset = value == nullptr || *value == '\0';
-  if (!unset && std::strcmp(value, "0") == 0) return decision;
-  if (unset && library_initialises) {
-    decision.set_zero = true;
-    return decision;
+std::optional<std::string> nvls_problem(std::optional<int64_t> value) {
+  if (value == 0) return std::nullopt;
+  const std::string why =
+      "; expected 0: latentmoe keeps NVLS off (it can put GPUs shared with others out of service) and sets no NCCL "
+      "variable itself; set NCCL_NVLS_ENABLE=0 before NCCL starts";
+  if (!value.has_value()) {
+    return "NCCL_NVLS_ENABLE is not set, so NCCL uses NVLink multicast (NVLS) where the GPUs have it" + why +
+           " (the latentmoe tool does)";
   }
-  if (unset) {
-    decision.error =
-        "NCCL_NVLS_ENABLE is not set: latentmoe keeps NVLink multicast (NVLS) off, and a communicator created "
-        "by the caller was initialised with NCCL's default; set NCCL_NVLS_ENABLE=0 before ncclCommInitRank";
-  } else {
-    decision.error = std::string("NCCL_NVLS_ENABLE=") + value +
-                     ": latentmoe keeps NVLink multicast (NVLS) off (it can put GPUs shared with others out of "
-                     "service); unset it or set NCCL_NVLS_ENABLE=0";
-  }
-  return decision;
+  return "NCCL_NVLS_ENABLE='" + std::to_string(*value) + "' lets NCCL use NVLink multicast (NVLS)" + why;
+}
+
+void require_nvls_off() {
+  if (auto problem = nvls_problem(read_integer(Setting::nccl_nvls_enable))) detail::throw_error(*problem);
 }
 
 GpuPlacement choose_gpu_placement(GpuPlacement requested, int tp_size, int device_count, bool peers_ok,

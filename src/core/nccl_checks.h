@@ -3,6 +3,7 @@
 // multicast (NVLS) setting, and where a GPU group's ranks are placed.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -21,15 +22,15 @@ std::string nccl_version_text(int code);
 // what to do.
 std::optional<std::string> nccl_version_mismatch(int loaded_code, int built_code);
 
-// What to do with NCCL_NVLS_ENABLE (`value`: the environment's, nullptr when unset). latentmoe keeps
-// NVLink multicast off: `library_initialises` (the library calls ncclCommInitRank itself): unset ->
-// set it to "0" before NCCL starts; "0" -> keep; anything else -> refuse. A communicator the caller
-// created (one process per GPU) was initialised before latentmoe saw it, so there "0" is required.
-struct NvlsDecision {
-  bool set_zero = false;             // setenv("NCCL_NVLS_ENABLE", "0") before the first NCCL call
-  std::optional<std::string> error;  // refuse, with this message
-};
-NvlsDecision nvls_decision(const char* value, bool library_initialises);
+// NVLink multicast (NVLS) stays off in every NCCL communicator latentmoe uses (it can put GPUs shared
+// with others out of service), and latentmoe sets no NCCL variable: the process sets NCCL_NVLS_ENABLE=0
+// before NCCL starts (the latentmoe tool does for itself). `value`: the variable as the settings registry
+// read it, nullopt when unset. nullopt when it is 0, else the whole Error message: unset is refused like
+// 1 or 2, since NCCL's default uses multicast where the GPUs have it.
+std::optional<std::string> nvls_problem(std::optional<int64_t> value);
+// Reads NCCL_NVLS_ENABLE (core/settings.h) and throws Error unless it is 0; every NCCL group calls it when
+// it is built, before its first NCCL call.
+void require_nvls_off();
 
 // Why NCCL groups cannot run in this process (built without NCCL, or the loaded libnccl is not the release
 // latentmoe was built against: nccl_version_mismatch's message); empty when they can. Never throws.

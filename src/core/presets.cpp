@@ -39,8 +39,6 @@ LayerConfig nemotron3_super_config() {
   return config;
 }
 
-std::vector<std::string_view> preset_names() { return {"kimi-k3", "nemotron3-super"}; }
-
 LayerConfig preset_config(std::string_view name) {
   if (name == "kimi-k3") return kimi_k3_config();
   if (name == "nemotron3-super") return nemotron3_super_config();

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "core/rank_context_state.h"
+#include "latentmoe/device.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
@@ -28,11 +29,11 @@ BackendKind parse_backend_kind(std::string_view name) {
 }
 
 BackendKind resolve_backend_kind(BackendKind kind) {
-  if (kind == BackendKind::automatic) return detail::cuda_device_count() > 0 ? BackendKind::cuda : BackendKind::cpu;
+  if (kind == BackendKind::automatic) return cuda_device_count() > 0 ? BackendKind::cuda : BackendKind::cpu;
 #ifndef LATENTMOE_WITH_CUDA
   LATENTMOE_CHECK(kind != BackendKind::cuda, "the CUDA backend is not available: latentmoe was built without CUDA");
 #else
-  LATENTMOE_CHECK(kind != BackendKind::cuda || detail::cuda_device_count() > 0,
+  LATENTMOE_CHECK(kind != BackendKind::cuda || cuda_device_count() > 0,
                   "the CUDA backend is not available: no CUDA device was found");
 #endif
   return kind;
@@ -160,8 +161,6 @@ TensorView RankContextState::view(Scratch which, const ScratchShape& shape) cons
   if (shape.rank == 1) return TensorView(data, shape.dtype, {shape.shape[0]}, backend->device());
   return TensorView(data, shape.dtype, {shape.shape[0], shape.shape[1]}, backend->device());
 }
-
-RankContextState& state_of(RankContext& context) { return *context.impl_; }
 
 }  // namespace detail
 

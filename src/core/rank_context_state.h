@@ -81,4 +81,9 @@ struct RankContextState {
   bool frozen = false;
 };
 
+// The one way into a RankContext's state (its friend): for the runner and the tail.
+struct RankContextAccess {
+  static RankContextState& state(RankContext& context) { return *context.impl_; }
+};
+
 }  // namespace latentmoe::detail

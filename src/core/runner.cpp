@@ -1,5 +1,6 @@
-// The runner: validation, weight placement, workspaces, and the forward pass of DESIGN sections 1-2,
-// written once against the Backend interface. The tails themselves are in tails.cpp.
+// The runner: validation, weight placement and the binding of the rank context's scratch; forward
+// validates its arguments and picks the tier, then runs the layer (layer_forward.cpp, whose tails are in
+// tails.cpp), written once against the Backend interface.
 #include "latentmoe/runner.h"
 
 #include <array>
@@ -7,8 +8,8 @@
 #include <string>
 
 #include "core/backend.h"
+#include "core/layer_forward.h"
 #include "core/runner_state.h"
-#include "core/tails.h"
 #include "latentmoe/error.h"
 #include "latentmoe/gpu_group.h"
 
@@ -107,7 +108,7 @@ void Runner::construct(RankContext& context, const LayerConfig& config, const Pa
   // The backend's own limits (kernel limits, weight formats it cannot run) and the context's scratch
   // before any weight is copied to the device: a layer refused costs no device memory.
   backend.check_layer(config, state.dtype, parallel.tp_size);
-  state.shared->reserve(config, state.dtype);
+  state.context_state->reserve(config, state.dtype);
   state.scratch_shapes = detail::scratch_shapes(config, state.dtype, state.options.max_tokens, parallel.tp_size);
 
   state.gate = detail::place(backend, weights.gate, "gate");
@@ -127,21 +128,21 @@ void Runner::construct(RankContext& context, const LayerConfig& config, const Pa
 
   state.support = structural_tier_support(state.fused_path_conditions());
   state.support.restrict_to(backend.tier_support(config, state.dtype, parallel.tp_size, state.comm));
-  if (state.shared->has_staging()) state.staging = std::make_unique<detail::RunnerState::Staging>();
+  if (state.context_state->has_staging()) state.staging = std::make_unique<detail::RunnerState::Staging>();
   state.bind_scratch();
   // forward may run on any stream of the caller's: the weights must be in place.
   backend.synchronize();
-  ++state.shared->num_layers;
+  ++state.context_state->num_layers;
 }
 
 Runner::~Runner() {
-  if (impl_ != nullptr) --impl_->shared->num_layers;
+  if (impl_ != nullptr) --impl_->context_state->num_layers;
 }
 
 void detail::RunnerState::bind_scratch() {
-  if (bound && bound_generation == shared->generation) return;
+  if (bound && bound_generation == context_state->generation) return;
   auto bind = [this](DeviceTensor& tensor, Scratch which) {
-    tensor.view = shared->view(which, scratch_shapes[static_cast<int>(which)]);
+    tensor.view = context_state->view(which, scratch_shapes[static_cast<int>(which)]);
   };
   bind(logits, Scratch::logits);
   bind(topk_ids, Scratch::topk_ids);
@@ -160,11 +161,9 @@ void detail::RunnerState::bind_scratch() {
     bind(staging->topk_ids, Scratch::staging_topk_ids);
     bind(staging->topk_weights, Scratch::staging_topk_weights);
   }
-  bound_generation = shared->generation;
+  bound_generation = context_state->generation;
   bound = true;
 }
-
-detail::RunnerState& detail::state_of(Runner& runner) { return *runner.impl_; }
 
 DType Runner::dtype() const { return impl_->dtype; }
 Device Runner::device() const { return impl_->backend->device(); }
@@ -217,7 +216,7 @@ TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outp
   if (num_tokens == 0) return tier;  // every rank sees the same T, so all skip the collectives together
 
   // From the first forward on, the context's buffers never move (graphs captured from it hold them).
-  state.shared->frozen = true;
+  state.context_state->frozen = true;
   state.bind_scratch();
 
   // The caller's stream for this call only; the backend's own again afterwards, even on an error.
@@ -262,7 +261,7 @@ TailTier Runner::forward_host(const ForwardInputs& inputs, const ForwardOutputs&
   LATENTMOE_CHECK(
       state.staging != nullptr,
       "forward_host on a GPU runner needs RunnerOptions::host_staging (its buffers are made at construction)");
-  state.shared->frozen = true;
+  state.context_state->frozen = true;
   state.bind_scratch();
   detail::RunnerState::Staging& staging = *state.staging;
   // Shapes and dtypes are checked by forward(); here only what staging needs.

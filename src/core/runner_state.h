@@ -1,5 +1,5 @@
-// The runner's private state, shared by runner.cpp (construction, validation) and tails.cpp (the
-// forward pass). The layer's own part (weights, parameters, tier support) is made at construction; the
+// The runner's private state, shared by runner.cpp (construction, validation) and layer_forward.cpp
+// (the forward pass). The layer's own part (weights, parameters, tier support) is made at construction; the
 // backend, the communicator and the scratch belong to the rank context (core/rank_context_state.h),
 // whose buffers the layer views with its own shapes. forward() only reads and writes them.
 #pragma once
@@ -13,6 +13,7 @@
 
 #include "core/backend.h"
 #include "core/rank_context_state.h"
+#include "core/tails.h"
 #include "latentmoe/rank_context.h"
 #include "latentmoe/runner.h"
 
@@ -31,9 +32,9 @@ struct RunnerState {
       : config(config),
         parallel(parallel),
         context(&context),
-        shared(&state_of(context)),
+        context_state(&RankContextAccess::state(context)),
         comm(context.communicator()),
-        backend(shared->backend.get()) {
+        backend(context_state->backend.get()) {
     const RankContextOptions& context_options = context.options();
     options.backend = context_options.backend;
     options.policy = policy;
@@ -45,6 +46,18 @@ struct RunnerState {
   // Points the scratch views below at the context's buffers when they moved since the last binding
   // (another layer registered with the context). Makes views only: no allocation.
   void bind_scratch();
+
+  // What the tails need of this layer (core/tails.h): the rank's backend and group, the replicated norm
+  // and up-projection.
+  TailOperands tail_operands() const {
+    return {backend,
+            &comm,
+            parallel,
+            config.hidden_size,
+            latent_norm.view,
+            up_proj.view,
+            static_cast<float>(config.rms_norm_eps)};
+  }
 
   FusedPathConditions fused_path_conditions() const {
     FusedPathConditions conditions;
@@ -62,7 +75,7 @@ struct RunnerState {
   LayerConfig config;
   ParallelConfig parallel;
   RankContext* context;
-  RankContextState* shared;
+  RankContextState* context_state;  // the context's backend and scratch, shared by its layers
   Communicator& comm;
   // The context's options and this layer's policy.
   RunnerOptions options;
@@ -101,6 +114,12 @@ struct RunnerState {
   std::array<ScratchShape, kNumScratch> scratch_shapes{};
   uint64_t bound_generation = 0;
   bool bound = false;
+};
+
+// The one way into a Runner's state (its friend): for the library's own modules (local_group.cpp) and
+// the benchmark's door (src/bench_access.h).
+struct RunnerAccess {
+  static RunnerState& state(Runner& runner) { return *runner.impl_; }
 };
 
 // One weight on the backend's device: a host view is copied there, a view already on the device is

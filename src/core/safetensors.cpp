@@ -16,7 +16,7 @@
 #include <sstream>
 #include <utility>
 
-#include "core/atomic_file.h"
+#include "latentmoe/atomic_file.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
@@ -442,7 +442,7 @@ HostTensor SafetensorsFile::read(std::string_view name) const {
 namespace {
 
 // Writes a view's elements in row-major order, whatever its strides.
-void write_view(detail::AtomicFile& writer, const TensorView& view) {
+void write_view(AtomicFile& writer, const TensorView& view) {
   const int64_t numel = view.numel();
   if (numel == 0) return;
   const size_t element = dtype_size(view.dtype());
@@ -512,7 +512,7 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   for (const auto& [name, view] : tensors) {
     total_bytes += static_cast<uint64_t>(view.numel()) * dtype_size(view.dtype());
   }
-  detail::AtomicFile file(path, total_bytes);  // refuses a non-regular target or a size over RLIMIT_FSIZE
+  AtomicFile file(path, total_bytes);  // refuses a non-regular target or a size over RLIMIT_FSIZE
   unsigned char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(uint64_t{header_text.size()} >> (8 * i));
   file.write(length, sizeof(length));

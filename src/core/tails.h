@@ -1,30 +1,42 @@
-// The forward pass of one rank after validation: routing, the routed and shared experts, and the
-// tail of the chosen tier (DESIGN section 2).
+// The four tails (DESIGN section 2): how one rank turns its un-reduced partials L_r and S_r into the
+// layer output that every rank holds. Written once against the Backend and Communicator interfaces, so
+// the CPU reference proves the same orchestration the GPU runs. The layer's forward
+// (core/layer_forward.h) calls them; so does the benchmark (src/bench_access.h), which times a tail alone.
 #pragma once
 
-#include "core/runner_state.h"
+#include <cstdint>
+
+#include "core/backend.h"
+#include "latentmoe/communicator.h"
+#include "latentmoe/parallel.h"
+#include "latentmoe/tensor.h"
+#include "latentmoe/tier.h"
 
 namespace latentmoe::detail {
 
-void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOutputs& outputs, TailTier tier,
-               int64_t num_tokens);
+// What a tail needs besides its tensors: the rank's backend and group, and the replicated weights.
+struct TailOperands {
+  Backend* backend = nullptr;
+  Communicator* comm = nullptr;
+  ParallelConfig parallel;
+  int64_t hidden_size = 0;  // d
+  TensorView latent_norm;   // gamma [l]; undefined: no latent norm
+  TensorView up_proj;       // W_up [d, l], replicated
+  float eps = 1e-5f;
+};
 
-// What run_layer hands the tail: the rank's un-reduced partials, its workspaces and the output.
+// The tail's tensors for T tokens.
 struct TailTensors {
   TensorView latent_partial;  // L_r [T, l]
-  TensorView shared_partial;  // S_r [T, d]; undefined without a shared expert (native only)
+  TensorView shared_partial;  // S_r [T, d]; undefined without a shared expert (native only).
+                              // column_parallel: `out` itself, which its tail accumulates into.
   TensorView latent_reduced;  // [T, l] workspace for Lhat
-  TensorView hidden_shard;    // [T, d/tp] workspace
+  TensorView hidden_shard;    // [T, d/tp] workspace (tail_fusion)
   TensorView out;             // [T, d]
 };
 
-// The tail's tensors for `num_tokens` tokens: the first rows of the runner's workspaces and `out`
-// (column_parallel: the shared partial is `out` itself, which its tail accumulates into).
-TailTensors tail_tensors(RunnerState& state, TailTier tier, const TensorView& out, int64_t num_tokens);
-
-// The tail of `tier` alone (steps 5 and 8) on the backend's current stream: run_layer calls it, and
-// so does the benchmark (tools/bench_access.h), which times the tail alone on partials it wrote.
-// Nothing here checks the tier against the runner's support (forward does).
-void run_tail(RunnerState& state, TailTier tier, const TailTensors& tensors);
+// The tail of `tier` (DESIGN steps 5 and 8) on the backend's current stream. Nothing here checks the tier
+// against what the rank supports (the callers do).
+void run_tail(const TailOperands& operands, TailTier tier, const TailTensors& tensors);
 
 }  // namespace latentmoe::detail

@@ -1,47 +1,14 @@
 // Tail-tier names, the selection policy and its environment knobs (DESIGN section 2, docs/CONFIG.md).
 #include "latentmoe/tier.h"
 
-#include <array>
-#include <cctype>
-#include <charconv>
-#include <cstdlib>
-#include <limits>
 #include <string>
 #include <utility>
 #include <variant>
 
+#include "core/settings.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
-namespace {
-
-constexpr std::string_view kTailFusionMaxTokensVar = "LATENTMOE_TAIL_FUSION_MAX_TOKENS";
-constexpr std::string_view kSharedStreamTokenThresholdVar = "LATENTMOE_SHARED_STREAM_TOKEN_THRESHOLD";
-constexpr std::string_view kDisableSharedStreamVar = "LATENTMOE_DISABLE_SHARED_STREAM";
-constexpr std::string_view kDisableTailFusionVar = "LATENTMOE_DISABLE_TAIL_FUSION";
-
-// Digits only: no sign, no spaces, no trailing characters; must fit in int64.
-int64_t parse_count(std::string_view name, const std::string& text) {
-  bool digits_only = !text.empty();
-  for (char c : text) digits_only = digits_only && std::isdigit(static_cast<unsigned char>(c));
-  LATENTMOE_CHECK(digits_only, name, "='", text, "' is not an integer >= 0");
-  int64_t value = 0;
-  const char* last = text.data() + text.size();
-  auto [end, ec] = std::from_chars(text.data(), last, value);
-  LATENTMOE_CHECK(ec == std::errc() && end == last, name, "='", text, "' is out of range (at most ",
-                  std::numeric_limits<int64_t>::max(), ")");
-  return value;
-}
-
-bool parse_flag(std::string_view name, const std::string& text) {
-  std::string lower;
-  for (char c : text) lower.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
-  if (lower == "1" || lower == "true" || lower == "yes" || lower == "on") return true;
-  if (lower == "0" || lower == "false" || lower == "no" || lower == "off") return false;
-  detail::throw_error(name, "='", text, "' is not a boolean; accepted: 0/1, true/false, yes/no, on/off");
-}
-
-}  // namespace
 
 std::string_view to_string(TailTier tier) {
   switch (tier) {
@@ -71,25 +38,17 @@ TierPolicy TierPolicy::from_lookup(const std::function<std::optional<std::string
 
 TierPolicy TierPolicy::from_lookup(const std::function<std::optional<std::string>(std::string_view)>& lookup,
                                    const TierPolicy& base) {
+  // Parsed as the settings registry declares them (core/settings.h); an unset or empty one keeps base's value.
+  using detail::Setting;
   TierPolicy policy = base;
-  // An empty value counts as unset, so `LATENTMOE_X= cmd` restores the default.
-  auto get = [&lookup](std::string_view name) -> std::optional<std::string> {
-    std::optional<std::string> value = lookup(name);
-    if (value.has_value() && value->empty()) return std::nullopt;
-    return value;
-  };
-  if (auto value = get(kTailFusionMaxTokensVar)) {
-    policy.tail_fusion_max_tokens = parse_count(kTailFusionMaxTokensVar, *value);
+  if (auto value = detail::read_integer(Setting::tail_fusion_max_tokens, lookup)) {
+    policy.tail_fusion_max_tokens = *value;
   }
-  if (auto value = get(kSharedStreamTokenThresholdVar)) {
-    policy.shared_stream_token_threshold = parse_count(kSharedStreamTokenThresholdVar, *value);
+  if (auto value = detail::read_integer(Setting::shared_stream_token_threshold, lookup)) {
+    policy.shared_stream_token_threshold = *value;
   }
-  if (auto value = get(kDisableSharedStreamVar)) {
-    policy.disable_shared_stream = parse_flag(kDisableSharedStreamVar, *value);
-  }
-  if (auto value = get(kDisableTailFusionVar)) {
-    policy.disable_tail_fusion = parse_flag(kDisableTailFusionVar, *value);
-  }
+  if (auto value = detail::read_boolean(Setting::disable_shared_stream, lookup)) policy.disable_shared_stream = *value;
+  if (auto value = detail::read_boolean(Setting::disable_tail_fusion, lookup)) policy.disable_tail_fusion = *value;
   return policy;
 }
 
@@ -97,11 +56,7 @@ TierPolicy TierPolicy::from_environment() {
   // Parsed once (a thread-safe static); a malformed variable is remembered and reported on every call.
   static const std::variant<TierPolicy, std::string> cached = []() -> std::variant<TierPolicy, std::string> {
     try {
-      return from_lookup([](std::string_view name) -> std::optional<std::string> {
-        const char* value = std::getenv(std::string(name).c_str());
-        if (value == nullptr) return std::nullopt;
-        return std::string(value);
-      });
+      return from_lookup(detail::environment_value);
     } catch (const Error& error) {
       return std::string(error.what());
     }

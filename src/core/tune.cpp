@@ -3,14 +3,14 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "core/atomic_file.h"
 #include "core/bounded_file.h"
 #include "core/builtin_tune.h"
+#include "core/settings.h"
+#include "latentmoe/atomic_file.h"
 #include "latentmoe/error.h"
 #include "latentmoe/tier.h"
 
@@ -165,7 +165,7 @@ std::string TuneTable::to_json() const {
 
 void TuneTable::write_file(const std::string& path) const {
   const std::string text = to_json();
-  detail::AtomicFile file(path, text.size());
+  AtomicFile file(path, text.size());
   file.write(text.data(), text.size());
   file.commit();
 }
@@ -303,19 +303,9 @@ TierPolicy tuned_policy_over(const std::vector<TuneTable>& builtin, const std::s
       if (table.device == device) take(table);
     }
   }
-  std::string path = table_path;
-  if (path.empty()) {
-    const char* value = std::getenv("LATENTMOE_TUNE_FILE");
-    if (value != nullptr) path = value;
-  }
+  const std::string path = !table_path.empty() ? table_path : read_path(Setting::tune_file).value_or("");
   if (!path.empty()) take(TuneTable::from_file(path));
-  return TierPolicy::from_lookup(
-      [](std::string_view name) -> std::optional<std::string> {
-        const char* value = std::getenv(std::string(name).c_str());
-        if (value == nullptr) return std::nullopt;
-        return std::string(value);
-      },
-      base);
+  return TierPolicy::from_lookup(environment_value, base);
 }
 
 }  // namespace detail

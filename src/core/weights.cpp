@@ -128,8 +128,12 @@ class Loader {
       }
     }
     if (entry == nullptr) {
-      LATENTMOE_CHECK(!required, file_.path(), ": missing tensor ", full_name,
-                      alias.empty() ? "" : " (or " + prefix_ + alias + ")", " (expected shape ", shape_string(shape),
+      // The echoed names are parts of their own (each capped alone), the words around them are not.
+      if (!alias.empty()) {
+        LATENTMOE_CHECK(!required, file_.path(), ": missing tensor ", full_name, " (or ", prefix_ + alias,
+                        ") (expected shape ", shape_string(shape), ")");
+      }
+      LATENTMOE_CHECK(!required, file_.path(), ": missing tensor ", full_name, " (expected shape ", shape_string(shape),
                       ")");
       return nullptr;
     }

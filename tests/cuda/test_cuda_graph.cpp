@@ -152,7 +152,7 @@ TEST(CudaGraph, forward_allocates_no_device_memory) {
   layer.set_input(1, stream.get());
   layer.forward(stream.get());  // loads the kernels and builds the GEMM plans
   ASSERT_EQ(cudaStreamSynchronize(stream.get()), cudaSuccess);
-  auto& backend = dynamic_cast<CudaBackend&>(*detail::state_of(layer.runner()).backend);
+  auto& backend = dynamic_cast<CudaBackend&>(*detail::RunnerAccess::state(layer.runner()).backend);
   const int64_t allocations = backend.num_device_allocations();
   size_t free_before = 0, total = 0;
   ASSERT_EQ(cudaMemGetInfo(&free_before, &total), cudaSuccess);

@@ -78,19 +78,30 @@ HostTensor column_block(const HostTensor& whole, int block, int blocks) {
 
 // --- one GPU ---------------------------------------------------------------------------------------
 
+// The library sets no NCCL variable: a group is refused unless NCCL_NVLS_ENABLE is 0, unset included
+// (NCCL's default uses multicast), before NCCL starts.
 TEST(NcclGroup, refuses_nvlink_multicast) {
   const char* saved = std::getenv("NCCL_NVLS_ENABLE");
   const std::string saved_value = saved != nullptr ? saved : "";
-  setenv("NCCL_NVLS_ENABLE", "1", 1);
   GpuGroupOptions options;
   options.capacity_elements = 64;
-  try {
-    make_nccl_gpu_group(1, options);
-    ADD_FAILURE() << "NCCL_NVLS_ENABLE=1 accepted";
-  } catch (const Error& error) {
+  for (const char* value : {"1", "2", ""}) {
+    SCOPED_TRACE(std::string("NCCL_NVLS_ENABLE='") + value + "'");
+    setenv("NCCL_NVLS_ENABLE", value, 1);
+    try {
+      make_nccl_gpu_group(1, options);
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& error) {
 #if defined(LATENTMOE_WITH_NCCL)
-    EXPECT_NE(std::string(error.what()).find("NCCL_NVLS_ENABLE=1"), std::string::npos) << error.what();
+      const std::string expected =
+          *value == '\0' ? std::string("NCCL_NVLS_ENABLE is not set") : std::string("NCCL_NVLS_ENABLE='") + value + "'";
+      EXPECT_NE(std::string(error.what()).find(expected), std::string::npos) << error.what();
+      EXPECT_NE(std::string(error.what()).find("set NCCL_NVLS_ENABLE=0"), std::string::npos) << error.what();
 #endif
+    }
+    // Still as the test left it: the library wrote nothing.
+    ASSERT_NE(std::getenv("NCCL_NVLS_ENABLE"), nullptr);
+    EXPECT_EQ(std::string(std::getenv("NCCL_NVLS_ENABLE")), value);
   }
   if (saved != nullptr) {
     setenv("NCCL_NVLS_ENABLE", saved_value.c_str(), 1);

@@ -165,6 +165,11 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // checked against what prepare() sized.
   RoutedBuffers routed_buffers(DType dtype, int64_t num_tokens, int64_t top_k, int64_t num_experts,
                                int64_t intermediate, int64_t latent);
+  // The routed experts in MXFP4 (codes and E8M0 scales, decoded inside the kernels): the grouped GEMMs from
+  // 64 tokens where they take the shapes, else the decode kernels in batches of up to 8 tokens.
+  void mxfp4_routed_experts(const ::latentmoe::detail::ActivationParams& activation, const TensorView& z,
+                            const TensorView& topk_ids, const TensorView& topk_weights,
+                            const ::latentmoe::detail::MlpWeights& experts, const TensorView& out);
   // The grouped path of the routed experts (weights in the compute dtype or MXFP4): the MoE layout, the
   // gate/up and down grouped GEMMs, the combine into `out`.
   void grouped_routed_experts(const ::latentmoe::detail::ActivationParams& activation, const TensorView& z,

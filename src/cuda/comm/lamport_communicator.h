@@ -1,7 +1,7 @@
-// A communicator whose ranks can load and store each other's receive areas (the GPU groups: simulated
-// ranks, and NCCL groups whose ranks are all load/store reachable): the CUDA backend's fused collective
-// steps launch their own kernels through its plain peer parameters, so the kernels depend on no
-// communication library. Host-only; includable from C++.
+// The GPU groups' communicator (simulated ranks, NCCL groups): where every rank can load and store its
+// peers' receive areas (one_shot()), the CUDA backend's fused collective steps launch their own kernels
+// through its plain peer parameters, so the kernels depend on no communication library. The backend finds
+// it through Communicator::one_shot_kernels(). Host-only; includable from C++.
 #pragma once
 
 #include "cuda/comm/lamport.h"
@@ -11,6 +11,10 @@ namespace latentmoe::cuda {
 
 class LamportCommunicator : public Communicator {
  public:
+  // The capability query of Communicator: this group's one-shot kernels are there.
+  LamportCommunicator* one_shot_kernels() override { return this; }
+  const LamportCommunicator* one_shot_kernels() const override { return this; }
+
   // Bound once when the group is built; valid as long as the communicator.
   virtual const LamportPeers& lamport_peers() const = 0;
   // The dtype every collective of the group carries.

@@ -28,7 +28,6 @@
 #include <array>
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -68,10 +67,8 @@ ncclDataType_t nccl_type(DType dtype) {
 }
 
 // The start-up checks every NCCL group makes before its first NCCL call that could start NCCL.
-void check_environment(bool library_initialises) {
-  const detail::NvlsDecision nvls = detail::nvls_decision(std::getenv("NCCL_NVLS_ENABLE"), library_initialises);
-  if (nvls.error) detail::throw_error(*nvls.error);
-  if (nvls.set_zero) setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+void check_environment() {
+  detail::require_nvls_off();
   int loaded = 0;
   LATENTMOE_NCCL_CHECK(nullptr, ncclGetVersion(&loaded));
   if (auto mismatch = detail::nccl_version_mismatch(loaded, NCCL_VERSION_CODE)) detail::throw_error(*mismatch);
@@ -327,27 +324,22 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     call.ld_in = s.ld;
     call.out = buffer.data();
     call.ld_out = s.ld;
-    if (fits(call)) return launch(call, static_cast<cudaStream_t>(stream));
-    if (s.rows == 0 || s.cols == 0) return;
-    note(call, /*one_shot=*/false);
-    const RankResources& r = resources();
-    cuda::DeviceGuard guard(r.device);
-    auto st = static_cast<cudaStream_t>(stream);
-    const ncclDataType_t type = nccl_type(buffer.dtype());
-    if (s.ld == s.cols || s.rows == 1) {
-      LATENTMOE_NCCL_CHECK(r.comm, ncclAllReduce(buffer.data(), buffer.data(), static_cast<size_t>(s.rows * s.cols),
-                                                 type, ncclSum, r.comm, st));
-      return;
-    }
-    // A strided view: through the contiguous staging buffer.
-    require_staging(s.rows * s.cols, "all-reduce");
-    const size_t e = dtype_size(buffer.dtype());
-    LATENTMOE_CUDA_CHECK(cudaMemcpy2DAsync(r.staging, s.cols * e, buffer.data(), s.ld * e, s.cols * e, s.rows,
-                                           cudaMemcpyDeviceToDevice, st));
-    LATENTMOE_NCCL_CHECK(
-        r.comm, ncclAllReduce(r.staging, r.staging, static_cast<size_t>(s.rows * s.cols), type, ncclSum, r.comm, st));
-    LATENTMOE_CUDA_CHECK(cudaMemcpy2DAsync(buffer.data(), s.ld * e, r.staging, s.cols * e, s.cols * e, s.rows,
-                                           cudaMemcpyDeviceToDevice, st));
+    one_shot_or_nccl(call, stream, [&](const RankResources& r, cudaStream_t st, ncclDataType_t type) {
+      if (s.ld == s.cols || s.rows == 1) {
+        LATENTMOE_NCCL_CHECK(r.comm, ncclAllReduce(buffer.data(), buffer.data(), static_cast<size_t>(s.rows * s.cols),
+                                                   type, ncclSum, r.comm, st));
+        return;
+      }
+      // A strided view: through the contiguous staging buffer.
+      require_staging(s.rows * s.cols, "all-reduce");
+      const size_t e = dtype_size(buffer.dtype());
+      LATENTMOE_CUDA_CHECK(cudaMemcpy2DAsync(r.staging, s.cols * e, buffer.data(), s.ld * e, s.cols * e, s.rows,
+                                             cudaMemcpyDeviceToDevice, st));
+      LATENTMOE_NCCL_CHECK(
+          r.comm, ncclAllReduce(r.staging, r.staging, static_cast<size_t>(s.rows * s.cols), type, ncclSum, r.comm, st));
+      LATENTMOE_CUDA_CHECK(cudaMemcpy2DAsync(buffer.data(), s.ld * e, r.staging, s.cols * e, s.cols * e, s.rows,
+                                             cudaMemcpyDeviceToDevice, st));
+    });
   }
 
   void reduce_scatter_sum(const TensorView& input, const TensorView& output, StreamHandle stream) override {
@@ -358,29 +350,24 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     call.ld_in = s.ld;
     call.out = output.data();
     call.ld_out = o.ld;
-    if (fits(call)) return launch(call, static_cast<cudaStream_t>(stream));
-    if (s.rows == 0 || s.cols == 0) return;
-    note(call, /*one_shot=*/false);
-    const RankResources& r = resources();
-    cuda::DeviceGuard guard(r.device);
-    auto st = static_cast<cudaStream_t>(stream);
-    const ncclDataType_t type = nccl_type(input.dtype());
-    const int64_t chunk = s.cols / size();
-    if (s.rows == 1) {  // one row: the column blocks are NCCL's contiguous chunks
-      LATENTMOE_NCCL_CHECK(r.comm, ncclReduceScatter(input.data(), output.data(), static_cast<size_t>(chunk), type,
-                                                     ncclSum, r.comm, st));
-      return;
-    }
-    // Column blocks packed into consecutive chunks [size][rows][chunk]; the reduce-scatter in place leaves
-    // this rank's block of the sum at chunk `rank`, which is copied out into the (strided) output.
-    require_staging(s.rows * s.cols, "reduce-scatter");
-    const size_t e = dtype_size(input.dtype());
-    cuda::launch_pack_column_blocks(input.data(), s.ld, s.rows, s.cols, size(), e, r.staging, st);
-    char* mine = static_cast<char*>(r.staging) + static_cast<size_t>(rank()) * s.rows * chunk * e;
-    LATENTMOE_NCCL_CHECK(
-        r.comm, ncclReduceScatter(r.staging, mine, static_cast<size_t>(s.rows * chunk), type, ncclSum, r.comm, st));
-    LATENTMOE_CUDA_CHECK(
-        cudaMemcpy2DAsync(output.data(), o.ld * e, mine, chunk * e, chunk * e, s.rows, cudaMemcpyDeviceToDevice, st));
+    one_shot_or_nccl(call, stream, [&](const RankResources& r, cudaStream_t st, ncclDataType_t type) {
+      const int64_t chunk = s.cols / size();
+      if (s.rows == 1) {  // one row: the column blocks are NCCL's contiguous chunks
+        LATENTMOE_NCCL_CHECK(r.comm, ncclReduceScatter(input.data(), output.data(), static_cast<size_t>(chunk), type,
+                                                       ncclSum, r.comm, st));
+        return;
+      }
+      // Column blocks packed into consecutive chunks [size][rows][chunk]; the reduce-scatter in place leaves
+      // this rank's block of the sum at chunk `rank`, which is copied out into the (strided) output.
+      require_staging(s.rows * s.cols, "reduce-scatter");
+      const size_t e = dtype_size(input.dtype());
+      cuda::launch_pack_column_blocks(input.data(), s.ld, s.rows, s.cols, size(), e, r.staging, st);
+      char* mine = static_cast<char*>(r.staging) + static_cast<size_t>(rank()) * s.rows * chunk * e;
+      LATENTMOE_NCCL_CHECK(
+          r.comm, ncclReduceScatter(r.staging, mine, static_cast<size_t>(s.rows * chunk), type, ncclSum, r.comm, st));
+      LATENTMOE_CUDA_CHECK(
+          cudaMemcpy2DAsync(output.data(), o.ld * e, mine, chunk * e, chunk * e, s.rows, cudaMemcpyDeviceToDevice, st));
+    });
   }
 
   void all_gather(const TensorView& input, const TensorView& output, StreamHandle stream) override {
@@ -391,28 +378,24 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     call.ld_in = i.ld;
     call.out = output.data();
     call.ld_out = s.ld;
-    if (fits(call)) return launch(call, static_cast<cudaStream_t>(stream));
-    if (s.rows == 0 || s.cols == 0) return;
-    note(call, /*one_shot=*/false);
-    const RankResources& r = resources();
-    cuda::DeviceGuard guard(r.device);
-    auto st = static_cast<cudaStream_t>(stream);
-    const ncclDataType_t type = nccl_type(output.dtype());
-    const int64_t chunk = s.cols / size();
-    if (s.rows == 1) {
+    one_shot_or_nccl(call, stream, [&](const RankResources& r, cudaStream_t st, ncclDataType_t type) {
+      const int64_t chunk = s.cols / size();
+      if (s.rows == 1) {
+        LATENTMOE_NCCL_CHECK(r.comm,
+                             ncclAllGather(input.data(), output.data(), static_cast<size_t>(chunk), type, r.comm, st));
+        return;
+      }
+      // This rank's block into its chunk of the staging buffer, the all-gather in place, then every chunk
+      // unpacked into its column block of the output.
+      require_staging(s.rows * s.cols, "all-gather");
+      const size_t e = dtype_size(output.dtype());
+      char* mine = static_cast<char*>(r.staging) + static_cast<size_t>(rank()) * s.rows * chunk * e;
+      LATENTMOE_CUDA_CHECK(
+          cudaMemcpy2DAsync(mine, chunk * e, input.data(), i.ld * e, chunk * e, s.rows, cudaMemcpyDeviceToDevice, st));
       LATENTMOE_NCCL_CHECK(r.comm,
-                           ncclAllGather(input.data(), output.data(), static_cast<size_t>(chunk), type, r.comm, st));
-      return;
-    }
-    // This rank's block into its chunk of the staging buffer, the all-gather in place, then every chunk
-    // unpacked into its column block of the output.
-    require_staging(s.rows * s.cols, "all-gather");
-    const size_t e = dtype_size(output.dtype());
-    char* mine = static_cast<char*>(r.staging) + static_cast<size_t>(rank()) * s.rows * chunk * e;
-    LATENTMOE_CUDA_CHECK(
-        cudaMemcpy2DAsync(mine, chunk * e, input.data(), i.ld * e, chunk * e, s.rows, cudaMemcpyDeviceToDevice, st));
-    LATENTMOE_NCCL_CHECK(r.comm, ncclAllGather(mine, r.staging, static_cast<size_t>(s.rows * chunk), type, r.comm, st));
-    cuda::launch_unpack_column_blocks(r.staging, s.rows, s.cols, size(), e, output.data(), s.ld, st);
+                           ncclAllGather(mine, r.staging, static_cast<size_t>(s.rows * chunk), type, r.comm, st));
+      cuda::launch_unpack_column_blocks(r.staging, s.rows, s.cols, size(), e, output.data(), s.ld, st);
+    });
   }
 
   void barrier(StreamHandle stream) override {
@@ -527,6 +510,20 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
     return group_->one_shot && cuda::lamport_message_bytes(call, size()) <= group_->capacity_bytes;
   }
 
+  // What every collective does first: `call` one-shot when it fits; nothing for an empty message (every
+  // rank skips it alike); otherwise noted as NCCL's and `nccl(resources, stream, NCCL's type)` run on this
+  // rank's device: the NCCL path, which only differs between the collectives.
+  template <typename NcclPath>
+  void one_shot_or_nccl(const LamportCall& call, StreamHandle stream, NcclPath&& nccl) {
+    const auto st = static_cast<cudaStream_t>(stream);
+    if (fits(call)) return launch(call, st);
+    if (call.rows == 0 || call.cols == 0) return;
+    note(call, /*one_shot=*/false);
+    const RankResources& r = resources();
+    cuda::DeviceGuard guard(r.device);
+    nccl(r, st, nccl_type(call.dtype));
+  }
+
   void require_staging(int64_t elements, const char* what) const {
     LATENTMOE_CHECK(elements <= group_->fallback_elements, "rank ", rank(), ": the NCCL group's ", what, " of ",
                     elements, " elements exceeds ", group_->one_shot ? "the one-shot capacity and " : "",
@@ -565,7 +562,7 @@ void build_or_fail(GroupState& g, const GpuGroupOptions& options) {
 
 std::vector<std::unique_ptr<Communicator>> make_nccl_gpu_group(int tp_size, const GpuGroupOptions& options) {
   check_options(tp_size, options);
-  check_environment(/*library_initialises=*/true);
+  check_environment();
   const int num_devices = cuda::cuda_device_count();
   LATENTMOE_CHECK(num_devices >= tp_size, "NCCL group: tp ", tp_size, " needs ", tp_size, " GPUs, ", num_devices,
                   " found");
@@ -594,7 +591,7 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_gpu_group(int tp_size, cons
 
 std::unique_ptr<Communicator> make_nccl_communicator(ncclComm_t comm, const GpuGroupOptions& options) {
   LATENTMOE_CHECK(comm != nullptr, "make_nccl_communicator: the NCCL communicator is null");
-  check_environment(/*library_initialises=*/false);
+  check_environment();
   int size = 0, rank = 0, device = 0;
   LATENTMOE_NCCL_CHECK(comm, ncclCommCount(comm, &size));
   LATENTMOE_NCCL_CHECK(comm, ncclCommUserRank(comm, &rank));

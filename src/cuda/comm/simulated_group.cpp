@@ -8,12 +8,13 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
 
+#include "core/settings.h"
 #include "cuda/comm/lamport.h"
+#include "cuda/comm/lamport_call.h"
 #include "cuda/comm/lamport_communicator.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
@@ -115,32 +116,20 @@ class SimulatedGpuCommunicator final : public cuda::LamportCommunicator {
   int rank() const override { return rank_; }
 
   void all_reduce_sum(const TensorView& buffer, StreamHandle stream) override {
-    LamportCall call = call_for(LamportOp::all_reduce, buffer, "all-reduce buffer");
-    call.in = buffer.data();
-    call.ld_in = row_stride(buffer);
-    call.out = buffer.data();
-    call.ld_out = call.ld_in;
-    enqueue(call, stream);
+    check_whole(LamportOp::all_reduce, buffer, "all-reduce buffer");
+    enqueue(cuda::make_lamport_call(LamportOp::all_reduce, buffer, buffer), stream);
   }
 
   void reduce_scatter_sum(const TensorView& input, const TensorView& output, StreamHandle stream) override {
-    LamportCall call = call_for(LamportOp::reduce_scatter, input, "reduce-scatter input");
-    check_shard(output, call.rows, call.cols, "reduce-scatter output");
-    call.in = input.data();
-    call.ld_in = row_stride(input);
-    call.out = output.data();
-    call.ld_out = row_stride(output);
-    enqueue(call, stream);
+    check_whole(LamportOp::reduce_scatter, input, "reduce-scatter input");
+    check_shard(output, input, "reduce-scatter output");
+    enqueue(cuda::make_lamport_call(LamportOp::reduce_scatter, input, output), stream);
   }
 
   void all_gather(const TensorView& input, const TensorView& output, StreamHandle stream) override {
-    LamportCall call = call_for(LamportOp::all_gather, output, "all-gather output");
-    check_shard(input, call.rows, call.cols, "all-gather input");
-    call.in = input.data();
-    call.ld_in = row_stride(input);
-    call.out = output.data();
-    call.ld_out = row_stride(output);
-    enqueue(call, stream);
+    check_whole(LamportOp::all_gather, output, "all-gather output");
+    check_shard(input, output, "all-gather input");
+    enqueue(cuda::make_lamport_call(LamportOp::all_gather, input, output), stream);
   }
 
   void barrier(StreamHandle stream) override {
@@ -168,19 +157,15 @@ class SimulatedGpuCommunicator final : public cuda::LamportCommunicator {
   DType lamport_dtype() const override { return memory_->dtype; }
 
  private:
-  static int64_t row_stride(const TensorView& view) { return view.rank() == 2 ? view.stride(0) : view.numel(); }
+  static int64_t rows_of(const TensorView& view) { return view.rank() == 2 ? view.size(0) : 1; }
+  static int64_t cols_of(const TensorView& view) { return view.rank() == 2 ? view.size(1) : view.numel(); }
 
-  // rows x cols of a rank-1 or rank-2 device tensor of the group's dtype with a contiguous last dim.
-  LamportCall call_for(LamportOp op, const TensorView& view, const char* what) const {
+  // The collective's whole side: a rank-1 or rank-2 device tensor of the group's dtype with a contiguous
+  // last dimension, whose columns split into the ranks' blocks (but for an all-reduce).
+  void check_whole(LamportOp op, const TensorView& view, const char* what) const {
     check_view(view, what);
-    LamportCall call;
-    call.op = op;
-    call.dtype = view.dtype();
-    call.rows = view.rank() == 2 ? view.size(0) : 1;
-    call.cols = view.rank() == 2 ? view.size(1) : view.numel();
-    LATENTMOE_CHECK(op == LamportOp::all_reduce || call.cols % memory_->size == 0, "rank ", rank_, ": ", what, " ",
+    LATENTMOE_CHECK(op == LamportOp::all_reduce || cols_of(view) % memory_->size == 0, "rank ", rank_, ": ", what, " ",
                     view.shape_string(), " does not split into ", memory_->size, " column blocks");
-    return call;
   }
 
   void check_view(const TensorView& view, const char* what) const {
@@ -192,13 +177,12 @@ class SimulatedGpuCommunicator final : public cuda::LamportCommunicator {
                     what, " must be rank 1 or 2 with a contiguous last dimension");
   }
 
-  void check_shard(const TensorView& shard, int64_t rows, int64_t cols, const char* what) const {
+  void check_shard(const TensorView& shard, const TensorView& whole, const char* what) const {
     check_view(shard, what);
-    const int64_t shard_rows = shard.rank() == 2 ? shard.size(0) : 1;
-    const int64_t shard_cols = shard.rank() == 2 ? shard.size(1) : shard.numel();
-    LATENTMOE_CHECK(shard_rows == rows && shard_cols * memory_->size == cols, "rank ", rank_, ": the GPU group's ",
-                    what, " ", shard.shape_string(), " is not a 1/", memory_->size, " column block of [", rows, ", ",
-                    cols, "]");
+    const int64_t rows = rows_of(whole), cols = cols_of(whole);
+    LATENTMOE_CHECK(rows_of(shard) == rows && cols_of(shard) * memory_->size == cols, "rank ", rank_,
+                    ": the GPU group's ", what, " ", shard.shape_string(), " is not a 1/", memory_->size,
+                    " column block of [", rows, ", ", cols, "]");
   }
 
   void enqueue(const LamportCall& call, StreamHandle stream) {
@@ -252,8 +236,7 @@ std::vector<std::unique_ptr<Communicator>> make_simulated_gpu_group(int tp_size,
   // queued behind it (seen on the H200: tp 8 with the default 8 hung until the timeout). Each rank
   // has two streams; ask for twice that many queues, all 32 from tp 8 on.
   if (tp_size > 1) {
-    const char* value = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-    const int connections = value != nullptr && *value != '\0' ? std::atoi(value) : 8;
+    const int64_t connections = detail::integer_setting(detail::Setting::cuda_device_max_connections);
     const int needed = std::min(32, 4 * tp_size);
     LATENTMOE_CHECK(connections >= needed, "GPU group: ", tp_size, " ranks simulated on one GPU need ",
                     "CUDA_DEVICE_MAX_CONNECTIONS >= ", needed, " (it is ", connections,
