@@ -83,14 +83,9 @@ def per_call_us(fn, calls, device):
     return statistics.median(times) / 1000.0
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--calls", type=int, default=4000)
-    parser.add_argument("--json", default="")
-    args = parser.parse_args()
+def measure(device, calls):
+    """The rows above for `device` (a torch.device), printed as they come."""
     torch.set_num_threads(1)
-    device = torch.device(args.device)
     dtype = torch.bfloat16
     ctx = latentmoe.RankContext(device, max_tokens=8)
     layer = latentmoe.LatentMoE(CONFIG, tiny_weights(dtype), ctx)
@@ -98,9 +93,9 @@ def main():
     rows = []
 
     def row(name, fn):
-        us = per_call_us(fn, args.calls, device)
+        us = per_call_us(fn, calls, device)
         rows.append({"row": name, "host_us_per_call": us})
-        print(f"  {name:28} {us:8.2f} us")
+        print(f"  {name:28} {us:8.2f} us", flush=True)
 
     a = torch.ones(4, device=device)
     for tokens in (0, 1):
@@ -118,9 +113,21 @@ def main():
             stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
             handle = layer.handle
             forward = _lib.lib.lmoe_layer_forward
-            row("C ABI call, T=0", lambda: forward(handle, descs[0], descs[1], None, descs[2], descs[3], descs[4], -1, stream, None))
+            row("C ABI call, T=0",
+                lambda: forward(handle, descs[0], descs[1], None, descs[2], descs[3], descs[4], -1, stream, None))
         row(f"layer op, T={tokens}", lambda: layer(x, logits))
         row(f"tail op, T={tokens}", lambda: tail(s, lat))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--calls", type=int, default=4000)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    rows = measure(device, args.calls)
     report = {
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "cpu": platform.processor() or platform.machine(),

@@ -1,0 +1,20 @@
+# CTest's install_and_consume (tests/CMakeLists.txt): installs the build tree BUILD_DIR into a scratch prefix
+# (cmake --install), then configures, builds and runs tests/consumer against it with find_package(latentmoe).
+#   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... [-DCUDA_ROOT=...] -P install_and_build.cmake
+file(REMOVE_RECURSE ${WORK_DIR})
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  message("${out}")
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "failed (${status}): ${ARGN}\n${err}")
+  endif()
+endfunction()
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix --component dev)
+set(hints -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+if(CUDA_ROOT)
+  list(APPEND hints -DCUDAToolkit_ROOT=${CUDA_ROOT})
+endif()
+run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -DCMAKE_BUILD_TYPE=Release ${hints})
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+run(${WORK_DIR}/build/consumer_cpp)
+run(${WORK_DIR}/build/consumer_c)
