@@ -50,6 +50,17 @@ class _Module(torch.nn.Module):
         """The C ABI's handle as an int (the custom ops' argument)."""
         return self._handle
 
+    def select_tier(self, num_tokens):
+        """The tier "auto" takes for num_tokens tokens."""
+        tier = ctypes.c_int32()
+        check(self._select_tier(ctypes.c_void_p(self._handle), num_tokens, ctypes.byref(tier)))
+        return _lib.TIER_NAMES[tier.value]
+
+    @property
+    def tier_support(self):
+        """What each tier can run here: {tier: {"supported", "max_tokens", "reason"}, "collectives": ...}."""
+        return json.loads(_lib.read_text(self._describe_tiers, ctypes.c_void_p(self._handle)))
+
     def close(self):
         """Releases the layer now (else when the module is collected)."""
         self._finalizer()
@@ -79,6 +90,9 @@ class LatentMoE(_Module):
 
     forward(hidden_states, router_logits=None, latent_states=None, tier="auto") -> (out, topk_ids, topk_weights)
     """
+
+    _select_tier = staticmethod(lib.lmoe_layer_select_tier)
+    _describe_tiers = staticmethod(lib.lmoe_layer_describe_tiers)
 
     def __init__(self, config, weights, ctx, *, dtype=None, prefix="", policy=None):
         super().__init__()
@@ -145,17 +159,6 @@ class LatentMoE(_Module):
         return torch.ops.latentmoe.layer_forward(hidden_states, router_logits, latent_states, self._handle,
                                                  _lib.tier_code(tier))
 
-    def select_tier(self, num_tokens):
-        """The tier "auto" takes for num_tokens tokens."""
-        tier = ctypes.c_int32()
-        check(lib.lmoe_layer_select_tier(ctypes.c_void_p(self._handle), num_tokens, ctypes.byref(tier)))
-        return _lib.TIER_NAMES[tier.value]
-
-    @property
-    def tier_support(self):
-        """What each tier can run here: {tier: {"supported", "max_tokens", "reason"}, "collectives": ...}."""
-        return json.loads(_lib.read_text(lib.lmoe_layer_describe_tiers, ctypes.c_void_p(self._handle)))
-
     def extra_repr(self):
         return (f"d={self.hidden_size}, l={self.latent_size}, k={self.top_k}, dtype={self.dtype}, "
                 f"rank={self.ctx.rank}/{self.ctx.tp}, device={self.ctx.device}")
@@ -171,6 +174,9 @@ class LatentTail(_Module):
 
     forward(shared_partial, latent_partial, tier="auto") -> out
     """
+
+    _select_tier = staticmethod(lib.lmoe_tail_select_tier)
+    _describe_tiers = staticmethod(lib.lmoe_tail_describe_tiers)
 
     def __init__(self, norm_weight, up_weight, ctx, eps=1e-5, *, policy=None):
         super().__init__()
@@ -211,15 +217,6 @@ class LatentTail(_Module):
         _require_tensor(shared_partial, "shared_partial")
         _require_tensor(latent_partial, "latent_partial")
         return torch.ops.latentmoe.tail_forward(shared_partial, latent_partial, self._handle, _lib.tier_code(tier))
-
-    def select_tier(self, num_tokens):
-        tier = ctypes.c_int32()
-        check(lib.lmoe_tail_select_tier(ctypes.c_void_p(self._handle), num_tokens, ctypes.byref(tier)))
-        return _lib.TIER_NAMES[tier.value]
-
-    @property
-    def tier_support(self):
-        return json.loads(_lib.read_text(lib.lmoe_tail_describe_tiers, ctypes.c_void_p(self._handle)))
 
     def extra_repr(self):
         return (f"d={self.hidden_size}, l={self.latent_size}, dtype={self.dtype}, eps={self.eps}, "

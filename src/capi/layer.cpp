@@ -110,6 +110,24 @@ DType checkpoint_dtype(const Checkpoint& checkpoint, const std::string& prefix) 
   return entry->dtype;
 }
 
+// The tier queries of a Runner or a Tail (`what` names the handle in the error when it is NULL).
+template <class Model>
+int select_tier_of(const Model* model, const char* what, int64_t num_tokens, int32_t* tier) {
+  return guarded([&] {
+    require(model, what);
+    require(tier, "tier");
+    *tier = tier_code(model->select_tier(num_tokens));
+  });
+}
+
+template <class Model>
+int describe_tiers_of(const Model* model, const char* what, char* out, size_t out_size, size_t* needed) {
+  return guarded([&] {
+    require(model, what);
+    write_text(describe_tiers(model->tier_support()), out, out_size, needed);
+  });
+}
+
 void write_info(const lmoe_layer& layer, lmoe_layer_info* info) {
   require(info, "info");
   require_struct(info->struct_size, sizeof(lmoe_layer_info), "lmoe_layer_info");
@@ -178,18 +196,11 @@ int lmoe_layer_get_info(const lmoe_layer* layer, lmoe_layer_info* info) {
 }
 
 int lmoe_layer_select_tier(const lmoe_layer* layer, int64_t num_tokens, int32_t* tier) {
-  return guarded([&] {
-    check_handle(layer, "layer");
-    require(tier, "tier");
-    *tier = tier_code(layer->runner->select_tier(num_tokens));
-  });
+  return select_tier_of(layer == nullptr ? nullptr : layer->runner.get(), "layer", num_tokens, tier);
 }
 
 int lmoe_layer_describe_tiers(const lmoe_layer* layer, char* out, size_t out_size, size_t* needed) {
-  return guarded([&] {
-    check_handle(layer, "layer");
-    write_text(describe_tiers(layer->runner->tier_support()), out, out_size, needed);
-  });
+  return describe_tiers_of(layer == nullptr ? nullptr : layer->runner.get(), "layer", out, out_size, needed);
 }
 
 int lmoe_layer_forward(lmoe_layer* layer, const lmoe_tensor* hidden_states, const lmoe_tensor* router_logits,
@@ -249,18 +260,11 @@ int lmoe_tail_destroy(lmoe_tail* tail) {
 }
 
 int lmoe_tail_select_tier(const lmoe_tail* tail, int64_t num_tokens, int32_t* tier) {
-  return guarded([&] {
-    check_handle(tail, "tail");
-    require(tier, "tier");
-    *tier = tier_code(tail->tail->select_tier(num_tokens));
-  });
+  return select_tier_of(tail == nullptr ? nullptr : tail->tail.get(), "tail", num_tokens, tier);
 }
 
 int lmoe_tail_describe_tiers(const lmoe_tail* tail, char* out, size_t out_size, size_t* needed) {
-  return guarded([&] {
-    check_handle(tail, "tail");
-    write_text(describe_tiers(tail->tail->tier_support()), out, out_size, needed);
-  });
+  return describe_tiers_of(tail == nullptr ? nullptr : tail->tail.get(), "tail", out, out_size, needed);
 }
 
 int lmoe_tail_forward(lmoe_tail* tail, const lmoe_tensor* shared_partial, const lmoe_tensor* latent_partial,
