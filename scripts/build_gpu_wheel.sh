@@ -11,9 +11,9 @@ python=${LATENTMOE_PYTHON:-python3}
 rm -rf .device/wheel
 mkdir -p .device/wheel
 start=$(date +%s)
-"$python" -m pip wheel . --no-deps --no-build-isolation -q -w .device/wheel \
-  -C cmake.define.LATENTMOE_CUDA=ON \
-  "-C cmake.define.LATENTMOE_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a" \
-  -C build-dir=build-gpu-wheel -C install.strip=true
+# The gencode flag goes through CMAKE_ARGS: its value holds '=' and ',', which -C cmake.define.* does not take.
+CMAKE_ARGS="-DLATENTMOE_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a" \
+  "$python" -m pip wheel . --no-deps --no-build-isolation -q -w .device/wheel \
+  -C cmake.define.LATENTMOE_CUDA=ON -C build-dir=build-gpu-wheel -C install.strip=true
 wheel=$(ls .device/wheel/latentmoe-*.whl)
 echo "build_gpu_wheel: $wheel ($(du -h "$wheel" | cut -f1), $(($(date +%s) - start)) s)"

@@ -71,7 +71,7 @@ void check_environment() {
   detail::require_nvls_off();
   int loaded = 0;
   LATENTMOE_NCCL_CHECK(nullptr, ncclGetVersion(&loaded));
-  if (auto mismatch = detail::nccl_version_mismatch(loaded, NCCL_VERSION_CODE)) detail::throw_error(*mismatch);
+  if (auto mismatch = detail::nccl_version_mismatch(loaded, NCCL_VERSION_CODE)) throw Error(*mismatch);
 }
 
 void check_options(int tp_size, const GpuGroupOptions& options) {
