@@ -4,8 +4,9 @@
 #include "latentmoe/c_api.h"
 
 int main(void) {
-  const char* config = "{\"hidden_size\": 64, \"moe_latent_size\": 32, \"num_experts\": 8, "
-                       "\"num_experts_per_tok\": 2, \"moe_intermediate_size\": 32, \"hidden_act\": \"silu\"}";
+  const char* config =
+      "{\"hidden_size\": 64, \"moe_latent_size\": 32, \"num_experts\": 8, "
+      "\"num_experts_per_tok\": 2, \"moe_intermediate_size\": 32, \"hidden_act\": \"silu\"}";
   char normalized[2048];
   size_t needed = 0;
   if (lmoe_abi_version() != LMOE_ABI_VERSION) return 1;
