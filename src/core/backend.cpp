@@ -3,7 +3,9 @@
 #include "core/backend.h"
 
 #include <algorithm>
+#include <string>
 
+#include "latentmoe/device.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::detail {
