@@ -148,11 +148,12 @@ TEST(WaitForDevice, a_wait_that_ends_passes_one_that_does_not_aborts_the_group_a
         asked = limit;
         return true;
       },
-      comm, 1, "the forward");
+      detail::host_wait_limit(comm), comm, 1, "the forward");
   EXPECT_EQ(asked, std::chrono::milliseconds(3000));
   EXPECT_EQ(comm.aborts, 0);
   EXPECT_EQ(message_of([&] {
-              detail::wait_or_abort([](std::chrono::milliseconds) { return false; }, comm, 1, "the forward");
+              detail::wait_or_abort([](std::chrono::milliseconds) { return false; }, detail::host_wait_limit(comm),
+                                    comm, 1, "the forward");
             }),
             "rank 1: the forward did not finish on the device within 3000 ms (twice the collective timeout): most "
             "likely a collective that never completed; the group was aborted; this rank's last collectives, oldest "
@@ -166,7 +167,7 @@ TEST(WaitForDevice, a_wait_that_ends_passes_one_that_does_not_aborts_the_group_a
                     asked = limit;
                     return false;
                   },
-                  comm, 1, "the forward");
+                  detail::host_wait_limit(comm), comm, 1, "the forward");
             }).find("within 14000 ms (twice the collective timeout)"),
             std::string::npos);
   EXPECT_EQ(asked, std::chrono::milliseconds(14000));

@@ -9,7 +9,7 @@
 //   - "total" is Runner::forward (tier native, no collective at tp 1) on the bench's stream;
 //     "graph" is that forward captured once into a CUDA graph and replayed;
 //   - each phase is timed alone by calling the runner's backend operation on the runner's own weights
-//     and workspaces (tools/bench_access.h);
+//     and workspaces (src/bench_access.h);
 //   - timing (bench/harness/timing.h): before every timed run the L2 is flushed by reading a buffer
 //     twice its size, so weights are read from HBM as they are in a real model whose other layers
 //     evict them; CUDA events after warm-up; the median of the runs is reported;

@@ -8,7 +8,7 @@
 //     outside the timed region, all ranks meet on the host, then each times its work on its own
 //     stream (CUDA events; the host clock on the CPU); warm-ups first; the group's time is the median
 //     over the runs of the slowest rank's time, and each rank's median is kept;
-//   - "tail": the tier's tail alone (core/tails.h through tools/bench_access.h: the same function
+//   - "tail": the tier's tail alone (core/tails.h through src/bench_access.h: the same function
 //     forward runs), on the rank's partials L_r and S_r restored from seeded snapshots before every
 //     run (the tails reduce them in place); "layer": Runner::forward with the tier forced;
 //   - beside them, on the same partials: the unfused tail composed here from the communicator's

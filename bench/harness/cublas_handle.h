@@ -10,7 +10,7 @@
 #include <memory>
 #include <type_traits>
 
-#include "cuda/common/cuda_check.h"  // LATENTMOE_CUBLAS_CHECK
+#include "bench_access.h"  // internal: LATENTMOE_CUBLAS_CHECK
 
 namespace latentmoe::bench {
 

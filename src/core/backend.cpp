@@ -3,6 +3,7 @@
 #include "core/backend.h"
 
 #include <algorithm>
+#include <string>
 
 #include "latentmoe/device.h"
 #include "latentmoe/error.h"

@@ -1,7 +1,7 @@
 // The narrow set of operations a backend implements. The runner and the tails (src/core/runner.cpp,
-// src/core/tails.cpp) are written once against this interface, so the CPU reference proves the same
-// orchestration the GPU runs. Every tensor argument lives on the backend's device; every operation
-// validates nothing that the runner already validated (shapes are checked once, in the runner).
+// src/core/layer_forward.cpp, src/core/tails.cpp) are written once against this interface, so the CPU reference proves
+// the same orchestration the GPU runs. Every tensor argument lives on the backend's device; every operation validates
+// nothing that the runner already validated (shapes are checked once, in the runner).
 //
 // Precision contract for all backends: reductions (dot products, sums over experts, norms,
 // collectives) accumulate in fp32 or wider; results are rounded once to the output's dtype.

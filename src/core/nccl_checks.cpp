@@ -44,7 +44,8 @@ std::optional<std::string> nvls_problem(std::optional<int64_t> value) {
 }
 
 void require_nvls_off() {
-  if (auto problem = nvls_problem(read_integer(Setting::nccl_nvls_enable))) throw Error(*problem);
+  if (auto problem = nvls_problem(read_integer(Setting::nccl_nvls_enable)))
+    throw Error(*problem);  // the library's own message, whole
 }
 
 GpuPlacement choose_gpu_placement(GpuPlacement requested, int tp_size, int device_count, bool peers_ok,

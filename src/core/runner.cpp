@@ -126,6 +126,7 @@ void Runner::construct(RankContext& context, const LayerConfig& config, const Pa
   state.shared_up = detail::place(backend, weights.shared_up, "shared_up");
   state.shared_down = detail::place(backend, weights.shared_down, "shared_down");
 
+  state.host_wait_limit = detail::host_wait_limit(state.comm);  // read here, never on a forward
   state.support = structural_tier_support(state.fused_path_conditions());
   state.support.restrict_to(backend.tier_support(config, state.dtype, parallel.tp_size, state.comm));
   if (state.context_state->has_staging()) state.staging = std::make_unique<detail::RunnerState::Staging>();
@@ -233,10 +234,13 @@ TailTier Runner::forward(const ForwardInputs& inputs, const ForwardOutputs& outp
 
 namespace latentmoe {
 
-void detail::wait_or_abort(const std::function<bool(std::chrono::milliseconds)>& wait, Communicator& comm, int rank,
-                           const char* what) {
+std::chrono::milliseconds detail::host_wait_limit(const Communicator& comm) {
   const std::chrono::milliseconds own = comm.timeout();
-  const std::chrono::milliseconds limit = 2 * (own.count() > 0 ? own : default_collective_timeout());
+  return 2 * (own.count() > 0 ? own : default_collective_timeout());
+}
+
+void detail::wait_or_abort(const std::function<bool(std::chrono::milliseconds)>& wait, std::chrono::milliseconds limit,
+                           Communicator& comm, int rank, const char* what) {
   if (wait(limit)) return;
   comm.abort();
   const std::string recent = comm.recent_collectives();
@@ -248,8 +252,8 @@ void detail::wait_or_abort(const std::function<bool(std::chrono::milliseconds)>&
 
 void detail::wait_for_device(RunnerState& state, const char* what) {
   Backend& backend = *state.backend;
-  wait_or_abort([&](std::chrono::milliseconds limit) { return backend.synchronize_for(limit); }, state.comm,
-                state.parallel.rank, what);
+  wait_or_abort([&](std::chrono::milliseconds limit) { return backend.synchronize_for(limit); }, state.host_wait_limit,
+                state.comm, state.parallel.rank, what);
 }
 
 TailTier Runner::forward_host(const ForwardInputs& inputs, const ForwardOutputs& outputs) {

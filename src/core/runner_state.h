@@ -79,6 +79,8 @@ struct RunnerState {
   Communicator& comm;
   // The context's options and this layer's policy.
   RunnerOptions options;
+  // How long forward_host and the local group wait for this rank's device work (host_wait_limit below).
+  std::chrono::milliseconds host_wait_limit{0};
   // The structural requirements and the backend's report, made at construction (Runner::tier_support()).
   TierSupport support;
   DType dtype = DType::f32;
@@ -132,16 +134,20 @@ DeviceTensor place(Backend& backend, const TensorView& weight, const char* name)
 void check_tensor(const TensorView& tensor, const char* name, DType dtype, std::initializer_list<int64_t> shape,
                   Device device);
 
-// Waits for the device work this rank has enqueued (its backend's streams), at most twice the
-// collective timeout (LATENTMOE_COLLECTIVE_TIMEOUT_MS): the one-shot kernels end themselves at their
-// deadline, NCCL's collectives have none, so a collective that never completes would otherwise hold the
-// host for ever. Past the limit it aborts the group (which stops the peers' waits and NCCL's in-flight
-// operations) and throws Error naming the rank, `what` and the collectives it enqueued last.
+// How long a host waits for a rank's device work before it gives up: twice the communicator's collective
+// timeout, or twice default_collective_timeout() (LATENTMOE_COLLECTIVE_TIMEOUT_MS) where it states none.
+// Read once per runner, at construction (RunnerState::host_wait_limit).
+std::chrono::milliseconds host_wait_limit(const Communicator& comm);
+// Waits for the device work this rank has enqueued (its backend's streams), at most
+// state.host_wait_limit: the one-shot kernels end themselves at their deadline, NCCL's collectives have
+// none, so a collective that never completes would otherwise hold the host for ever. Past the limit it
+// aborts the group (which stops the peers' waits and NCCL's in-flight operations) and throws Error naming
+// the rank, `what` and the collectives it enqueued last.
 void wait_for_device(RunnerState& state, const char* what);
 // The same for any wait: `wait(limit)` returns whether the work completed within `limit`; past it,
 // `comm` is aborted and the Error names `rank`, `what` and comm.recent_collectives().
-void wait_or_abort(const std::function<bool(std::chrono::milliseconds)>& wait, Communicator& comm, int rank,
-                   const char* what);
+void wait_or_abort(const std::function<bool(std::chrono::milliseconds)>& wait, std::chrono::milliseconds limit,
+                   Communicator& comm, int rank, const char* what);
 
 }  // namespace detail
 }  // namespace latentmoe

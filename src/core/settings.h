@@ -108,8 +108,8 @@ inline constexpr std::array<SettingSpec, 11> kSettings{{
      .meaning = "how long a GPU group's collective waits for its peers before it fails; a host waits for a rank's "
                 "device work twice that",
      .read_when = "`default_collective_timeout()`: when the local group or `bench tail` builds a GPU group (the "
-                  "group keeps it: `Communicator::timeout()`); a host wait reads it only for a communicator that "
-                  "states no timeout"},
+                  "group keeps it: `Communicator::timeout()`); for a communicator that states no timeout, when a "
+                  "Runner is constructed (its host waits' limit)"},
     {.id = Setting::one_shot_max_tokens,
      .name = "LATENTMOE_ONE_SHOT_MAX_TOKENS",
      .type = SettingType::integer,

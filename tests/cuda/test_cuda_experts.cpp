@@ -10,7 +10,7 @@
 
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/kernels/elementwise.h"
-#include "cuda/kernels/routing.h"
+#include "cuda/kernels/moe_layout.h"
 #include "cuda_test_util.h"
 #include "latentmoe/error.h"
 

@@ -241,7 +241,7 @@ TEST_F(Skinny, a_launch_shape_gives_the_same_bits_every_run) {
   }
 }
 
-// The measured rule (cuda_backend.cu, skinny_pays): a one-row linear stays on cuBLASLt (the same
+// The measured rule (backend/linears.cpp, skinny_pays): a one-row linear stays on cuBLASLt (the same
 // bits as with the skinny kernels off, not those of the skinny kernel). The decode GEMV, which would
 // take it otherwise, is off here (tests/cuda/test_gemv.cpp tests it).
 TEST_F(Skinny, the_default_rule_keeps_a_linear_on_cublaslt) {

@@ -12,6 +12,7 @@
 #include "cuda/backend/backend_state.h"
 #include "cuda/gemm/dense_push_gemm.h"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/kernels/moe_layout.h"
 #include "cuda/kernels/routing.h"
 
 namespace latentmoe::cuda {

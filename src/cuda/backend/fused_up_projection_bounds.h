@@ -3,11 +3,9 @@
 // same numbers as the backend.
 #pragma once
 
-namespace latentmoe::cuda {
+#include "cuda/gemm/dense_push_bounds.h"  // kDensePushMaxRows: the backend's token bound may be set from 0 to it
 
-// The most rows one dense_push_gemm call takes: the largest m-tile of the mma.sync kernel. The backend's
-// token bound may be set from 0 to this.
-inline constexpr int kDensePushMaxRows = 128;
+namespace latentmoe::cuda {
 
 // The backend's default token bound: tier 0's own default capacity (tail_fusion_max_tokens,
 // docs/CONFIG.md).

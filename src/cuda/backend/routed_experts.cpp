@@ -6,6 +6,7 @@
 #include "cuda/gemm/mxfp4_decode.h"
 #include "cuda/gemm/skinny_gemm.h"
 #include "cuda/kernels/elementwise.h"
+#include "cuda/kernels/moe_layout.h"
 #include "cuda/kernels/routing.h"
 
 namespace latentmoe::cuda {

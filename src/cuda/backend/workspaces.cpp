@@ -2,6 +2,7 @@
 // each, before the first forward), and routed_buffers() carves one call's parts out of them, checked.
 #include "cuda/backend/backend_state.h"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/kernels/moe_layout.h"
 #include "cuda/kernels/routing.h"
 
 namespace latentmoe::cuda {

@@ -35,6 +35,7 @@
 
 #include "core/nccl_checks.h"
 #include "cuda/comm/lamport.h"
+#include "cuda/comm/lamport_call.h"
 #include "cuda/comm/lamport_communicator.h"
 #include "cuda/comm/nccl_check.h"
 #include "cuda/comm/nccl_window.h"
@@ -71,7 +72,8 @@ void check_environment() {
   detail::require_nvls_off();
   int loaded = 0;
   LATENTMOE_NCCL_CHECK(nullptr, ncclGetVersion(&loaded));
-  if (auto mismatch = detail::nccl_version_mismatch(loaded, NCCL_VERSION_CODE)) throw Error(*mismatch);
+  if (auto mismatch = detail::nccl_version_mismatch(loaded, NCCL_VERSION_CODE))
+    throw Error(*mismatch);  // the library's own message, whole
 }
 
 void check_options(int tp_size, const GpuGroupOptions& options) {
@@ -319,11 +321,7 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
 
   void all_reduce_sum(const TensorView& buffer, StreamHandle stream) override {
     const Shape2 s = shape_of(buffer, "all-reduce buffer");
-    LamportCall call = lamport_call(LamportOp::all_reduce, buffer.dtype(), s, s.cols);
-    call.in = buffer.data();
-    call.ld_in = s.ld;
-    call.out = buffer.data();
-    call.ld_out = s.ld;
+    const LamportCall call = cuda::make_lamport_call(LamportOp::all_reduce, buffer, buffer);
     one_shot_or_nccl(call, stream, [&](const RankResources& r, cudaStream_t st, ncclDataType_t type) {
       if (s.ld == s.cols || s.rows == 1) {
         LATENTMOE_NCCL_CHECK(r.comm, ncclAllReduce(buffer.data(), buffer.data(), static_cast<size_t>(s.rows * s.cols),
@@ -345,11 +343,7 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
   void reduce_scatter_sum(const TensorView& input, const TensorView& output, StreamHandle stream) override {
     const Shape2 s = shape_of(input, "reduce-scatter input");
     const Shape2 o = shard_of(output, s, "reduce-scatter output");
-    LamportCall call = lamport_call(LamportOp::reduce_scatter, input.dtype(), s, s.cols);
-    call.in = input.data();
-    call.ld_in = s.ld;
-    call.out = output.data();
-    call.ld_out = o.ld;
+    const LamportCall call = cuda::make_lamport_call(LamportOp::reduce_scatter, input, output);
     one_shot_or_nccl(call, stream, [&](const RankResources& r, cudaStream_t st, ncclDataType_t type) {
       const int64_t chunk = s.cols / size();
       if (s.rows == 1) {  // one row: the column blocks are NCCL's contiguous chunks
@@ -373,11 +367,7 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
   void all_gather(const TensorView& input, const TensorView& output, StreamHandle stream) override {
     const Shape2 s = shape_of(output, "all-gather output");
     const Shape2 i = shard_of(input, s, "all-gather input");
-    LamportCall call = lamport_call(LamportOp::all_gather, output.dtype(), s, s.cols);
-    call.in = input.data();
-    call.ld_in = i.ld;
-    call.out = output.data();
-    call.ld_out = s.ld;
+    const LamportCall call = cuda::make_lamport_call(LamportOp::all_gather, input, output);
     one_shot_or_nccl(call, stream, [&](const RankResources& r, cudaStream_t st, ncclDataType_t type) {
       const int64_t chunk = s.cols / size();
       if (s.rows == 1) {
@@ -494,15 +484,6 @@ class NcclCommunicator final : public cuda::LamportCommunicator {
                     " ", view.shape_string(), " is not a 1/", size(), " column block of [", whole.rows, ", ",
                     whole.cols, "]");
     return s;
-  }
-
-  LamportCall lamport_call(LamportOp op, DType dtype, const Shape2& s, int64_t cols) const {
-    LamportCall call;
-    call.op = op;
-    call.dtype = dtype;
-    call.rows = s.rows;
-    call.cols = cols;
-    return call;
   }
 
   // One-shot when every rank is reachable and the message fits; every rank decides alike (same shapes).

@@ -16,8 +16,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/backend/fused_up_projection_bounds.h"  // kDensePushMaxRows
 #include "cuda/comm/lamport.h"
+#include "cuda/gemm/dense_push_bounds.h"  // kDensePushMaxRows
 #include "latentmoe/dtype.h"
 
 namespace latentmoe::cuda {

@@ -1,3 +1,31 @@
+// Top-k routing on the device: from one token's router logits, the scores (sigmoid or softmax, in
+// double, rounded once to fp32), the biased selection scores (fp32, NaN ordered as -inf), the group
+// limit (keep the topk_group groups whose two best biased scores sum highest), the top-k experts in
+// selection order (ties to the lower group or expert index), their weights (the unbiased scores,
+// renormalised in double with +1e-20, scaled) and the summed weights of the zero experts (ids >= E).
+// The rules are src/cpu/routing.cpp's: both kernels choose its ids, ties included, and its weights
+// to within 1e-6 relative (tests/cuda/test_cuda_backend.cpp checks each kernel against it).
+//
+// Two kernels, chosen by launch_route (routing.h: kRouteBlockMaxOutputs, kRouteBlockMaxTokens):
+//   route_block_kernel<kSlots>  one block per token (grid = tokens), kSlots = ceil(n / 1024) outputs
+//                               per thread in registers (n = E+Z <= 4096, so 1..4), threads = ceil(n /
+//                               kSlots) rounded up to a warp. Dynamic shared memory only when
+//                               group-limited (biased [n], group scores and kept flags [n_group]), next
+//                               to about 1 KB of static scratch, within the default 48 KB. The k-th largest
+//                               selection key is built bit by bit with __syncthreads_count (its latency
+//                               does not grow with k), ties at that key cut at the lowest indices, and
+//                               one warp orders the k chosen. A programmatic dependent (pdl.cuh): it
+//                               reads the logits only after pdl_wait and triggers once the k are chosen.
+//   route_kernel                one warp per token, up to 4 warps a block (fewer when their shared
+//                               memory would pass 48 KB); per warp 2 n floats of dynamic shared memory
+//                               (scores, biased scores), plus n_group (group scores) when n_group > 1,
+//                               opted in above 48 KB up to the device's limit (else an Error); k
+//                               dependent arg-max rounds. A plain launch (<<<>>>). No block barrier:
+//                               a warp past the last token leaves whole.
+// Invariants of both: top_k <= kMaxRouteTopK = 32, so one warp holds the choices (lane j the j-th,
+// which also orders the sums in double); every reduction combines in a fixed order (deterministic);
+// NaN logits count as -inf and are never chosen ahead of a number; the launch shapes depend only on
+// the routing parameters and the token count, never on the data.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -63,6 +91,31 @@ __device__ __forceinline__ int warp_argmax(const float* entries, int count, int 
   return best_index;
 }
 
+struct TopTwo {
+  float first;
+  float second;
+};
+
+// The two largest of values[begin], values[begin + stride], ... below values[end], as a multiset (a
+// value present twice is both; -inf where fewer than two are visited): the members of a group one
+// thread scans, its score being the sum of its two best biased scores. Written with local floats:
+// updating a TopTwo (or floats by reference) in the loop made nvcc 13.0 compile route_block_kernel
+// differently (branches for selects, a 24-byte stack frame at kSlots = 3); as written, the route
+// kernels' SASS is what it was with the loop written out in each kernel.
+__device__ __forceinline__ TopTwo top_two(const float* values, int begin, int end, int stride) {
+  float first = -INFINITY, second = -INFINITY;
+  for (int i = begin; i < end; i += stride) {
+    const float value = values[i];
+    if (value > first) {
+      second = first;
+      first = value;
+    } else if (value > second) {
+      second = value;
+    }
+  }
+  return {first, second};
+}
+
 // One warp per token. Shared memory per warp: scores [n], biased [n], group scores [n_group].
 __global__ void route_kernel(RouteKernelParams p) {
   extern __shared__ float shared[];
@@ -122,18 +175,8 @@ __global__ void route_kernel(RouteKernelParams p) {
   if (p.n_group > 1 && p.topk_group < p.n_group) {
     const int group_size = n / p.n_group;
     for (int g = lane; g < p.n_group; g += 32) {
-      const float* member = biased + static_cast<int64_t>(g) * group_size;
-      float first = -INFINITY, second = -INFINITY;
-      for (int i = 0; i < group_size; ++i) {
-        const float value = member[i];
-        if (value > first) {
-          second = first;
-          first = value;
-        } else if (value > second) {
-          second = value;
-        }
-      }
-      group_score[g] = finite_order(group_size == 1 ? first : first + second);
+      const TopTwo best = top_two(biased + static_cast<int64_t>(g) * group_size, 0, group_size, 1);
+      group_score[g] = finite_order(group_size == 1 ? best.first : best.first + best.second);
     }
     __syncwarp();
     for (int s = 0; s < p.topk_group; ++s) {
@@ -301,17 +344,8 @@ __global__ void __launch_bounds__(1024) route_block_kernel(RouteKernelParams p) 
     // members are visited in does not matter), one warp per group.
     const int warp = tid >> 5, num_warps = blockDim.x >> 5;
     for (int g = warp; g < p.n_group; g += num_warps) {
-      const float* member = biased_s + static_cast<int64_t>(g) * group_size;
-      float first = -INFINITY, second = -INFINITY;
-      for (int i = lane; i < group_size; i += 32) {
-        const float value = member[i];
-        if (value > first) {
-          second = first;
-          first = value;
-        } else if (value > second) {
-          second = value;
-        }
-      }
+      const TopTwo mine = top_two(biased_s + static_cast<int64_t>(g) * group_size, lane, group_size, 32);
+      float first = mine.first, second = mine.second;
       for (int offset = 16; offset > 0; offset >>= 1) {
         const float other_first = __shfl_xor_sync(kFullMask, first, offset);
         const float other_second = __shfl_xor_sync(kFullMask, second, offset);
@@ -420,251 +454,6 @@ __global__ void __launch_bounds__(1024) route_block_kernel(RouteKernelParams p) 
   if (lane == 0) p.args.zero_weight_sum[t] = static_cast<float>(zero_sum);
 }
 
-// --- layout -------------------------------------------------------------------------------------
-
-// Exclusive scan of data[0, count) in place by the whole block (blockDim a multiple of 32, at most
-// 1024); returns the total. `scratch` holds 33 ints. Callers put a barrier before it when other
-// threads wrote `data`; it ends with one.
-__device__ int32_t block_exclusive_scan(int32_t* data, int64_t count, int32_t* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  const int64_t per_thread = (count + blockDim.x - 1) / blockDim.x;
-  const int64_t begin = std::min<int64_t>(threadIdx.x * per_thread, count);
-  const int64_t end = std::min<int64_t>(begin + per_thread, count);
-  int32_t local = 0;
-  for (int64_t i = begin; i < end; ++i) local += data[i];
-  int32_t inclusive = local;
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int32_t other = __shfl_up_sync(kFullMask, inclusive, offset);
-    if (lane >= offset) inclusive += other;
-  }
-  if (lane == 31) scratch[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    const int32_t value = lane < num_warps ? scratch[lane] : 0;
-    int32_t warp_inclusive = value;
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int32_t other = __shfl_up_sync(kFullMask, warp_inclusive, offset);
-      if (lane >= offset) warp_inclusive += other;
-    }
-    if (lane < num_warps) scratch[lane] = warp_inclusive - value;
-    if (lane == 31) scratch[32] = warp_inclusive;
-  }
-  __syncthreads();
-  int32_t running = scratch[warp] + inclusive - local;
-  for (int64_t i = begin; i < end; ++i) {
-    const int32_t value = data[i];
-    data[i] = running;
-    running += value;
-  }
-  const int32_t total = scratch[32];
-  __syncthreads();
-  return total;
-}
-
-// A segment of pairs is handled by one block: its ids are staged in shared memory, and `walkers`
-// warps each walk a contiguous sub-range of it in pair order, 32 pairs a step, grouping lanes of
-// one expert with __match_any_sync. hist[w * E + e] first counts warp w's pairs of expert e, then
-// (after the caller turns it into first rows) hands out rows, so rows of one expert stay in
-// ascending pair order across warps and steps: a stable, deterministic counting sort.
-struct SegmentWalk {
-  int begin = 0;  // the warp's sub-range of the segment
-  int end = 0;
-};
-
-__device__ __forceinline__ SegmentWalk warp_sub_range(int count, int walkers) {
-  const int warp = threadIdx.x >> 5;
-  const int chunk = ((count + walkers - 1) / walkers + 31) / 32 * 32;
-  SegmentWalk walk;
-  walk.begin = warp < walkers ? std::min(warp * chunk, count) : count;
-  walk.end = warp < walkers ? std::min(walk.begin + chunk, count) : count;
-  return walk;
-}
-
-__device__ void walk_count(const int32_t* segment_ids, int count, int walkers, int num_experts, int32_t* hist) {
-  const int lane = threadIdx.x & 31;
-  const SegmentWalk walk = warp_sub_range(count, walkers);
-  int32_t* mine = hist + static_cast<int64_t>(threadIdx.x >> 5) * num_experts;
-  for (int base = walk.begin; base < walk.end; base += 32) {
-    const int i = base + lane;
-    const int expert = i < walk.end ? segment_ids[i] : -1;
-    const bool real = expert >= 0 && expert < num_experts;
-    const unsigned peers = __match_any_sync(kFullMask, real ? expert : -1);
-    if (real && lane == __ffs(peers) - 1) mine[expert] += __popc(peers);
-    __syncwarp();
-  }
-}
-
-__device__ void walk_scatter(const int32_t* segment_ids, int count, int walkers, int num_experts, int64_t first_pair,
-                             int32_t* hist, int32_t* sorted_pairs, int32_t* pair_rows) {
-  const int lane = threadIdx.x & 31;
-  const SegmentWalk walk = warp_sub_range(count, walkers);
-  int32_t* mine = hist + static_cast<int64_t>(threadIdx.x >> 5) * num_experts;
-  for (int base = walk.begin; base < walk.end; base += 32) {
-    const int i = base + lane;
-    const bool in_range = i < walk.end;
-    const int expert = in_range ? segment_ids[i] : -1;
-    const bool real = expert >= 0 && expert < num_experts;
-    const unsigned peers = __match_any_sync(kFullMask, real ? expert : -1);
-    const int leader = __ffs(peers) - 1;
-    int start = 0;
-    if (real && lane == leader) {
-      start = mine[expert];
-      mine[expert] = start + __popc(peers);
-    }
-    start = __shfl_sync(kFullMask, start, leader);
-    const int64_t pair = first_pair + i;
-    if (real) {
-      const int32_t row = start + __popc(peers & ((1u << lane) - 1u));
-      sorted_pairs[row] = static_cast<int32_t>(pair);
-      pair_rows[pair] = row;
-    } else if (in_range) {
-      pair_rows[pair] = -1;
-    }
-    __syncwarp();
-  }
-}
-
-// Zeroes hist [walkers, E] and stages ids[begin, begin + count) in shared memory.
-__device__ void segment_prologue(const int32_t* ids, int64_t begin, int count, int walkers, int num_experts,
-                                 int32_t* hist, int32_t* segment_ids) {
-  const int64_t hist_size = static_cast<int64_t>(walkers) * num_experts;
-  for (int64_t i = threadIdx.x; i < hist_size; i += blockDim.x) hist[i] = 0;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) segment_ids[i] = ids[begin + i];
-  __syncthreads();
-}
-
-// hist[w][e] (counts) -> the first row of warp w's pairs of expert e, given the segment's first
-// row of expert e.
-__device__ __forceinline__ void hist_to_rows(int walkers, int num_experts, int expert, int32_t first_row,
-                                             int32_t* hist) {
-  int32_t running = first_row;
-  for (int w = 0; w < walkers; ++w) {
-    const int32_t count = hist[static_cast<int64_t>(w) * num_experts + expert];
-    hist[static_cast<int64_t>(w) * num_experts + expert] = running;
-    running += count;
-  }
-}
-
-// All pairs in one block: count, scan and scatter. Shared memory: counts [E], hist [walkers, E],
-// segment ids [num_pairs].
-__global__ void layout_fused_kernel(const int32_t* ids, int num_pairs, int num_experts, int walkers,
-                                    int32_t* expert_offsets, int32_t* sorted_pairs, int32_t* pair_rows) {
-  extern __shared__ int32_t shared_ints[];
-  __shared__ int32_t scratch[33];
-  int32_t* counts = shared_ints;
-  int32_t* hist = counts + num_experts;
-  int32_t* segment_ids = hist + static_cast<int64_t>(walkers) * num_experts;
-  pdl_wait();  // a programmatic dependent of the routing kernel (src/cuda/common/pdl.cuh)
-  segment_prologue(ids, 0, num_pairs, walkers, num_experts, hist, segment_ids);
-  walk_count(segment_ids, num_pairs, walkers, num_experts, hist);
-  __syncthreads();
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int32_t total = 0;
-    for (int w = 0; w < walkers; ++w) total += hist[static_cast<int64_t>(w) * num_experts + e];
-    counts[e] = total;
-  }
-  __syncthreads();
-  const int32_t total = block_exclusive_scan(counts, num_experts, scratch);
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    expert_offsets[e] = counts[e];
-    hist_to_rows(walkers, num_experts, e, counts[e], hist);
-  }
-  if (threadIdx.x == 0) expert_offsets[num_experts] = total;
-  __syncthreads();
-  walk_scatter(segment_ids, num_pairs, walkers, num_experts, 0, hist, sorted_pairs, pair_rows);
-  pdl_trigger();
-}
-
-// Pass 1: segment_counts[s * E + e] = pairs of segment s routed to expert e.
-__global__ void layout_count_kernel(const int32_t* ids, int64_t num_pairs, int num_experts, int32_t* segment_counts) {
-  extern __shared__ int32_t shared_ints[];
-  int32_t* counts = shared_ints;
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kLayoutSegment;
-  const int64_t end = std::min(begin + kLayoutSegment, num_pairs);
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = 0;
-  __syncthreads();
-  for (int64_t pair = begin + threadIdx.x; pair < end; pair += blockDim.x) {
-    const int expert = ids[pair];
-    if (expert >= 0 && expert < num_experts) atomicAdd(&counts[expert], 1);
-  }
-  __syncthreads();
-  int32_t* out = segment_counts + static_cast<int64_t>(blockIdx.x) * num_experts;
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) out[e] = counts[e];
-}
-
-// Pass 2, one block: per expert, an exclusive scan over segments in place (segment_counts becomes
-// the first row of each (segment, expert) relative to the expert's first row), then an exclusive
-// scan of the expert totals into expert_offsets. Shared memory: totals [E].
-__global__ void layout_scan_kernel(int32_t* segment_counts, int num_experts, int num_segments,
-                                   int32_t* expert_offsets) {
-  extern __shared__ int32_t shared_ints[];
-  __shared__ int32_t scratch[33];
-  int32_t* totals = shared_ints;
-  constexpr int kBatch = 8;  // loads in flight per thread (the column is read and written in place)
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int32_t running = 0;
-    for (int s0 = 0; s0 < num_segments; s0 += kBatch) {
-      int32_t value[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        value[b] = s0 + b < num_segments ? segment_counts[static_cast<int64_t>(s0 + b) * num_experts + e] : 0;
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (s0 + b < num_segments) segment_counts[static_cast<int64_t>(s0 + b) * num_experts + e] = running;
-        running += value[b];
-      }
-    }
-    totals[e] = running;
-  }
-  __syncthreads();
-  const int32_t total = block_exclusive_scan(totals, num_experts, scratch);
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) expert_offsets[e] = totals[e];
-  if (threadIdx.x == 0) expert_offsets[num_experts] = total;
-}
-
-// Pass 3: one block per segment scatters its pairs, stably, from the scanned offsets.
-// Shared memory: hist [walkers, E], segment ids [kLayoutSegment].
-__global__ void layout_scatter_kernel(const int32_t* ids, int64_t num_pairs, int num_experts, int walkers,
-                                      const int32_t* segment_offsets, const int32_t* expert_offsets,
-                                      int32_t* sorted_pairs, int32_t* pair_rows) {
-  extern __shared__ int32_t shared_ints[];
-  int32_t* hist = shared_ints;
-  int32_t* segment_ids = hist + static_cast<int64_t>(walkers) * num_experts;
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kLayoutSegment;
-  const int count = static_cast<int>(std::min(begin + kLayoutSegment, num_pairs) - begin);
-  segment_prologue(ids, begin, count, walkers, num_experts, hist, segment_ids);
-  walk_count(segment_ids, count, walkers, num_experts, hist);
-  __syncthreads();
-  const int32_t* offsets = segment_offsets + static_cast<int64_t>(blockIdx.x) * num_experts;
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    hist_to_rows(walkers, num_experts, e, expert_offsets[e] + offsets[e], hist);
-  }
-  __syncthreads();
-  walk_scatter(segment_ids, count, walkers, num_experts, begin, hist, sorted_pairs, pair_rows);
-}
-
-constexpr size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
-int64_t num_segments_for(int64_t num_pairs) {
-  return std::max<int64_t>(1, (num_pairs + kLayoutSegment - 1) / kLayoutSegment);
-}
-
-// Shared memory of the layout kernels, in int32: within the default 48 KB (no opt-in needed).
-constexpr int64_t kLayoutSharedInts = static_cast<int64_t>(kDefaultSharedBytes / sizeof(int32_t));
-constexpr int kLayoutThreads = 256;
-constexpr int kLayoutMaxWalkers = kLayoutThreads / 32;
-// The scatter kernel needs at least one walker's histogram next to a whole segment of ids.
-static_assert(kMaxLayoutExperts == kLayoutSharedInts - kLayoutSegment);
-
-// Walking warps for `count` pairs when `fixed_ints` of the shared memory are taken and each walker
-// needs E ints; 0 when not even one fits.
-int layout_walkers(int64_t count, int num_experts, int64_t fixed_ints) {
-  const int64_t fit = (kLayoutSharedInts - fixed_ints) / num_experts;
-  const int64_t useful = std::max<int64_t>(1, (count + 31) / 32);
-  return static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(fit, useful), 0, kLayoutMaxWalkers));
-}
-
 }  // namespace
 
 void launch_route(const ::latentmoe::detail::RoutingParams& params, const RouteArgs& args, size_t max_shared_bytes,
@@ -740,73 +529,6 @@ void launch_route(const ::latentmoe::detail::RoutingParams& params, const RouteA
   const auto blocks = static_cast<unsigned>((args.num_tokens + warps - 1) / warps);
   route_kernel<<<blocks, warps * 32, shared_bytes, stream>>>(p);
   LATENTMOE_CUDA_CHECK_LAUNCH("route_kernel");
-}
-
-size_t moe_layout_workspace_bytes(int64_t max_tokens, int top_k, int num_experts) {
-  const int64_t num_pairs = max_tokens * top_k;
-  const int64_t num_segments = num_segments_for(num_pairs);
-  return align_up((num_experts + 1) * sizeof(int32_t)) + 2 * align_up(num_pairs * sizeof(int32_t)) +
-         align_up(static_cast<size_t>(num_experts) * num_segments * sizeof(int32_t));
-}
-
-MoeLayout build_moe_layout(const int32_t* topk_ids, int64_t num_tokens, int top_k, int num_experts, void* workspace,
-                           size_t workspace_bytes, cudaStream_t stream) {
-  LATENTMOE_CHECK(num_experts >= 1 && num_experts <= kMaxLayoutExperts, "CUDA MoE layout: ", num_experts,
-                  " experts is outside 1..", kMaxLayoutExperts);
-  LATENTMOE_CHECK(top_k >= 1, "CUDA MoE layout: top_k ", top_k, " must be positive");
-  const size_t needed = moe_layout_workspace_bytes(num_tokens, top_k, num_experts);
-  LATENTMOE_CHECK(workspace_bytes >= needed, "CUDA MoE layout: workspace of ", workspace_bytes, " bytes, ", needed,
-                  " needed for ", num_tokens, " tokens");
-  const int64_t num_pairs = num_tokens * top_k;
-  LATENTMOE_CHECK(num_pairs < INT_MAX, "CUDA MoE layout: ", num_pairs, " (token, expert) pairs exceed int32");
-  const int64_t num_segments = num_segments_for(num_pairs);
-  auto* base = static_cast<char*>(workspace);
-  auto* expert_offsets = reinterpret_cast<int32_t*>(base);
-  base += align_up((num_experts + 1) * sizeof(int32_t));
-  auto* sorted_pairs = reinterpret_cast<int32_t*>(base);
-  base += align_up(num_pairs * sizeof(int32_t));
-  auto* pair_rows = reinterpret_cast<int32_t*>(base);
-  base += align_up(num_pairs * sizeof(int32_t));
-  auto* segment_counts = reinterpret_cast<int32_t*>(base);
-
-  MoeLayout layout;
-  layout.expert_offsets = expert_offsets;
-  layout.sorted_pairs = sorted_pairs;
-  layout.pair_rows = pair_rows;
-  layout.num_experts = num_experts;
-  layout.top_k = top_k;
-  layout.num_tokens = num_tokens;
-
-  if (num_pairs == 0) {
-    LATENTMOE_CUDA_CHECK(cudaMemsetAsync(expert_offsets, 0, (num_experts + 1) * sizeof(int32_t), stream));
-    return layout;
-  }
-  // One block when the pairs fit one segment and counts, histograms and ids fit shared memory.
-  // (+64: room for the kernel's 33 ints of static shared memory.)
-  const int fused_walkers =
-      num_segments == 1 ? layout_walkers(num_pairs, num_experts, num_experts + num_pairs + 64) : 0;
-  if (fused_walkers >= 1) {
-    const size_t shared_bytes =
-        static_cast<size_t>((1 + fused_walkers) * static_cast<int64_t>(num_experts) + num_pairs) * sizeof(int32_t);
-    launch_dependent("layout_fused_kernel", layout_fused_kernel, 1, kLayoutThreads, shared_bytes, stream, topk_ids,
-                     static_cast<int>(num_pairs), num_experts, fused_walkers, expert_offsets, sorted_pairs, pair_rows);
-    return layout;
-  }
-  const auto segments = static_cast<unsigned>(num_segments);
-  const size_t counts_bytes = static_cast<size_t>(num_experts) * sizeof(int32_t);
-  layout_count_kernel<<<segments, kLayoutThreads, counts_bytes, stream>>>(topk_ids, num_pairs, num_experts,
-                                                                          segment_counts);
-  LATENTMOE_CUDA_CHECK_LAUNCH("layout_count_kernel");
-  layout_scan_kernel<<<1, 1024, counts_bytes, stream>>>(segment_counts, num_experts, static_cast<int>(num_segments),
-                                                        expert_offsets);
-  LATENTMOE_CUDA_CHECK_LAUNCH("layout_scan_kernel");
-  const int walkers = layout_walkers(kLayoutSegment, num_experts, kLayoutSegment);
-  const size_t scatter_bytes =
-      static_cast<size_t>(walkers * static_cast<int64_t>(num_experts) + kLayoutSegment) * sizeof(int32_t);
-  layout_scatter_kernel<<<segments, kLayoutThreads, scatter_bytes, stream>>>(
-      topk_ids, num_pairs, num_experts, walkers, segment_counts, expert_offsets, sorted_pairs, pair_rows);
-  LATENTMOE_CUDA_CHECK_LAUNCH("layout_scatter_kernel");
-  return layout;
 }
 
 }  // namespace latentmoe::cuda

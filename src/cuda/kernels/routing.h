@@ -1,4 +1,4 @@
-// Routing and the MoE layout on the device. Host launchers; includable from C++.
+// Top-k routing on the device (routing.cu). Host launchers; includable from C++.
 //
 // route (DESIGN section 1 step 1, the rules of src/cpu/routing.cpp): scores in double rounded once
 // to fp32, biased selection scores in fp32 with NaN ordered as -inf, group-limited top-k (a group's
@@ -9,14 +9,6 @@
 // its latency does not grow with k), used up to kRouteBlockMaxTokens tokens; and one warp per token
 // with the scores in shared memory (k arg-max rounds; E+Z bounded only by shared memory, about
 // 28 000 outputs on an H100/H200), used above that.
-//
-// build_moe_layout: the MoeLayout of cuda/kernels/moe_layout.h from topk_ids, as a stable counting sort
-// over segments of kLayoutSegment pairs. One block does everything when the pairs fit one segment
-// (decode and small prefill); otherwise three kernels: per-segment expert counts (a block per
-// segment), one block that scans each expert's column over segments and the expert totals, and a
-// scatter with a block per segment. Inside a block, warps walk contiguous sub-ranges of the segment
-// in pair order with per-warp expert histograms, so the rows of one expert are in ascending pair
-// order, deterministically.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -25,15 +17,10 @@
 #include <cstdint>
 
 #include "core/backend.h"
-#include "cuda/kernels/moe_layout.h"
 
 namespace latentmoe::cuda {
 
 inline constexpr int kMaxRouteTopK = 32;
-inline constexpr int64_t kLayoutSegment = 2048;
-// The layout kernels keep per-warp expert histograms and a segment of ids in the default 48 KB of
-// shared memory, so E is at most 48 KB / 4 - kLayoutSegment.
-inline constexpr int kMaxLayoutExperts = static_cast<int>(48 * 1024 / 4 - kLayoutSegment);
 // The block-per-token route kernel takes up to this many router outputs (4 per thread) ...
 inline constexpr int64_t kRouteBlockMaxOutputs = 4096;
 // ... and runs up to this many tokens; above, the warp-per-token kernel (less synchronisation per
@@ -57,13 +44,5 @@ struct RouteArgs {
 // `max_shared_bytes` is the device's opt-in shared memory per block.
 void launch_route(const ::latentmoe::detail::RoutingParams& params, const RouteArgs& args, size_t max_shared_bytes,
                   cudaStream_t stream, RoutePath path = RoutePath::automatic);
-
-// Device bytes build_moe_layout needs for up to `max_tokens` tokens.
-size_t moe_layout_workspace_bytes(int64_t max_tokens, int top_k, int num_experts);
-
-// Builds the layout of `num_tokens` tokens in `workspace` (moe_layout_workspace_bytes of at least
-// num_tokens); the returned pointers point into it. Ids outside [0, E) get no row (pair_rows -1).
-MoeLayout build_moe_layout(const int32_t* topk_ids, int64_t num_tokens, int top_k, int num_experts, void* workspace,
-                           size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace latentmoe::cuda
