@@ -87,6 +87,9 @@ def simulated(config, named, tp, max_tokens=40):
 
 def run_on_streams(contexts, streams, body):
     def rank_body(rank, ctx):
+        # The inputs were made on the default stream, which the ranks' (non-blocking) streams do not wait
+        # for by themselves.
+        streams[rank].wait_stream(torch.cuda.default_stream(DEVICE))
         with torch.cuda.stream(streams[rank]):
             result = body(rank, ctx)
             result = [r.cpu() for r in result]  # waits for this rank's stream
