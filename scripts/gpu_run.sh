@@ -4,7 +4,7 @@
 #   scripts/gpu_run.sh BIN_DIR COMMIT STEPS
 # BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh), and
 # grouped_gemm_bench and gemv_bench (build-gpu/bench/) for the steps that run them;
-# STEPS is a comma list of: tests, nccl, demo, sanitize_comm, sanitize, bench, bench_decode, bench_no_skinny,
+# STEPS is a comma list of: tests, nccl, demo, sanitize_comm, sanitize, bench, bench_ab, bench_decode, bench_no_skinny,
 # bench_no_gemv, bench_mxfp4, bench_tail, grouped_gemm, grouped_gemm_sweep, gemv, peers (run in that order: tests,
 # nccl, bench, bench_decode, bench_no_skinny, bench_no_gemv, bench_mxfp4, bench_tail, grouped_gemm,
 # grouped_gemm_sweep, gemv, peers, sanitize).
@@ -15,6 +15,9 @@
 #                       1..4096, every tier, the unfused tail, AR+RMSNorm, the AR ceiling (tail.json, tail.log,
 #                       tail.png); ~3-4 min expected, stopped by --max-seconds 400 (then listed as skipped)
 #                       and by a 540 s timeout: give it a call of its own (run after bench_no_gemv)
+#   bench_ab            latentmoe bench layer alternating with a baseline build (BASE_BIN: the folder of its latentmoe),
+#                       two rounds, dense and MXFP4 experts, tp-shard 8: behaviour-preserving changes are checked
+#                       against the baseline in the same call (layer_ab_{new,base}_{dense,mxfp4}_{1,2}.json)
 #   grouped_gemm        grouped_gemm_bench, the library's variant choice, every phase (grouped_gemm.json)
 #   grouped_gemm_sweep  grouped_gemm_bench, every tensor-core variant, gate_up and down (grouped_gemm_sweep.json)
 #   gemv                gemv_bench: the decode GEMV against cuBLAS and a plain read (gemv.json)
@@ -55,6 +58,19 @@ if has bench; then
   timeout 180 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 \
     --tokens 1,8,64,256,1024,4096 --commit "$commit" --json "$out/layer.json" 2>&1 | tee "$out/layer.log"
   echo "bench rc=${PIPESTATUS[0]}"
+fi
+if has bench_ab; then
+  for round in 1 2; do
+    for experts in dense mxfp4; do
+      for which in new base; do
+        b=$bin; [[ $which == base ]] && b=${BASE_BIN:?bench_ab needs BASE_BIN}
+        timeout 120 "$b/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8 --tokens 1,8,64,1024 \
+          --experts "$experts" --commit "$commit-$which" --json "$out/layer_ab_${which}_${experts}_$round.json" \
+          > "$out/layer_ab_${which}_${experts}_$round.log" 2>&1
+        echo "bench ab $which $experts round $round rc=$?"
+      done
+    done
+  done
 fi
 if has bench_decode; then  # the decode token counts only
   timeout 90 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,8 \
