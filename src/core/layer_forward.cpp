@@ -21,15 +21,10 @@ MlpWeights shared_expert_weights(const RunnerState& state) {
 }  // namespace
 
 TailTensors tail_tensors(RunnerState& state, TailTier tier, const TensorView& out, int64_t num_tokens) {
-  TailTensors t;
-  t.latent_partial = rows_of(state.latent_partial, num_tokens);
-  t.out = out;
-  t.latent_reduced = rows_of(state.latent_reduced, num_tokens);
-  t.hidden_shard = rows_of(state.hidden_shard, num_tokens);
-  if (state.config.has_shared_expert()) {
-    t.shared_partial = tier == TailTier::column_parallel ? out : rows_of(state.shared_partial, num_tokens);
-  }
-  return t;
+  const TailScratch scratch{state.latent_partial.view, state.latent_reduced.view,
+                            state.config.has_shared_expert() ? state.shared_partial.view : TensorView(),
+                            state.hidden_shard.view};
+  return tail_tensors(scratch, tier, out, num_tokens);
 }
 
 void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOutputs& outputs, TailTier tier,

@@ -48,15 +48,10 @@ struct TailState {
             static_cast<float>(config.rms_norm_eps)};
   }
 
-  // As the layer's tail_tensors (core/layer_forward.cpp): column_parallel's shared partial is `out`.
+  // The tensors as the layer's forward takes them (core/tails.h): column_parallel's shared partial is `out`.
   TailTensors tensors(TailTier tier, const TensorView& out, int64_t num_tokens) const {
-    TailTensors t;
-    t.latent_partial = latent_partial.slice_rows(0, num_tokens);
-    t.latent_reduced = latent_reduced.slice_rows(0, num_tokens);
-    t.hidden_shard = hidden_shard.slice_rows(0, num_tokens);
-    t.shared_partial = tier == TailTier::column_parallel ? out : shared_partial.slice_rows(0, num_tokens);
-    t.out = out;
-    return t;
+    return tail_tensors(TailScratch{latent_partial, latent_reduced, shared_partial, hidden_shard}, tier, out,
+                        num_tokens);
   }
 };
 

@@ -63,6 +63,18 @@ void column_parallel_tail(const TailOperands& o, const TailTensors& t) {
 
 }  // namespace
 
+TailTensors tail_tensors(const TailScratch& scratch, TailTier tier, const TensorView& out, int64_t num_tokens) {
+  TailTensors t;
+  t.latent_partial = scratch.latent_partial.slice_rows(0, num_tokens);
+  t.latent_reduced = scratch.latent_reduced.slice_rows(0, num_tokens);
+  t.hidden_shard = scratch.hidden_shard.slice_rows(0, num_tokens);
+  if (scratch.shared_partial.defined()) {
+    t.shared_partial = tier == TailTier::column_parallel ? out : scratch.shared_partial.slice_rows(0, num_tokens);
+  }
+  t.out = out;
+  return t;
+}
+
 void run_tail(const TailOperands& operands, TailTier tier, const TailTensors& tensors) {
   switch (tier) {
     case TailTier::native:

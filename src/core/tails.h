@@ -35,6 +35,19 @@ struct TailTensors {
   TensorView out;             // [T, d]
 };
 
+// The rank context's scratch a tail works in, [max_T, ...] each (a layer's or a Tail's views of it).
+struct TailScratch {
+  TensorView latent_partial;  // [max_T, l]
+  TensorView latent_reduced;  // [max_T, l]
+  TensorView shared_partial;  // [max_T, d]; undefined: no shared expert
+  TensorView hidden_shard;    // [max_T, d/tp]
+};
+
+// The tail's tensors for `num_tokens` tokens: the first rows of `scratch` and `out` (column_parallel: the
+// shared partial is `out` itself, which its tail accumulates into). The layer's forward and the Tail both
+// take them from here.
+TailTensors tail_tensors(const TailScratch& scratch, TailTier tier, const TensorView& out, int64_t num_tokens);
+
 // The tail of `tier` (DESIGN steps 5 and 8) on the backend's current stream. Nothing here checks the tier
 // against what the rank supports (the callers do).
 void run_tail(const TailOperands& operands, TailTier tier, const TailTensors& tensors);
