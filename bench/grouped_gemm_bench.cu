@@ -13,7 +13,7 @@
 //                      [--weights bf16|mxfp4] [--json FILE] [--commit SHA]
 // --weights mxfp4: the experts' weights as MXFP4 codes (random bytes) and E8M0 scales (2^-6), the
 // activations bf16; their bytes counted at 17/32 byte per weight; "all" then sweeps the tile shapes
-// that have MXFP4 instances (three mma.sync shapes, and on Hopper wgmma, wgmma_tall and wgmma_narrow). (Below 64 tokens
+// that have MXFP4 instances (mxfp4_rows, three mma.sync shapes, and on Hopper wgmma, wgmma_tall and wgmma_narrow). (Below 64 tokens
 // the layer runs MXFP4 on the decode kernels instead: latentmoe bench layer --experts mxfp4 measures both.) Timing, the
 // repro line and the JSON go through the benchmark harness (bench/harness/timing.h).
 #include <cublas_v2.h>
@@ -300,7 +300,8 @@ int run(int argc, char** argv) {
   // Variants swept: "automatic" (the library's choice), "all" (every tensor-core variant), or a list.
   std::vector<GemmChoice> variants;
   if (variants_arg == "all" && mxfp4) {
-    for (GemmVariant v : {GemmVariant::mma_s_wide, GemmVariant::mma_m, GemmVariant::mma_l4}) variants.emplace_back(v);
+    for (GemmVariant v : {GemmVariant::mxfp4_rows, GemmVariant::mma_s_wide, GemmVariant::mma_m, GemmVariant::mma_l4})
+      variants.emplace_back(v);
     if (latentmoe::cuda::detail::wgmma_available()) {
       for (GemmVariant v : {GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow})
         variants.emplace_back(v);
@@ -308,7 +309,7 @@ int run(int argc, char** argv) {
   } else if (variants_arg == "all") {
     for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
       if (latentmoe::cuda::detail::is_wgmma(v) && !latentmoe::cuda::detail::wgmma_available()) continue;
-      if (v != GemmVariant::simt) variants.emplace_back(v);
+      if (v != GemmVariant::simt && !latentmoe::cuda::detail::is_mxfp4_only(v)) variants.emplace_back(v);
     }
   } else {
     for (const std::string& v : split(variants_arg)) variants.push_back(parse_choice(v));

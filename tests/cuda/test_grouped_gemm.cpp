@@ -379,6 +379,10 @@ TEST_P(GroupedGemmCase, every_variant_matches_fp64_reference) {
   std::vector<GemmChoice> choices = {GemmChoice(GemmVariant::automatic)};
   for (GemmVariant v : detail::all_variants()) {
     if (detail::is_wgmma(v) && !detail::wgmma_available()) continue;
+    if (detail::is_mxfp4_only(v)) {  // refused for weights in the compute dtype (its own test: MXFP4 below)
+      EXPECT_THROW(problem.run(GemmChoice(v), nullptr), Error) << c.name;
+      continue;
+    }
     choices.emplace_back(v);
     if (v != GemmVariant::simt) choices.emplace_back(v, 3);
     // Split-K forced: 2 and 3 splits (the last split shorter when the k-tiles do not divide), on the
@@ -433,6 +437,9 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
       Case{"mxfp4_bf16_situ_t17_i192_l1024", DType::bf16, Activation::situ, 17, 8, 1, 3, 192, 1024, -1},
       Case{"mxfp4_f16_relu2_t133_i192_l544_heavy", DType::f16, Activation::relu2, 133, 8, 2, 2, 192, 544, 3},
       Case{"mxfp4_bf16_silu_t300_i96_l160", DType::bf16, Activation::silu, 300, 4, 0, 2, 96, 160, -1},
+      // Whole 128-column steps (the scale words aligned), experts of ~27 rows (a pass of 16 and one of 11:
+      // both n8-tile counts of mxfp4_rows), several 64-row blocks per CTA in the down projection.
+      Case{"mxfp4_bf16_situ_t40_i256_l512", DType::bf16, Activation::situ, 40, 3, 0, 2, 256, 512, -1},
   };
   for (const Case& c : cases) {
     ASSERT_TRUE(grouped_mxfp4_supported(c.dtype, c.intermediate, c.latent)) << c.name;
@@ -441,7 +448,8 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
         GemmChoice(GemmVariant::automatic),     GemmChoice(GemmVariant::mma_s_wide),
         GemmChoice(GemmVariant::mma_s_wide, 3), GemmChoice(GemmVariant::mma_s_wide, 0, 2),
         GemmChoice(GemmVariant::mma_m),         GemmChoice(GemmVariant::mma_m, 3),
-        GemmChoice(GemmVariant::mma_l4),        GemmChoice(GemmVariant::mma_l4, 2)};
+        GemmChoice(GemmVariant::mma_l4),        GemmChoice(GemmVariant::mma_l4, 2),
+        GemmChoice(GemmVariant::mxfp4_rows)};
     if (detail::wgmma_available()) {  // the Hopper kernels decode into their swizzled weight tiles
       for (const GemmChoice& wgmma : {GemmChoice(GemmVariant::wgmma), GemmChoice(GemmVariant::wgmma, 3),
                                       GemmChoice(GemmVariant::wgmma_tall), GemmChoice(GemmVariant::wgmma_tall, 2),
@@ -453,8 +461,8 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::simt), nullptr), Error) << c.name;  // never reads codes as bf16
   }
   // The automatic MXFP4 shape follows the rows per touched expert (kimi-k3 tp-shard 8: E 896, k 16).
-  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 9, 16, 896, 384, 3584), GemmVariant::mma_s_wide);
-  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 256, 16, 896, 384, 3584), GemmVariant::mma_s_wide);
+  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 9, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);
+  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 256, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);
   // Above 16 rows per expert: the narrow wgmma tiles on Hopper (at least 384 output columns), else mma.sync.
   const bool hopper = detail::wgmma_available();
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, true, false, 1024, 16, 896, 384, 3584),
@@ -496,6 +504,17 @@ TEST(Cuda_GroupedGemm, graph_replay_with_new_layout) {
   Problem problem(c, 99u);
   check_graph_replays(
       problem, [&](cudaStream_t stream) { problem.run_public(stream); }, "graph replay");
+}
+
+// The MXFP4 rows kernel reads its experts' row counts on the device: a replay with a new layout and new
+// activations (experts of 0 to ~40 rows, one chosen by every token) must follow them.
+TEST(Cuda_GroupedGemm, mxfp4_rows_graph_replay_with_new_layout) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Case c{"graph_mxfp4", DType::bf16, Activation::situ, 37, 24, 1, 4, 192, 1024, 7};
+  Problem problem(c, 77u, /*mxfp4=*/true);
+  check_graph_replays(
+      problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::mxfp4_rows), stream); },
+      "mxfp4_rows graph replay");
 }
 
 TEST(Cuda_GroupedGemm, no_tokens_launches_nothing) {

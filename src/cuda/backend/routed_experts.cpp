@@ -119,11 +119,11 @@ void CudaBackend::mxfp4_routed_experts(const ActivationParams& activation, const
   const int64_t intermediate = experts.up.size(1), latent = 2 * experts.up.size(2);
   if (num_tokens == 0) return;
   s.mark_slot(s.routed_slots, "routed_experts");
-  // From kMxfp4GroupedMinTokens on: the grouped tensor-core GEMMs, which decode the codes into each
-  // shared-memory stage (gemm/grouped_gemm_mma.cuh): each touched expert is read once per tile of its
-  // rows. Below, the decode kernels in batches of 8 measured faster (H200, docs/MXFP4.md: at 16 tokens
-  // 1.2-1.8x, at 64 tokens kimi-k3 5-14% faster and nemotron3-super 1.9x slower, at 256 2.6x slower).
-  constexpr int64_t kMxfp4GroupedMinTokens = 64;
+  // Above kMxfp4DecodeMaxRows tokens: the grouped GEMMs with MXFP4 weights (grouped_gemm.h), whose
+  // automatic choice takes the rows kernel (each touched expert's weights read once per 16 of its rows)
+  // while experts hold few rows, and the tensor-core tile kernels above. The decode kernels take at most 8
+  // tokens; more ran in batches of 8, each batch reading its touched experts again (docs/MXFP4.md).
+  constexpr int64_t kMxfp4GroupedMinTokens = kMxfp4DecodeMaxRows + 1;
   if (num_tokens >= kMxfp4GroupedMinTokens && grouped_mxfp4_supported(z.dtype(), intermediate, latent)) {
     grouped_routed_experts(activation, z, topk_ids, topk_weights,
                            expert_gemm_weights(experts, gated, intermediate, latent), out);

@@ -109,6 +109,8 @@ std::string to_string(GemmVariant variant) {
       return "wgmma_tall";
     case GemmVariant::wgmma_narrow:
       return "wgmma_narrow";
+    case GemmVariant::mxfp4_rows:
+      return "mxfp4_rows";
   }
   return "unknown";
 }
@@ -116,8 +118,11 @@ std::string to_string(GemmVariant variant) {
 std::vector<GemmVariant> all_variants() {
   return {GemmVariant::simt,    GemmVariant::mma_s, GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
           GemmVariant::mma_m32, GemmVariant::mma_m, GemmVariant::mma_l4,     GemmVariant::mma_l,
-          GemmVariant::mma_xl,  GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow};
+          GemmVariant::mma_xl,  GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow,
+          GemmVariant::mxfp4_rows};
 }
+
+bool is_mxfp4_only(GemmVariant variant) { return variant == GemmVariant::mxfp4_rows; }
 
 bool is_wgmma(GemmVariant variant) {
   return variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall || variant == GemmVariant::wgmma_narrow;
@@ -178,7 +183,7 @@ GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num
   // tiles measured 1.6-1.8x slower than the 96-row ones with MXFP4 and are not chosen.
   (void)dtype, (void)gated;
   const int64_t mean_rows = mean_rows_per_touched_expert(num_tokens, top_k, num_experts);
-  if (num_tokens <= 16 || mean_rows <= 16) return GemmVariant::mma_s_wide;
+  if (num_tokens <= 16 || mean_rows <= kMxfp4RowsMaxMeanRows) return GemmVariant::mxfp4_rows;
   const int64_t out_cols = down ? latent : intermediate;
   if (out_cols >= 384 && wgmma_available()) return GemmVariant::wgmma_narrow;
   if (mean_rows <= 48) return GemmVariant::mma_m;
@@ -216,6 +221,8 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
                     : choose_variant(dtype, down, mode == gg::Mode::gated, num_tokens, args.top_k, args.num_experts,
                                      intermediate, latent);
   }
+  LATENTMOE_CHECK(variant != GemmVariant::mxfp4_rows || mxfp4,
+                  "grouped GEMM: the mxfp4_rows variant takes MXFP4 weights only");
   const bool tensor_core_ok = dtype != DType::f32 && current_compute_capability() >= 80 && args.n % 8 == 0 &&
                               args.k % 8 == 0 && aligned16(args.a) && aligned16(args.w0) &&
                               (args.w1 == nullptr || aligned16(args.w1)) && aligned16(args.out);
@@ -241,6 +248,10 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   // back) and streams its first weights before it waits for gate/up. Both kernels (mma.sync and wgmma)
   // trigger their dependent after their own wait.
   const bool hopper = current_compute_capability() >= 90;
+  if (variant == GemmVariant::mxfp4_rows) {
+    gg::launch_mxfp4_rows(dtype, mode, args, hopper, stream);
+    return;
+  }
   launch.programmatic = hopper;
   launch.wait_before_tile = hopper && !down;
   launch.trigger = hopper;

@@ -89,7 +89,11 @@ enum class GemmVariant {
   wgmma,         // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N (<= 96)
   wgmma_tall,    // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
   wgmma_narrow,  // sm_90a only: tiles of up to 96 expert rows against 128 weight rows, two CTAs per SM
+  mxfp4_rows,    // MXFP4 weights only (bf16, f16): codes decoded straight into mma.sync fragments, a cp.async
+                 // ring per CTA, each expert's weights read once per 16 of its rows (grouped_gemm_mxfp4_rows.cu)
 };
+// True for the variants that take MXFP4 weights only (mxfp4_rows).
+bool is_mxfp4_only(GemmVariant variant);
 // True for the variants that run the wgmma kernel (sm_90a only).
 bool is_wgmma(GemmVariant variant);
 
@@ -117,8 +121,10 @@ int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident);
 // gated: the gate/up projection of silu/situ (two weight matrices); false for relu2's and for down.
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                            int64_t intermediate, int64_t latent);
-// The tile shape `automatic` takes with MXFP4 weights, by rows per touched expert: mma_s_wide up to 16;
-// above, wgmma_narrow on Hopper where at least 384 output columns, else mma_m up to 48 and mma_l4 above.
+// The tile shape `automatic` takes with MXFP4 weights, by rows per touched expert: mxfp4_rows up to
+// kMxfp4RowsMaxMeanRows; above, wgmma_narrow on Hopper where at least 384 output columns, else mma_m up to 48
+// and mma_l4 above.
+inline constexpr int64_t kMxfp4RowsMaxMeanRows = 16;
 GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                                  int64_t intermediate, int64_t latent);
 

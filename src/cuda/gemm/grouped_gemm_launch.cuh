@@ -42,6 +42,12 @@ void launch_mma_f16(detail::GemmVariant variant, Mode mode, KernelArgs args, con
 void launch_mma_mxfp4(DType dtype, detail::GemmVariant variant, Mode mode, KernelArgs args, const MmaLaunch& launch,
                       cudaStream_t stream);
 
+// The mxfp4_rows variant (grouped_gemm_mxfp4_rows.cu): MXFP4 weights, dtype bf16 or f16, any K that is a
+// multiple of 32; programmatic: launched as a programmatic dependent (it waits before reading anything).
+void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, bool programmatic, cudaStream_t stream);
+// Its 64-row weight blocks per CTA for an output of n columns and a reduction of k.
+int mxfp4_rows_blocks_per_cta(int n, int k);
+
 // n-tiles per CTA (1 or 2), from the shape and the expected number of m-tiles.
 int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,
                          int num_experts);
