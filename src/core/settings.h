@@ -36,6 +36,7 @@ enum class Setting {
   collective_timeout_ms,
   one_shot_max_tokens,
   mxfp4_gate_up_split,
+  mxfp4_decode_max_tokens,
   cuda_device_max_connections,
   nccl_nvls_enable,
   cuda_module_loading,
@@ -62,7 +63,7 @@ struct SettingSpec {
 inline constexpr int64_t kMxfp4GateUpSplits[] = {1, 2, 8};
 
 // In the order of enum Setting (checked at compile time). Markdown cells: no '|'.
-inline constexpr std::array<SettingSpec, 11> kSettings{{
+inline constexpr std::array<SettingSpec, 12> kSettings{{
     {.id = Setting::tail_fusion_max_tokens,
      .name = "LATENTMOE_TAIL_FUSION_MAX_TOKENS",
      .type = SettingType::integer,
@@ -130,6 +131,16 @@ inline constexpr std::array<SettingSpec, 11> kSettings{{
      .unit = "warps per tile",
      .unset = "the rule measured per shape (docs/MXFP4.md)",
      .meaning = "forces the MXFP4 tensor-core gate/up kernel's warps per tile along K (to measure the rule; tests)",
+     .read_when = "when a CUDA backend is made (each runner's or rank context's)"},
+    {.id = Setting::mxfp4_decode_max_tokens,
+     .name = "LATENTMOE_MXFP4_DECODE_MAX_TOKENS",
+     .type = SettingType::integer,
+     .min = 0,
+     .max = 8,
+     .unit = "tokens",
+     .fallback = 8,
+     .meaning = "up to how many tokens MXFP4 routed experts with bf16/f16 activations run on the decode kernels "
+                "(mxfp4_decode_mma.cu); above, on the grouped GEMMs (to measure the boundary)",
      .read_when = "when a CUDA backend is made (each runner's or rank context's)"},
     {.id = Setting::cuda_device_max_connections,
      .name = "CUDA_DEVICE_MAX_CONNECTIONS",

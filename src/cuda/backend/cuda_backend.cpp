@@ -28,6 +28,13 @@ int mxfp4_gate_up_split_from_environment() {
   return static_cast<int>(::latentmoe::detail::read_integer(Setting::mxfp4_gate_up_split).value_or(0));
 }
 
+// LATENTMOE_MXFP4_DECODE_MAX_TOKENS: up to how many tokens the MXFP4 decode kernels run (default 8, their
+// most); read once, when a backend is made.
+int mxfp4_decode_max_tokens_from_environment() {
+  using ::latentmoe::detail::Setting;
+  return static_cast<int>(::latentmoe::detail::read_integer(Setting::mxfp4_decode_max_tokens).value_or(8));
+}
+
 }  // namespace
 
 CudaBackend::CudaBackend(int device_ordinal) : state_(std::make_unique<State>()) {
@@ -36,6 +43,7 @@ CudaBackend::CudaBackend(int device_ordinal) : state_(std::make_unique<State>())
   s.info = device_info(device_ordinal);
   s.dispatch = &decode_dispatch(10 * s.info.major + s.info.minor);
   s.mxfp4_gate_up_warps_per_tile = mxfp4_gate_up_split_from_environment();
+  s.mxfp4_decode_max_tokens = mxfp4_decode_max_tokens_from_environment();
   DeviceGuard guard(device_ordinal);
   LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.main_stream, cudaStreamNonBlocking));
   LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.aux_stream, cudaStreamNonBlocking));
