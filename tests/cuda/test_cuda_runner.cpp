@@ -130,8 +130,8 @@ class ScopedVariable {
 // automatic choice, which its small layers make 8): forced through LATENTMOE_MXFP4_GATE_UP_SPLIT, which
 // each rank's backend reads when the runner makes it. A latent
 // of 544 (17 groups: a partial chunk, taken by a different warp per split), 20 tiles of 16 rows (the last
-// CTA's tiles past the matrix at 8 tiles a CTA), gated and relu2, bf16 and f16, 3 and 8 tokens and 37 in
-// batches of 8; every result against the CPU runner.
+// CTA's tiles past the matrix at 8 tiles a CTA), gated and relu2, bf16 and f16, 3 and 8 tokens (and 37, which
+// the grouped GEMMs take); every result against the CPU runner.
 TEST(CudaRunner, mxfp4_gate_up_with_fewer_warps_per_tile_matches_the_cpu_runner) {
   LATENTMOE_REQUIRE_GPU();
   LayerConfig kimi_long = resized(kimi_k3_config(), {48, 544, 9, 4, 320, 40});
@@ -164,6 +164,48 @@ TEST(CudaRunner, mxfp4_gate_up_with_fewer_warps_per_tile_matches_the_cpu_runner)
         latentmoe::testing::random_inputs(kimi_long, 2, DType::bf16, 8), 1, DType::bf16);
   });
   EXPECT_NE(message.find("LATENTMOE_MXFP4_GATE_UP_SPLIT='3' is out of range; expected 1, 2 or 8 (warps per tile)"),
+            std::string::npos)
+      << message;
+}
+
+// The grouped MXFP4 path at every token count, down to one token: LATENTMOE_MXFP4_DECODE_MAX_TOKENS=0 sends
+// what the decode kernels would take to the grouped GEMMs, whose automatic choice is the rows kernel here
+// (at most 16 rows per touched expert). A latent of 544 and I of 320 (17 and 10 scale groups: partial
+// 128-column steps, unaligned scale words), gated and relu2, bf16 and f16, tp 1 and 2, against the CPU
+// runner; a value past the decode kernels' 8 tokens is refused by name.
+TEST(CudaRunner, mxfp4_grouped_rows_kernel_from_one_token_matches_the_cpu_runner) {
+  LATENTMOE_REQUIRE_GPU();
+  LayerConfig kimi_long = resized(kimi_k3_config(), {48, 544, 9, 4, 320, 40});
+  kimi_long.experts_format = ExpertWeightFormat::mxfp4;
+  LayerConfig nemotron = resized(nemotron3_super_config(), {48, 544, 5, 3, 320, 72});
+  nemotron.experts_format = ExpertWeightFormat::mxfp4;
+  uint64_t seed = 190;
+  {
+    const ScopedVariable forced("LATENTMOE_MXFP4_DECODE_MAX_TOKENS", "0");
+    for (const LayerConfig& config : {kimi_long, nemotron}) {
+      for (DType dtype : {DType::bf16, DType::f16}) {
+        const LayerWeights weights = make_random_layer_weights(config, dtype, ++seed);
+        for (int64_t tokens : {int64_t{1}, int64_t{2}, int64_t{8}, int64_t{17}}) {
+          for (int tp : {1, 2}) {
+            SCOPED_TRACE(std::string(to_string(config.activation)) + ", " + name_of(dtype) + ", T " +
+                         std::to_string(tokens) + ", tp " + std::to_string(tp));
+            const LocalGroupInputs inputs = latentmoe::testing::random_inputs(config, tokens, dtype, seed + tokens);
+            expect_cuda_matches_cpu(
+                config, [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, config, parallel); },
+                inputs, tp, dtype);
+          }
+        }
+      }
+    }
+  }
+  const ScopedVariable forced("LATENTMOE_MXFP4_DECODE_MAX_TOKENS", "9");
+  const LayerWeights weights = make_random_layer_weights(kimi_long, DType::bf16, 7);
+  const std::string message = latentmoe::testing::message_of([&] {
+    expect_cuda_matches_cpu(
+        kimi_long, [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, kimi_long, parallel); },
+        latentmoe::testing::random_inputs(kimi_long, 2, DType::bf16, 8), 1, DType::bf16);
+  });
+  EXPECT_NE(message.find("LATENTMOE_MXFP4_DECODE_MAX_TOKENS='9' is out of range; expected an integer in 0..8 (tokens)"),
             std::string::npos)
       << message;
 }
