@@ -171,18 +171,21 @@ TEST(CudaRunner, mxfp4_gate_up_with_fewer_warps_per_tile_matches_the_cpu_runner)
 // The grouped MXFP4 path at every token count, down to one token: LATENTMOE_MXFP4_DECODE_MAX_TOKENS=0 sends
 // what the decode kernels would take to the grouped GEMMs, whose automatic choice is the rows kernel here
 // (at most 16 rows per touched expert). A latent of 544 and I of 320 (17 and 10 scale groups: partial
-// 128-column steps, unaligned scale words), gated and relu2, bf16 and f16, tp 1 and 2, against the CPU
-// runner; a value past the decode kernels' 8 tokens is refused by name.
+// 128-column steps, unaligned scale words) and one of 512 and 256 (whole steps), gated and relu2, bf16 and
+// f16, tp 1 and 2, against the CPU runner; a value past the decode kernels' 8 tokens is refused by name.
 TEST(CudaRunner, mxfp4_grouped_rows_kernel_from_one_token_matches_the_cpu_runner) {
   LATENTMOE_REQUIRE_GPU();
   LayerConfig kimi_long = resized(kimi_k3_config(), {48, 544, 9, 4, 320, 40});
   kimi_long.experts_format = ExpertWeightFormat::mxfp4;
   LayerConfig nemotron = resized(nemotron3_super_config(), {48, 544, 5, 3, 320, 72});
   nemotron.experts_format = ExpertWeightFormat::mxfp4;
+  // Whole 128-column steps (aligned scale words: the bf16 path that folds the scales into the operands).
+  LayerConfig kimi_aligned = resized(kimi_k3_config(), {48, 512, 9, 4, 256, 40});
+  kimi_aligned.experts_format = ExpertWeightFormat::mxfp4;
   uint64_t seed = 190;
   {
     const ScopedVariable forced("LATENTMOE_MXFP4_DECODE_MAX_TOKENS", "0");
-    for (const LayerConfig& config : {kimi_long, nemotron}) {
+    for (const LayerConfig& config : {kimi_long, nemotron, kimi_aligned}) {
       for (DType dtype : {DType::bf16, DType::f16}) {
         const LayerWeights weights = make_random_layer_weights(config, dtype, ++seed);
         for (int64_t tokens : {int64_t{1}, int64_t{2}, int64_t{8}, int64_t{17}}) {

@@ -170,7 +170,10 @@ double tolerance(DType dtype) { return dtype == DType::f32 ? 1e-5 : 1e-2; }
 class Problem {
  public:
   // mxfp4: the expert weights in MXFP4 (I_r and l multiples of 32), their decoded values the reference's.
-  Problem(const Case& c, uint32_t seed, bool mxfp4 = false) : c_(c), rng_(seed), mxfp4_(mxfp4) {
+  // big_scale_every > 0: every such MXFP4 scale byte is 135 (2^8, past the 128 up to which mxfp4_rows folds
+  // the scales into its bf16 operands: that step takes its fp32 path).
+  Problem(const Case& c, uint32_t seed, bool mxfp4 = false, int big_scale_every = 0)
+      : c_(c), rng_(seed), mxfp4_(mxfp4) {
     act_.activation = c.activation;
     act_.situ_beta = 4.0f;
     act_.situ_linear_beta = 25.0f;
@@ -186,6 +189,13 @@ class Problem {
       // Scales near 2^-6 (gate/up) and 2^-5 (down): values up to 6 x 2^-4, sums of order one.
       auto adopt = [&](HostArray& host, std::unique_ptr<DeviceMem>& d_scales, int64_t rows, int64_t cols, int lo) {
         Mxfp4Array m = random_mxfp4(rows, cols, lo, rng_);
+        if (big_scale_every > 0) {
+          for (size_t i = 0; i < m.scales.size(); i += big_scale_every) m.scales[i] = 135;
+          for (int64_t r = 0; r < rows; ++r) {
+            mxfp4_decode_row(m.codes.data() + r * cols / 2, m.scales.data() + r * cols / 32, 0, cols,
+                             m.values.data() + r * cols);
+          }
+        }
         host.values = std::move(m.values);
         host.bytes = std::move(m.codes);
         d_scales = std::make_unique<DeviceMem>(m.scales.size());
@@ -449,7 +459,8 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
         GemmChoice(GemmVariant::mma_s_wide, 3), GemmChoice(GemmVariant::mma_s_wide, 0, 2),
         GemmChoice(GemmVariant::mma_m),         GemmChoice(GemmVariant::mma_m, 3),
         GemmChoice(GemmVariant::mma_l4),        GemmChoice(GemmVariant::mma_l4, 2),
-        GemmChoice(GemmVariant::mxfp4_rows)};
+        GemmChoice(GemmVariant::mxfp4_rows),    GemmChoice(GemmVariant::mxfp4_rows, 1),
+        GemmChoice(GemmVariant::mxfp4_rows, 2)};
     if (detail::wgmma_available()) {  // the Hopper kernels decode into their swizzled weight tiles
       for (const GemmChoice& wgmma : {GemmChoice(GemmVariant::wgmma), GemmChoice(GemmVariant::wgmma, 3),
                                       GemmChoice(GemmVariant::wgmma_tall), GemmChoice(GemmVariant::wgmma_tall, 2),
@@ -459,6 +470,14 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
     check_choices(problem, c.name, choices);
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mma_l), nullptr), Error) << c.name;
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::simt), nullptr), Error) << c.name;  // never reads codes as bf16
+  }
+  // mxfp4_rows with scale bytes past 128 among those its bf16 path folds into the operands (whole 128-column
+  // steps: the aligned scale words): the steps that hold one take the fp32 scale path; both CTA shapes.
+  for (int every : {5, 97}) {
+    const Case c{"mxfp4_bf16_silu_t40_i256_l512_big_scales", DType::bf16, Activation::silu, 40, 3, 0, 2, 256, 512, -1};
+    Problem problem(c, 7u + static_cast<uint32_t>(every), /*mxfp4=*/true, every);
+    check_choices(problem, c.name + " every " + std::to_string(every),
+                  {GemmChoice(GemmVariant::mxfp4_rows, 1), GemmChoice(GemmVariant::mxfp4_rows, 2)});
   }
   // The automatic MXFP4 shape follows the rows per touched expert (kimi-k3 tp-shard 8: E 896, k 16).
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 9, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);

@@ -249,7 +249,7 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   // trigger their dependent after their own wait.
   const bool hopper = current_compute_capability() >= 90;
   if (variant == GemmVariant::mxfp4_rows) {
-    gg::launch_mxfp4_rows(dtype, mode, args, hopper, stream);
+    gg::launch_mxfp4_rows(dtype, mode, args, choice.n_tiles_per_cta, hopper, stream);
     return;
   }
   launch.programmatic = hopper;

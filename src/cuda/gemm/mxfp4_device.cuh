@@ -31,22 +31,56 @@ __device__ __forceinline__ uint32_t shift_left(uint32_t w) {
   }
 }
 
+// Nibbles i and i + 4 of `w` placed as the bits of a 2-element register of T (nibble i in the low half)
+// whose values are E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (f16), exactly: the magnitude bits become the low
+// exponent bits and the top mantissa bit, the sign the sign.
+template <class T, int kI>
+__device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return (shift_left<6 - 4 * kI>(w) & 0x01C001C0u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
+  } else {
+    return (shift_left<9 - 4 * kI>(w) & 0x0E000E00u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
+  }
+}
+
 // Nibbles i and i + 4 of `w` (E2M1: bit 3 the sign, bits 2..0 the magnitude) as a 2-element register
-// of T (nibble i in the low half), exact: the magnitude bits become the low exponent bits and the top
-// mantissa bit of a number that is E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (f16), then one multiply.
+// of T (nibble i in the low half), exact: e2m1_pair_bits, then one multiply by 2^126 (bf16) or 2^14 (f16).
 template <class T, int kI>
 __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const uint32_t bits = (shift_left<6 - 4 * kI>(w) & 0x01C001C0u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
+    const uint32_t bits = e2m1_pair_bits<T, kI>(w);
     __nv_bfloat162 value = *reinterpret_cast<const __nv_bfloat162*>(&bits);
     value = __hmul2(value, __nv_bfloat162(__ushort_as_bfloat16(0x7E80), __ushort_as_bfloat16(0x7E80)));  // 2^126
     return *reinterpret_cast<const uint32_t*>(&value);
   } else {
-    const uint32_t bits = (shift_left<9 - 4 * kI>(w) & 0x0E000E00u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
+    const uint32_t bits = e2m1_pair_bits<T, kI>(w);
     __half2 value = *reinterpret_cast<const __half2*>(&bits);
     value = __hmul2(value, __half2(__ushort_as_half(0x7400), __ushort_as_half(0x7400)));  // 2^14
     return *reinterpret_cast<const uint32_t*>(&value);
   }
+}
+
+// Nibbles i and i + 4 of `w` times 2^(s - 127) for the scale byte s of `factor`, a bf16 pair of 2^(s - 1)
+// (scale_factor_bf16): exact for every s <= 128 (E2M1 * 2^-126 times 2^(s - 1); the smallest product, 2^-128,
+// is a bf16 subnormal).
+template <int kI>
+__device__ __forceinline__ uint32_t e2m1_pair_scaled_bf16(uint32_t w, uint32_t factor) {
+  const uint32_t bits = e2m1_pair_bits<__nv_bfloat16, kI>(w);
+  const __nv_bfloat162 value = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits),
+                                       *reinterpret_cast<const __nv_bfloat162*>(&factor));
+  return *reinterpret_cast<const uint32_t*>(&value);
+}
+
+// The bf16 pair (2^(s - 1), 2^(s - 1)) for byte q of `scales_plus_126` (a word of four scale bytes, each plus
+// 126 without carry: every byte <= 128): exponent field s + 126.
+template <int kQ>
+__device__ __forceinline__ uint32_t scale_factor_bf16(uint32_t scales_plus_126) {
+  return __byte_perm(scales_plus_126, 0u, 0x4040u | (kQ << 8) | kQ) << 7;
+}
+
+// Whether any of the four scale bytes of `w` exceeds 128 (2^(s - 1) then leaves bf16's range).
+__device__ __forceinline__ bool any_scale_above_128(uint32_t w) {
+  return ((w & 0x80808080u) & ((w & 0x7F7F7F7Fu) + 0x7F7F7F7Fu)) != 0u;
 }
 
 // The 8 consecutive values of one code word (value i in nibble i, the even column low) times the group's
