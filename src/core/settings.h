@@ -136,11 +136,12 @@ inline constexpr std::array<SettingSpec, 12> kSettings{{
      .name = "LATENTMOE_MXFP4_DECODE_MAX_TOKENS",
      .type = SettingType::integer,
      .min = 0,
-     .max = 8,
+     .max = 64,
      .unit = "tokens",
      .fallback = 8,
      .meaning = "up to how many tokens MXFP4 routed experts with bf16/f16 activations run on the decode kernels "
-                "(mxfp4_decode_mma.cu); above, on the grouped GEMMs (to measure the boundary)",
+                "(mxfp4_decode_mma.cu; above 8 in batches of 8); above, on the grouped GEMMs (to measure the "
+                "boundary)",
      .read_when = "when a CUDA backend is made (each runner's or rank context's)"},
     {.id = Setting::cuda_device_max_connections,
      .name = "CUDA_DEVICE_MAX_CONNECTIONS",

@@ -172,7 +172,7 @@ TEST(CudaRunner, mxfp4_gate_up_with_fewer_warps_per_tile_matches_the_cpu_runner)
 // what the decode kernels would take to the grouped GEMMs, whose automatic choice is the rows kernel here
 // (at most 16 rows per touched expert). A latent of 544 and I of 320 (17 and 10 scale groups: partial
 // 128-column steps, unaligned scale words) and one of 512 and 256 (whole steps), gated and relu2, bf16 and
-// f16, tp 1 and 2, against the CPU runner; a value past the decode kernels' 8 tokens is refused by name.
+// f16, tp 1 and 2, against the CPU runner; a value past 64 is refused by name.
 TEST(CudaRunner, mxfp4_grouped_rows_kernel_from_one_token_matches_the_cpu_runner) {
   LATENTMOE_REQUIRE_GPU();
   LayerConfig kimi_long = resized(kimi_k3_config(), {48, 544, 9, 4, 320, 40});
@@ -201,14 +201,14 @@ TEST(CudaRunner, mxfp4_grouped_rows_kernel_from_one_token_matches_the_cpu_runner
       }
     }
   }
-  const ScopedVariable forced("LATENTMOE_MXFP4_DECODE_MAX_TOKENS", "9");
+  const ScopedVariable forced("LATENTMOE_MXFP4_DECODE_MAX_TOKENS", "65");
   const LayerWeights weights = make_random_layer_weights(kimi_long, DType::bf16, 7);
   const std::string message = latentmoe::testing::message_of([&] {
     expect_cuda_matches_cpu(
         kimi_long, [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, kimi_long, parallel); },
         latentmoe::testing::random_inputs(kimi_long, 2, DType::bf16, 8), 1, DType::bf16);
   });
-  EXPECT_NE(message.find("LATENTMOE_MXFP4_DECODE_MAX_TOKENS='9' is out of range; expected an integer in 0..8 (tokens)"),
+  EXPECT_NE(message.find("LATENTMOE_MXFP4_DECODE_MAX_TOKENS='65' is out of range; expected an integer in 0..64 (tokens)"),
             std::string::npos)
       << message;
 }

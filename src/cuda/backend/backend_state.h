@@ -108,7 +108,7 @@ struct CudaBackend::State {
   const DecodeDispatch* dispatch = nullptr;
   // The MXFP4 tensor-core gate/up's warps per tile (Mxfp4GateUpCall::warps_per_tile; 0: its measured rule).
   int mxfp4_gate_up_warps_per_tile = 0;
-  // Up to how many tokens MXFP4 experts with 16-bit activations take the decode kernels (at most
+  // Up to how many tokens MXFP4 experts with 16-bit activations take the decode kernels (in batches of
   // kMxfp4DecodeMaxRows; LATENTMOE_MXFP4_DECODE_MAX_TOKENS); above, the grouped GEMMs.
   int mxfp4_decode_max_tokens = 8;
 

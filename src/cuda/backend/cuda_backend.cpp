@@ -29,7 +29,7 @@ int mxfp4_gate_up_split_from_environment() {
 }
 
 // LATENTMOE_MXFP4_DECODE_MAX_TOKENS: up to how many tokens the MXFP4 decode kernels run (default 8, their
-// most); read once, when a backend is made.
+// most in one pass; above 8 in batches of 8); read once, when a backend is made.
 int mxfp4_decode_max_tokens_from_environment() {
   using ::latentmoe::detail::Setting;
   return static_cast<int>(::latentmoe::detail::read_integer(Setting::mxfp4_decode_max_tokens).value_or(8));
