@@ -208,8 +208,9 @@ TEST(CudaRunner, mxfp4_grouped_rows_kernel_from_one_token_matches_the_cpu_runner
         kimi_long, [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, kimi_long, parallel); },
         latentmoe::testing::random_inputs(kimi_long, 2, DType::bf16, 8), 1, DType::bf16);
   });
-  EXPECT_NE(message.find("LATENTMOE_MXFP4_DECODE_MAX_TOKENS='65' is out of range; expected an integer in 0..64 (tokens)"),
-            std::string::npos)
+  EXPECT_NE(
+      message.find("LATENTMOE_MXFP4_DECODE_MAX_TOKENS='65' is out of range; expected an integer in 0..64 (tokens)"),
+      std::string::npos)
       << message;
 }
 

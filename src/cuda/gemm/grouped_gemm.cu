@@ -116,9 +116,9 @@ std::string to_string(GemmVariant variant) {
 }
 
 std::vector<GemmVariant> all_variants() {
-  return {GemmVariant::simt,    GemmVariant::mma_s, GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
-          GemmVariant::mma_m32, GemmVariant::mma_m, GemmVariant::mma_l4,     GemmVariant::mma_l,
-          GemmVariant::mma_xl,  GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow,
+  return {GemmVariant::simt,      GemmVariant::mma_s, GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
+          GemmVariant::mma_m32,   GemmVariant::mma_m, GemmVariant::mma_l4,     GemmVariant::mma_l,
+          GemmVariant::mma_xl,    GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow,
           GemmVariant::mxfp4_rows};
 }
 

@@ -123,8 +123,7 @@ __device__ __forceinline__ void load_step(const KernelArgs& a, const Walk& w, in
     const bool valid = idx < w.rows && q < w.groups;
     const T* src = static_cast<const T*>(a.a);
     if (valid) {
-      const int64_t a_row =
-          a.sorted_pairs != nullptr ? a.sorted_pairs[w.first_row + idx] / a.top_k : w.first_row + idx;
+      const int64_t a_row = a.sorted_pairs != nullptr ? a.sorted_pairs[w.first_row + idx] / a.top_k : w.first_row + idx;
       src += a_row * a.k + static_cast<int64_t>(ks) * kStepGroups * 32 + part * 8;
     }
     cp_async_16(smem_u32(&stage.acts[r * kActStride + part * 16]), src, valid);
@@ -398,12 +397,16 @@ void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_b
                        cudaStream_t stream) {
   LATENTMOE_CHECK(args.s0 != nullptr && (mode != Mode::gated || args.s1 != nullptr),
                   "grouped GEMM: the mxfp4_rows variant takes MXFP4 weights only");
-  LATENTMOE_CHECK(dtype == DType::bf16 || dtype == DType::f16, "grouped GEMM: the mxfp4_rows variant takes bf16 or f16 "
-                  "activations, not ", dtype_name(dtype));
+  LATENTMOE_CHECK(dtype == DType::bf16 || dtype == DType::f16,
+                  "grouped GEMM: the mxfp4_rows variant takes bf16 or f16 "
+                  "activations, not ",
+                  dtype_name(dtype));
   LATENTMOE_CHECK(args.k % kMxfp4Group == 0 && args.n > 0, "grouped GEMM: mxfp4_rows needs K a multiple of ",
                   kMxfp4Group, " (K ", args.k, ", N ", args.n, ")");
-  LATENTMOE_CHECK(cta_blocks >= 0 && cta_blocks <= 2, "grouped GEMM: mxfp4_rows takes 1 or 2 blocks of 64 weight rows "
-                  "a CTA (0: its choice), not ", cta_blocks);
+  LATENTMOE_CHECK(cta_blocks >= 0 && cta_blocks <= 2,
+                  "grouped GEMM: mxfp4_rows takes 1 or 2 blocks of 64 weight rows "
+                  "a CTA (0: its choice), not ",
+                  cta_blocks);
   const int warps = cta_blocks == 1 ? 4 : 8;
   const bool aligned = args.k % (kStepGroups * kMxfp4Group) == 0 && aligned4(args.s0) && aligned4(args.s1);
   if (dtype == DType::bf16) {

@@ -66,8 +66,8 @@ __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
 template <int kI>
 __device__ __forceinline__ uint32_t e2m1_pair_scaled_bf16(uint32_t w, uint32_t factor) {
   const uint32_t bits = e2m1_pair_bits<__nv_bfloat16, kI>(w);
-  const __nv_bfloat162 value = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits),
-                                       *reinterpret_cast<const __nv_bfloat162*>(&factor));
+  const __nv_bfloat162 value =
+      __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), *reinterpret_cast<const __nv_bfloat162*>(&factor));
   return *reinterpret_cast<const uint32_t*>(&value);
 }
 
