@@ -138,10 +138,10 @@ inline constexpr std::array<SettingSpec, 12> kSettings{{
      .min = 0,
      .max = 64,
      .unit = "tokens",
-     .fallback = 8,
+     .fallback = 16,
      .meaning = "up to how many tokens MXFP4 routed experts with bf16/f16 activations run on the decode kernels "
                 "(mxfp4_decode_mma.cu; above 8 in batches of 8); above, on the grouped GEMMs (to measure the "
-                "boundary)",
+                "boundary; the default is `kMxfp4DecodeTokens`, measured: docs/MXFP4.md)",
      .read_when = "when a CUDA backend is made (each runner's or rank context's)"},
     {.id = Setting::cuda_device_max_connections,
      .name = "CUDA_DEVICE_MAX_CONNECTIONS",

@@ -13,6 +13,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/debug_check.h"
 #include "cuda/common/device.h"
+#include "cuda/gemm/mxfp4_decode.h"
 #include "cuda/common/matrix.h"
 #include "cuda/gemm/blas.h"
 #include "latentmoe/error.h"
@@ -110,7 +111,7 @@ struct CudaBackend::State {
   int mxfp4_gate_up_warps_per_tile = 0;
   // Up to how many tokens MXFP4 experts with 16-bit activations take the decode kernels (in batches of
   // kMxfp4DecodeMaxRows; LATENTMOE_MXFP4_DECODE_MAX_TOKENS); above, the grouped GEMMs.
-  int mxfp4_decode_max_tokens = 8;
+  int mxfp4_decode_max_tokens = kMxfp4DecodeTokens;
 
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
   bool overlapping = false;

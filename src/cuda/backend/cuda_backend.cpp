@@ -28,11 +28,12 @@ int mxfp4_gate_up_split_from_environment() {
   return static_cast<int>(::latentmoe::detail::read_integer(Setting::mxfp4_gate_up_split).value_or(0));
 }
 
-// LATENTMOE_MXFP4_DECODE_MAX_TOKENS: up to how many tokens the MXFP4 decode kernels run (default 8, their
-// most in one pass; above 8 in batches of 8); read once, when a backend is made.
+// LATENTMOE_MXFP4_DECODE_MAX_TOKENS: up to how many tokens the MXFP4 decode kernels run (above 8 in batches
+// of 8); read once, when a backend is made. Unset: kMxfp4DecodeTokens.
 int mxfp4_decode_max_tokens_from_environment() {
   using ::latentmoe::detail::Setting;
-  return static_cast<int>(::latentmoe::detail::read_integer(Setting::mxfp4_decode_max_tokens).value_or(8));
+  return static_cast<int>(
+      ::latentmoe::detail::read_integer(Setting::mxfp4_decode_max_tokens).value_or(kMxfp4DecodeTokens));
 }
 
 }  // namespace

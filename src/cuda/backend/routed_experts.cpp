@@ -119,11 +119,11 @@ void CudaBackend::mxfp4_routed_experts(const ActivationParams& activation, const
   const int64_t intermediate = experts.up.size(1), latent = 2 * experts.up.size(2);
   if (num_tokens == 0) return;
   s.mark_slot(s.routed_slots, "routed_experts");
-  // Above s.mxfp4_decode_max_tokens (8, the decode kernels' most, unless the setting lowers it): the grouped
-  // GEMMs with MXFP4 weights (grouped_gemm.h), whose automatic choice takes the rows kernel (each touched
-  // expert's weights read once per 16 of its rows) while experts hold few rows, and the tensor-core tile
-  // kernels above. More than 8 tokens on the decode kernels (f32) run in batches of 8, each batch reading its
-  // touched experts again (docs/MXFP4.md).
+  // Above s.mxfp4_decode_max_tokens (kMxfp4DecodeTokens unless the setting says otherwise): the grouped GEMMs
+  // with MXFP4 weights (grouped_gemm.h), whose automatic choice takes the rows kernel (each touched expert's
+  // weights read once per 16 of its rows) while experts hold few rows, and the tensor-core tile kernels above.
+  // More than 8 tokens on the decode kernels (up to that bound, and f32 at any count) run in batches of 8, each
+  // batch reading its touched experts again (docs/MXFP4.md).
   if (num_tokens > s.mxfp4_decode_max_tokens && grouped_mxfp4_supported(z.dtype(), intermediate, latent)) {
     grouped_routed_experts(activation, z, topk_ids, topk_weights,
                            expert_gemm_weights(experts, gated, intermediate, latent), out);
