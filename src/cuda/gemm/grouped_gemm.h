@@ -91,7 +91,7 @@ enum class GemmVariant {
   wgmma_narrow,  // sm_90a only: tiles of up to 96 expert rows against 128 weight rows, two CTAs per SM
   mxfp4_rows,    // MXFP4 weights only (bf16, f16): codes decoded straight into mma.sync fragments, a cp.async
                  // ring per CTA, each expert's weights read once per 16 of its rows (grouped_gemm_mxfp4_rows.cu);
-                 // GemmChoice::n_tiles_per_cta is its 64-row blocks a CTA (1: 4 warps, 2: 8 warps, 0: 8)
+                 // GemmChoice::n_tiles_per_cta is its 64-row blocks a CTA (1: 4 warps, 2: 8 warps, 0: 4)
 };
 // True for the variants that take MXFP4 weights only (mxfp4_rows).
 bool is_mxfp4_only(GemmVariant variant);

@@ -43,7 +43,7 @@ void launch_mma_mxfp4(DType dtype, detail::GemmVariant variant, Mode mode, Kerne
                       cudaStream_t stream);
 
 // The mxfp4_rows variant (grouped_gemm_mxfp4_rows.cu): MXFP4 weights, dtype bf16 or f16, any K that is a
-// multiple of 32; cta_blocks: 64-row weight blocks a CTA takes at once (1: 4 warps, 2: 8 warps, 0: its
+// multiple of 32; cta_blocks: 64-row weight blocks a CTA takes at once (1 or 0: 4 warps, 2: 8 warps);
 // choice); programmatic: launched as a programmatic dependent (it waits before reading anything).
 void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, bool programmatic,
                        cudaStream_t stream);
