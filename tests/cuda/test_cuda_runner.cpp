@@ -78,8 +78,9 @@ void set_edge_scales(HostTensor& scales) {
 // ranks against the CPU runner (which decodes exactly), situ and silu with a gate, relu2 without,
 // 1..8 tokens on the decode kernels (bf16, f16: tensor cores; f32: CUDA cores; tokens sharing experts),
 // 9 tokens in batches of 8 on them (up to kMxfp4DecodeTokens), 37 and 150 tokens on the grouped GEMMs (the
-// rows kernel, the tile kernels; f32 in batches of 8 on the decode kernels at every count), a latent long enough for the unrolled loop and its remainder (544 = 17 groups over 8 warps;
-// a partial last k-tile of the grouped GEMM), edge scale bytes.
+// rows kernel, the tile kernels; f32 in batches of 8 on the decode kernels at every count), a latent long enough for
+// the unrolled loop and its remainder (544 = 17 groups over 8 warps; a partial last k-tile of the grouped GEMM), edge
+// scale bytes.
 TEST(CudaRunner, mxfp4_experts_match_the_cpu_runner) {
   LATENTMOE_REQUIRE_GPU();
   LayerConfig kimi = resized(kimi_k3_config(), {40, 64, 6, 3, 256, 40});
