@@ -13,9 +13,9 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/debug_check.h"
 #include "cuda/common/device.h"
-#include "cuda/gemm/mxfp4_decode.h"
 #include "cuda/common/matrix.h"
 #include "cuda/gemm/blas.h"
+#include "cuda/gemm/mxfp4_decode.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {
