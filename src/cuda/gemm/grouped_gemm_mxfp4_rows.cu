@@ -1,8 +1,8 @@
 // The grouped GEMM variant `mxfp4_rows` (grouped_gemm.h): MXFP4 expert weights decoded straight into
-// mma.sync A fragments, for experts that hold few rows each (decode batches from 9 tokens to a few
+// mma.sync A fragments, for experts that hold few rows each (the layer takes it from 17 tokens to a few
 // hundred). Each expert's weights are read once per pass of up to kPassRows of its rows, however many
-// tokens chose it (the decode kernels of mxfp4_decode_mma.cu take at most 8 tokens, and above that
-// ran in batches of 8, each reading the weights again).
+// tokens chose it (the decode kernels of mxfp4_decode_mma.cu take at most 8 tokens at once, and above
+// that run in batches of 8, each reading the weights again).
 //
 // Why a ring: the decode kernels load their codes into registers, so the bytes in flight per SM are
 // bounded by registers and occupancy (they reach 23-48% of the byte floor, docs/MXFP4.md). Here each
@@ -10,15 +10,18 @@
 // kStages steps in shared memory (one step = 4 scale groups = 128 columns of K), several steps ahead of
 // the warps that decode and multiply.
 //
-// Work: CTA (x, e) owns expert e's 64-row weight blocks [x * blocks_per_cta, ...) and walks the steps
+// Work: CTA (x, e) owns expert e's weight blocks of 16 kWarps rows (64: the default 4 warps; 128 with 8)
+// [x * blocks_per_cta, ...) and walks the steps
 // (pass, block, k-step) in that order through one pipeline; after a block's last k-step its warps store
 // that pass's outputs and clear their accumulators.
 //   warp w: rows 16 w .. 16 w + 15 of the block; lane (g, t) holds rows g and g + 8 (the A fragment) and,
 //   per n8 tile c of the pass, the expert's row 8 c + g (the B fragment, at the same k slots).
 // k order: as mxfp4_decode_mma.cu: per scale group two MMAs; lane t takes code bytes 4t..4t+3 of the group
 //   for its rows (nibbles i and i + 4 form one register, e2m1_pair) and the activation values at the same
-//   eight columns, permuted the same way. Each group's MMAs start from zero, and their fp32 result is
-//   multiplied by the row's scale (an exact power of two) and added to the accumulators.
+//   eight columns, permuted the same way. Scales: with bf16 and aligned scale words, each row's scale is
+//   folded into its decoded values where every scale byte of the warp's step is <= 128 (exact; the MMAs
+//   then accumulate in place: run_step); otherwise each group's MMAs start from zero, and their fp32
+//   result is multiplied by the row's scale (an exact power of two) and added to the accumulators.
 // Pipeline invariants (one __syncthreads a step): the copies of step i are committed as one group by
 //   every thread (empty groups included), so at the top of step i wait_group(kStages - 2) leaves step i
 //   landed for this thread; the barrier after it makes step i visible to all and guarantees every warp
