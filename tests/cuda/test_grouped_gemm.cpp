@@ -14,7 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "core/settings.h"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/mxfp4_decode.h"
 #include "latentmoe/error.h"
 #include "latentmoe/mxfp4.h"
 
@@ -492,6 +494,15 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 1024, 16, 896, 336, 3584), GemmVariant::mma_m);
   EXPECT_FALSE(grouped_mxfp4_supported(DType::f32, 192, 1024));
   EXPECT_FALSE(grouped_mxfp4_supported(DType::bf16, 200, 1024));  // I_r not a multiple of 32
+}
+
+// The settings registry declares the decode kernels' token bound the backend applies when the variable is
+// unset (the registry, in core, cannot name the CUDA constant). Host only: runs without a GPU too.
+TEST(Cuda_GroupedGemm, mxfp4_decode_token_bound_is_the_registrys_default) {
+  EXPECT_EQ(latentmoe::detail::setting_spec(latentmoe::detail::Setting::mxfp4_decode_max_tokens).fallback,
+            int64_t{kMxfp4DecodeTokens});
+  EXPECT_LE(kMxfp4DecodeTokens,
+            latentmoe::detail::setting_spec(latentmoe::detail::Setting::mxfp4_decode_max_tokens).max);
 }
 
 // Captures `enqueue` into a CUDA graph once and replays it three times, with a new layout and new inputs

@@ -356,6 +356,15 @@ void launch_rows(const KernelArgs& args, int blocks_per_cta, bool programmatic, 
                 blocks_per_cta);
 }
 
+// Weight blocks (of block_rows rows) a CTA takes for an output of n columns and a reduction of k.
+int mxfp4_rows_blocks_per_cta(int n, int k, int block_rows) {
+  // At least ~16 pipeline steps a CTA where the blocks allow: a short K (Kimi-K3's down at tp-shard 8 has 3
+  // steps a block) would otherwise spend most of each CTA filling and draining its ring.
+  const int k_steps = (k / kMxfp4Group + kStepGroups - 1) / kStepGroups;
+  const int total_blocks = (n + block_rows - 1) / block_rows;
+  return std::clamp((16 + k_steps - 1) / k_steps, 1, total_blocks);
+}
+
 template <class T, Mode kMode>
 void launch_shape(const KernelArgs& args, int warps, bool aligned, bool programmatic, cudaStream_t stream) {
   const int block_rows = 16 * warps;
@@ -387,14 +396,6 @@ void launch_mode(Mode mode, const KernelArgs& args, int warps, bool aligned, boo
 bool aligned4(const void* p) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) & 3) == 0; }
 
 }  // namespace
-
-int mxfp4_rows_blocks_per_cta(int n, int k, int block_rows) {
-  // At least ~16 pipeline steps a CTA where the blocks allow: a short K (Kimi-K3's down at tp-shard 8 has 3
-  // steps a block) would otherwise spend most of each CTA filling and draining its ring.
-  const int k_steps = (k / kMxfp4Group + kStepGroups - 1) / kStepGroups;
-  const int total_blocks = (n + block_rows - 1) / block_rows;
-  return std::clamp((16 + k_steps - 1) / k_steps, 1, total_blocks);
-}
 
 void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, bool programmatic,
                        cudaStream_t stream) {
