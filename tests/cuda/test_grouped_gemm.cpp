@@ -452,17 +452,22 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
       // Whole 128-column steps (the scale words aligned), experts of ~27 rows (a pass of 16 and one of 11:
       // both n8-tile counts of mxfp4_rows), several 64-row blocks per CTA in the down projection.
       Case{"mxfp4_bf16_situ_t40_i256_l512", DType::bf16, Activation::situ, 40, 3, 0, 2, 256, 512, -1},
+      // One and two tokens, few output columns and a long K: mxfp4_rows splits the gate/up reduction on its
+      // own (4 touched experts x 2 blocks leave most SMs idle); l of 35 groups: a partial last step.
+      Case{"mxfp4_bf16_situ_t1_i128_l2048", DType::bf16, Activation::situ, 1, 16, 0, 4, 128, 2048, -1},
+      Case{"mxfp4_f16_silu_t2_i96_l1120", DType::f16, Activation::silu, 2, 8, 0, 3, 96, 1120, -1},
   };
   for (const Case& c : cases) {
     ASSERT_TRUE(grouped_mxfp4_supported(c.dtype, c.intermediate, c.latent)) << c.name;
     Problem problem(c, 99u + static_cast<uint32_t>(c.num_tokens), /*mxfp4=*/true);
     std::vector<GemmChoice> choices = {
-        GemmChoice(GemmVariant::automatic),     GemmChoice(GemmVariant::mma_s_wide),
-        GemmChoice(GemmVariant::mma_s_wide, 3), GemmChoice(GemmVariant::mma_s_wide, 0, 2),
-        GemmChoice(GemmVariant::mma_m),         GemmChoice(GemmVariant::mma_m, 3),
-        GemmChoice(GemmVariant::mma_l4),        GemmChoice(GemmVariant::mma_l4, 2),
-        GemmChoice(GemmVariant::mxfp4_rows),    GemmChoice(GemmVariant::mxfp4_rows, 1),
-        GemmChoice(GemmVariant::mxfp4_rows, 2)};
+        GemmChoice(GemmVariant::automatic), GemmChoice(GemmVariant::mma_s_wide), GemmChoice(GemmVariant::mma_s_wide, 3),
+        GemmChoice(GemmVariant::mma_s_wide, 0, 2), GemmChoice(GemmVariant::mma_m), GemmChoice(GemmVariant::mma_m, 3),
+        GemmChoice(GemmVariant::mma_l4), GemmChoice(GemmVariant::mma_l4, 2), GemmChoice(GemmVariant::mxfp4_rows),
+        GemmChoice(GemmVariant::mxfp4_rows, 1),
+        // mxfp4_rows with the reduction split (the sums of 2, 3 and every k-step's CTA added by the last).
+        GemmChoice(GemmVariant::mxfp4_rows, 0, 2), GemmChoice(GemmVariant::mxfp4_rows, 1, 3),
+        GemmChoice(GemmVariant::mxfp4_rows, 0, 64)};
     if (detail::wgmma_available()) {  // the Hopper kernels decode into their swizzled weight tiles
       for (const GemmChoice& wgmma : {GemmChoice(GemmVariant::wgmma), GemmChoice(GemmVariant::wgmma, 3),
                                       GemmChoice(GemmVariant::wgmma_tall), GemmChoice(GemmVariant::wgmma_tall, 2),
@@ -472,14 +477,16 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
     check_choices(problem, c.name, choices);
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mma_l), nullptr), Error) << c.name;
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::simt), nullptr), Error) << c.name;  // never reads codes as bf16
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mxfp4_rows, 2), nullptr), Error) << c.name;  // one CTA shape
   }
   // mxfp4_rows with scale bytes past 128 among those its bf16 path folds into the operands (whole 128-column
-  // steps: the aligned scale words): the steps that hold one take the fp32 scale path; both CTA shapes.
+  // steps: the aligned scale words): the steps that hold one take the fp32 scale path; with and without
+  // split-K.
   for (int every : {5, 97}) {
     const Case c{"mxfp4_bf16_silu_t40_i256_l512_big_scales", DType::bf16, Activation::silu, 40, 3, 0, 2, 256, 512, -1};
     Problem problem(c, 7u + static_cast<uint32_t>(every), /*mxfp4=*/true, every);
     check_choices(problem, c.name + " every " + std::to_string(every),
-                  {GemmChoice(GemmVariant::mxfp4_rows, 1), GemmChoice(GemmVariant::mxfp4_rows, 2)});
+                  {GemmChoice(GemmVariant::mxfp4_rows, 1), GemmChoice(GemmVariant::mxfp4_rows, 0, 3)});
   }
   // The automatic MXFP4 shape follows the rows per touched expert (kimi-k3 tp-shard 8: E 896, k 16).
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 9, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);
@@ -545,6 +552,10 @@ TEST(Cuda_GroupedGemm, mxfp4_rows_graph_replay_with_new_layout) {
   check_graph_replays(
       problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::mxfp4_rows), stream); },
       "mxfp4_rows graph replay");
+  // Split-K: the tile counters must be back at zero after every replay, for new row counts too.
+  check_graph_replays(
+      problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::mxfp4_rows, 0, 3), stream); },
+      "mxfp4_rows split-K graph replay");
 }
 
 TEST(Cuda_GroupedGemm, no_tokens_launches_nothing) {

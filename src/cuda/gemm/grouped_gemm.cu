@@ -249,10 +249,6 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   // back) and streams its first weights before it waits for gate/up. Both kernels (mma.sync and wgmma)
   // trigger their dependent after their own wait.
   const bool hopper = current_compute_capability() >= 90;
-  if (variant == GemmVariant::mxfp4_rows) {
-    gg::launch_mxfp4_rows(dtype, mode, args, choice.n_tiles_per_cta, hopper, stream);
-    return;
-  }
   launch.programmatic = hopper;
   launch.wait_before_tile = hopper && !down;
   launch.trigger = hopper;
@@ -260,6 +256,10 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.prefer_two_tiles = down;
   launch.k_splits = choice.k_splits;
   gg::attach_split_k(launch, workspace, workspace_bytes, gg::kSplitKCounters, gg::kSplitKPartialBytes, "grouped GEMM");
+  if (variant == GemmVariant::mxfp4_rows) {
+    gg::launch_mxfp4_rows(dtype, mode, args, choice.n_tiles_per_cta, launch, hopper, stream);
+    return;
+  }
   const bool wgmma = detail::is_wgmma(variant);
   const gg::WgmmaShape shape = variant == GemmVariant::wgmma_tall     ? gg::WgmmaShape::tall
                                : variant == GemmVariant::wgmma_narrow ? gg::WgmmaShape::narrow

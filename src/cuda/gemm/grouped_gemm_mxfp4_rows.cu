@@ -10,10 +10,16 @@
 // kStages steps in shared memory (one step = 4 scale groups = 128 columns of K), several steps ahead of
 // the warps that decode and multiply.
 //
-// Work: CTA (x, e) owns expert e's weight blocks of 16 kWarps rows (64: the default 4 warps; 128 with 8)
-// [x * blocks_per_cta, ...) and walks the steps
-// (pass, block, k-step) in that order through one pipeline; after a block's last k-step its warps store
-// that pass's outputs and clear their accumulators.
+// Work: CTA (x, e) owns expert e's weight blocks of 64 rows (4 warps) [x * blocks_per_cta, ...) and walks
+// the steps (pass, block, k-step) in that order through one pipeline (Cursor: no division per step; the
+// copies' source offsets are recomputed once per block and the pass's rows looked up in sorted_pairs once
+// per pass: Loader); after a block's last k-step its warps store that pass's outputs and clear their
+// accumulators.
+// Split-K (few tokens and few output columns, where the touched experts' blocks would leave most SMs idle:
+//   plan_rows): CTA (x * k_splits + split, e) takes k-steps [split * steps_per_split, ...) of every pass and
+//   stores fp32 sums per grouped row in the workspace; the last of the k_splits CTAs to arrive (a counter per
+//   (first grouped row of the expert, x): unique per touched expert, reset by that CTA) adds them in split
+//   order and runs the epilogue, so the result does not depend on the order of arrival.
 //   warp w: rows 16 w .. 16 w + 15 of the block; lane (g, t) holds rows g and g + 8 (the A fragment) and,
 //   per n8 tile c of the pass, the expert's row 8 c + g (the B fragment, at the same k slots).
 // k order: as mxfp4_decode_mma.cu: per scale group two MMAs; lane t takes code bytes 4t..4t+3 of the group
@@ -37,6 +43,7 @@
 #include <type_traits>
 
 #include "cuda/common/convert.cuh"
+#include "cuda/common/device.h"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/grouped_gemm_launch.cuh"
@@ -50,6 +57,7 @@ namespace {
 constexpr int kStepGroups = 4;  // scale groups per pipeline step
 constexpr int kStages = 4;
 constexpr int kPassRows = 16;  // expert rows per pass: two n8 tiles
+constexpr int kRowsWarps = 4;  // warps a CTA: 64 weight rows (kept a parameter of the templates below)
 // Shared-memory row strides, padded so that the fragment reads are free of bank conflicts: a code row
 // of a step is 64 bytes (+16: the 8 rows g of a warp's LDS.32 fall on 8 distinct 4-bank sets), an
 // activation row 256 bytes (+64: rows g and g + 1, which share a phase of an LDS.128, use opposite halves).
@@ -73,66 +81,130 @@ struct Stage {
 
 __device__ __forceinline__ uint32_t lds_u32(const void* p) { return *static_cast<const uint32_t*>(p); }
 
-// The CTA's place in the work and the pipeline's step arithmetic.
+// The CTA's place in the work. Expert e's weight blocks [first_block, first_block + blocks), the k-steps
+// [ks_begin, ks_end) of its split of the reduction (all of them without split-K).
 struct Walk {
   int expert, first_row;  // the expert's first grouped row
   int rows;               // the expert's rows
-  int first_block, blocks, k_steps, groups;
-  __device__ int steps() const { return ((rows + kPassRows - 1) / kPassRows) * blocks * k_steps; }
+  int first_block, blocks, ks_begin, ks_end, groups;
+  __device__ int passes() const { return (rows + kPassRows - 1) / kPassRows; }
+  __device__ int steps() const { return passes() * blocks * (ks_end - ks_begin); }
 };
 
-// Issues the copies of step `i` into `stage` (every thread, its share) and commits them as one group.
+// A position in the walk: (pass, block, k-step), k-step fastest. Advanced one step at a time (no division
+// in the loop); `advance` reports what changed.
+struct Cursor {
+  int pass, block, ks;
+  enum Change { kStep, kBlock, kPass };
+  __device__ Change advance(const Walk& w) {
+    if (++ks < w.ks_end) return kStep;
+    ks = w.ks_begin;
+    if (++block < w.first_block + w.blocks) return kBlock;
+    block = w.first_block;
+    ++pass;
+    return kPass;
+  }
+};
+
+// One thread's share of every step's copies, with the source offsets of the current block and pass kept in
+// registers: per step a copy costs an add and the cp.async (the pass's activation rows are looked up in
+// sorted_pairs once per pass, the weight rows' offsets once per block).
 template <class T, Mode kMode, int kWarps, bool kAligned>
-__device__ __forceinline__ void load_step(const KernelArgs& a, const Walk& w, int i,
-                                          Stage<kMode, kWarps, kAligned>& stage) {
+struct Loader {
   using S = Stage<kMode, kWarps, kAligned>;
-  constexpr int kThreads = 32 * kWarps;
-  const int ks = i % w.k_steps, rest = i / w.k_steps;
-  const int block = w.first_block + rest % w.blocks, pass = rest / w.blocks;
-  const int64_t row_bytes = a.k / 2;
-  const int tid = threadIdx.x;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kCodeCopies = S::kRows * kStepGroups / kThreads;  // 16-byte code copies per matrix
+  static constexpr int kActCopies = (kPassRows * 16 + kThreads - 1) / kThreads;
+  static_assert(S::kRows * kStepGroups % kThreads == 0 && kThreads % 16 == 0, "whole copy rounds");
+
+  const uint8_t* codes[2];     // the expert's codes and scales, per matrix
+  const uint8_t* scales[2];    //
+  int code_off[kCodeCopies];   // (row of the block, clamped) * K/2 + part * 16
+  int scale_off[kCodeCopies];  // (row of the block, clamped) * groups
+  const T* act_src[kActCopies];
+  bool act_ok[kActCopies];
+  Cursor at;  // the next step to load
+
+  // A thread's code copy j: weight row u / 4 of the block, 16-byte part u % 4 (u = tid + j * kThreads).
+  __device__ void set_block(const KernelArgs& a, const Walk& w) {
 #pragma unroll
-  for (int m = 0; m < kMats<kMode>; ++m) {
-    const uint8_t* codes = static_cast<const uint8_t*>(m == 0 ? a.w0 : a.w1);
-    const uint8_t* scales = m == 0 ? a.s0 : a.s1;
+    for (int j = 0; j < kCodeCopies; ++j) {
+      const int row = min(at.block * S::kRows + (threadIdx.x + j * kThreads) / kStepGroups, a.n - 1);  // clamped
+      code_off[j] = row * (a.k / 2) + (threadIdx.x % kStepGroups) * 16;
+      scale_off[j] = row * w.groups;
+    }
+  }
+  // A thread's activation copy j: pass row u / 16, 16-byte part u % 16 of the row's step (u = tid + j * kThreads).
+  __device__ void set_pass(const KernelArgs& a, const Walk& w) {
 #pragma unroll
-    for (int j = 0; j < S::kRows * kStepGroups / kThreads; ++j) {
-      const int u = tid + j * kThreads, row = u / kStepGroups, part = u % kStepGroups;
-      const int q = ks * kStepGroups + part;
-      const bool valid = q < w.groups;
-      const int64_t matrix_row =
-          static_cast<int64_t>(w.expert) * a.n + min(block * S::kRows + row, a.n - 1);  // clamped
-      cp_async_16(smem_u32(&stage.codes[m][row * kCodeStride + part * 16]),
-                  codes + matrix_row * row_bytes + (valid ? q : 0) * 16, valid);
-      if constexpr (kAligned) {
-        if (part == 0) {  // the row's four scale bytes of the step, one aligned word (K has whole steps)
-          cp_async_4(smem_u32(&stage.scale_words[m][row]), scales + matrix_row * w.groups + q, true);
+    for (int j = 0; j < kActCopies; ++j) {
+      const int r = (threadIdx.x + j * kThreads) / 16, idx = at.pass * kPassRows + r;
+      act_ok[j] = r < kPassRows && idx < w.rows;
+      const int64_t a_row = !act_ok[j]                  ? 0
+                            : a.sorted_pairs != nullptr ? a.sorted_pairs[w.first_row + idx] / a.top_k
+                                                        : w.first_row + idx;
+      act_src[j] = static_cast<const T*>(a.a) + a_row * a.k + (threadIdx.x % 16) * 8;
+    }
+  }
+  __device__ void start(const KernelArgs& a, const Walk& w) {
+    codes[0] = static_cast<const uint8_t*>(a.w0) + static_cast<int64_t>(w.expert) * a.n * (a.k / 2);
+    codes[1] = kMats<kMode> == 2 ? static_cast<const uint8_t*>(a.w1) + static_cast<int64_t>(w.expert) * a.n * (a.k / 2)
+                                 : codes[0];
+    scales[0] = a.s0 + static_cast<int64_t>(w.expert) * a.n * w.groups;
+    scales[1] = kMats<kMode> == 2 ? a.s1 + static_cast<int64_t>(w.expert) * a.n * w.groups : scales[0];
+    at = Cursor{0, w.first_block, w.ks_begin};
+    set_block(a, w);
+    set_pass(a, w);
+  }
+
+  // Issues the copies of step `at` into `stage`, commits them as one group and moves to the next step.
+  __device__ void load(const KernelArgs& a, const Walk& w, S& stage) {
+    const int tid = threadIdx.x, part = tid % kStepGroups;
+    const int q = at.ks * kStepGroups + part;
+    // Groups past K (a partial last step) are zero-filled; with whole steps (kAligned) there are none.
+    const bool valid = kAligned || q < w.groups;
+#pragma unroll
+    for (int m = 0; m < kMats<kMode>; ++m) {
+#pragma unroll
+      for (int j = 0; j < kCodeCopies; ++j) {
+        const int row = (tid + j * kThreads) / kStepGroups;
+        cp_async_16(smem_u32(&stage.codes[m][row * kCodeStride + part * 16]),
+                    codes[m] + code_off[j] + (valid ? at.ks * kStepGroups * 16 : -part * 16), valid);
+        if constexpr (kAligned) {
+          if (part == 0) {  // the row's four scale bytes of the step, one aligned word (K has whole steps)
+            cp_async_4(smem_u32(&stage.scale_words[m][row]), scales[m] + scale_off[j] + at.ks * kStepGroups, true);
+          }
+        } else {
+          // The aligned word by absolute address (a scale tensor may start anywhere).
+          const uint8_t* scale = scales[m] + scale_off[j] + (valid ? q : 0);
+          cp_async_4(smem_u32(&stage.scale_words[m][row * kStepGroups + part]),
+                     reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(scale) & ~uintptr_t{3}), valid);
         }
-      } else {
-        // The aligned word by absolute address (a scale tensor may start anywhere).
-        const uint8_t* scale = scales + matrix_row * w.groups + (valid ? q : 0);
-        cp_async_4(smem_u32(&stage.scale_words[m][row * kStepGroups + part]),
-                   reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(scale) & ~uintptr_t{3}), valid);
       }
     }
-  }
-  // The pass's activation rows: 16 rows of 256 bytes (4 groups of 32 values), 16 copies each.
+    // The pass's activation rows: 16 rows of 256 bytes (4 groups of 32 values), 16 copies each.
 #pragma unroll
-  for (int j = 0; j < (kPassRows * 16 + kThreads - 1) / kThreads; ++j) {
-    const int u = tid + j * kThreads, r = u / 16, part = u % 16;
-    if (r >= kPassRows) break;
-    const int idx = pass * kPassRows + r;
-    const int q = ks * kStepGroups + part / 4;
-    const bool valid = idx < w.rows && q < w.groups;
-    const T* src = static_cast<const T*>(a.a);
-    if (valid) {
-      const int64_t a_row = a.sorted_pairs != nullptr ? a.sorted_pairs[w.first_row + idx] / a.top_k : w.first_row + idx;
-      src += a_row * a.k + static_cast<int64_t>(ks) * kStepGroups * 32 + part * 8;
+    for (int j = 0; j < kActCopies; ++j) {
+      const int r = (tid + j * kThreads) / 16, part16 = tid % 16;
+      if (r >= kPassRows) break;
+      const bool ok = act_ok[j] && (kAligned || at.ks * kStepGroups + part16 / 4 < w.groups);
+      cp_async_16(smem_u32(&stage.acts[r * kActStride + part16 * 16]),
+                  ok ? act_src[j] + static_cast<int64_t>(at.ks) * kStepGroups * 32 : act_src[j], ok);
     }
-    cp_async_16(smem_u32(&stage.acts[r * kActStride + part * 16]), src, valid);
+    cp_async_commit();
+    switch (at.advance(w)) {
+      case Cursor::kPass:
+        set_pass(a, w);
+        set_block(a, w);
+        break;
+      case Cursor::kBlock:
+        set_block(a, w);
+        break;
+      case Cursor::kStep:
+        break;
+    }
   }
-  cp_async_commit();
-}
+};
 
 // The B fragments of group q, n8 tile c: the activation values at the lane's eight columns, permuted as the
 // codes' nibble pairs.
@@ -279,82 +351,160 @@ __device__ __forceinline__ void store_pass(const KernelArgs& a, const Walk& w, i
   }
 }
 
+// Split-K: this CTA's fp32 sums of one (pass, block), stored per grouped row in
+// partials[((row * k_splits + split) * kMats + m) * n + column] (rows of the expert only), then cleared.
+template <Mode kMode>
+__device__ __forceinline__ void store_partials(const KernelArgs& a, const Walk& w, int split, int pass,
+                                               int first_row_of_tile, int g, int t, float (&acc)[2][2][4]) {
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int idx = pass * kPassRows + c * 8 + 2 * t + (i & 1);
+      const int col = first_row_of_tile + g + (i >= 2 ? 8 : 0);
+#pragma unroll
+      for (int m = 0; m < kMats<kMode>; ++m) {
+        if (idx < w.rows && col < a.n) {
+          __stcg(a.partials +
+                     ((static_cast<int64_t>(w.first_row + idx) * a.k_splits + split) * kMats<kMode> + m) * a.n + col,
+                 acc[m][c][i]);
+        }
+        acc[m][c][i] = 0.0f;
+      }
+    }
+  }
+}
+
+// Split-K, the last CTA of a tile: the sums of every split of one (pass, block), added in split order (the
+// result does not depend on which CTA came last).
+template <Mode kMode>
+__device__ __forceinline__ void gather_partials(const KernelArgs& a, const Walk& w, int pass, int first_row_of_tile,
+                                                int g, int t, float (&acc)[2][2][4]) {
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int idx = pass * kPassRows + c * 8 + 2 * t + (i & 1);
+      const int col = first_row_of_tile + g + (i >= 2 ? 8 : 0);
+      if (idx >= w.rows || col >= a.n) continue;
+#pragma unroll
+      for (int m = 0; m < kMats<kMode>; ++m) {
+        const float* p =
+            a.partials + (static_cast<int64_t>(w.first_row + idx) * a.k_splits * kMats<kMode> + m) * a.n + col;
+        float sum = 0.0f;
+#pragma unroll 1
+        for (int split = 0; split < a.k_splits; ++split)
+          sum += __ldcg(p + static_cast<int64_t>(split) * kMats<kMode> * a.n);
+        acc[m][c][i] = sum;
+      }
+    }
+  }
+}
+
+// Grid (x_count * k_splits, E): blockIdx.x = x * k_splits + split, x the CTA's group of weight blocks.
 template <class T, Mode kMode, int kWarps, bool kAligned>
-__global__ void __launch_bounds__(32 * kWarps, 8 / kWarps * 2) mxfp4_rows_kernel(KernelArgs a, int blocks_per_cta) {
+// Blocks per SM: what the shared memory allows (3 of 4 warps), so up to 170 registers.
+__global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 3 : 2)
+    mxfp4_rows_kernel(KernelArgs a, int blocks_per_cta) {
   using S = Stage<kMode, kWarps, kAligned>;
   extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ bool s_is_last;
   S* stages = reinterpret_cast<S*>(smem);
   // expert_offsets, sorted_pairs and (down) the act rows come from the kernels before (pdl.cuh).
   pdl_wait();
   pdl_trigger();
+  const int split = static_cast<int>(blockIdx.x) % a.k_splits, x = static_cast<int>(blockIdx.x) / a.k_splits;
   Walk w;
   w.expert = static_cast<int>(blockIdx.y);
   w.first_row = a.expert_offsets[w.expert];
   w.rows = a.expert_offsets[w.expert + 1] - w.first_row;
   const int total_blocks = (a.n + S::kRows - 1) / S::kRows;
-  w.first_block = static_cast<int>(blockIdx.x) * blocks_per_cta;
+  w.first_block = x * blocks_per_cta;
   w.blocks = min(blocks_per_cta, total_blocks - w.first_block);
-  if (w.rows <= 0 || w.blocks <= 0) return;
   w.groups = a.k / kMxfp4Group;
-  w.k_steps = (w.groups + kStepGroups - 1) / kStepGroups;
+  const int k_steps = (w.groups + kStepGroups - 1) / kStepGroups;
+  w.ks_begin = a.k_splits > 1 ? split * a.k_tiles_per_split : 0;
+  w.ks_end = a.k_splits > 1 ? min(k_steps, w.ks_begin + a.k_tiles_per_split) : k_steps;
+  if (w.rows <= 0 || w.blocks <= 0 || w.ks_begin >= w.ks_end) return;
   const int steps = w.steps();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   float acc[2][2][4] = {};
+  Loader<T, kMode, kWarps, kAligned> loader;
+  loader.start(a, w);
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < steps) {
-      load_step<T, kMode, kWarps, kAligned>(a, w, i, stages[i]);
+      loader.load(a, w, stages[i]);
     } else {
       cp_async_commit();
     }
   }
   uint32_t scale_address[2][2] = {};  // compute_step
+  Cursor at{0, w.first_block, w.ks_begin};
   for (int i = 0; i < steps; ++i) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
     if (i + kStages - 1 < steps) {
-      load_step<T, kMode, kWarps, kAligned>(a, w, i + kStages - 1, stages[(i + kStages - 1) % kStages]);
+      loader.load(a, w, stages[(i + kStages - 1) % kStages]);
     } else {
       cp_async_commit();
     }
-    const int ks = i % w.k_steps, rest = i / w.k_steps;
-    const int block = w.first_block + rest % w.blocks, pass = rest / w.blocks;
-    if (!kAligned && ks == 0) {
+    if (!kAligned && at.ks == w.ks_begin) {
 #pragma unroll
       for (int m = 0; m < kMats<kMode>; ++m) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int row = min(block * S::kRows + warp * 16 + g + 8 * h, a.n - 1);
-          const uint8_t* scales = m == 0 ? a.s0 : a.s1;
-          scale_address[m][h] = static_cast<uint32_t>(
-              reinterpret_cast<uintptr_t>(scales + (static_cast<int64_t>(w.expert) * a.n + row) * w.groups));
+          const int row = min(at.block * S::kRows + warp * 16 + g + 8 * h, a.n - 1);
+          scale_address[m][h] = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(loader.scales[m] + row * w.groups));
         }
       }
     }
     const S& stage = stages[i % kStages];
-    if (w.rows - pass * kPassRows > 8) {
-      run_step<T, kMode, kWarps, kAligned, 2>(stage, warp, g, t, scale_address, ks, acc);
+    if (w.rows - at.pass * kPassRows > 8) {
+      run_step<T, kMode, kWarps, kAligned, 2>(stage, warp, g, t, scale_address, at.ks, acc);
     } else {
-      run_step<T, kMode, kWarps, kAligned, 1>(stage, warp, g, t, scale_address, ks, acc);
+      run_step<T, kMode, kWarps, kAligned, 1>(stage, warp, g, t, scale_address, at.ks, acc);
     }
-    if (ks == w.k_steps - 1) store_pass<T, kMode>(a, w, pass, block * S::kRows + warp * 16, g, t, acc);
+    if (at.ks == w.ks_end - 1) {
+      const int first_row_of_tile = at.block * S::kRows + warp * 16;
+      if (a.k_splits > 1) {
+        store_partials<kMode>(a, w, split, at.pass, first_row_of_tile, g, t, acc);
+      } else {
+        store_pass<T, kMode>(a, w, at.pass, first_row_of_tile, g, t, acc);
+      }
+    }
+    at.advance(w);
   }
   cp_async_wait<0>();
+  if (a.k_splits == 1) return;
+  // Split-K: the last of the tile's k_splits CTAs to arrive adds them all and stores (tile: the expert's first
+  // grouped row, unique per touched expert, and x). It resets the counter for the next launch.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* counter = a.tile_counters + static_cast<int64_t>(w.first_row) * (gridDim.x / a.k_splits) + x;
+    s_is_last = atomicAdd(counter, 1) == a.k_splits - 1;
+    if (s_is_last) *counter = 0;
+  }
+  __syncthreads();
+  if (!s_is_last) return;
+  __threadfence();
+  for (int pass = 0; pass < w.passes(); ++pass) {
+    for (int block = w.first_block; block < w.first_block + w.blocks; ++block) {
+      const int first_row_of_tile = block * S::kRows + warp * 16;
+      gather_partials<kMode>(a, w, pass, first_row_of_tile, g, t, acc);
+      store_pass<T, kMode>(a, w, pass, first_row_of_tile, g, t, acc);
+    }
+  }
 }
 
-template <class T, Mode kMode, int kWarps, bool kAligned>
-void launch_rows(const KernelArgs& args, int blocks_per_cta, bool programmatic, cudaStream_t stream) {
-  using S = Stage<kMode, kWarps, kAligned>;
-  static std::atomic<uint64_t> smem_done{0};
-  constexpr int kSmem = kStages * static_cast<int>(sizeof(S));
-  auto kernel = mxfp4_rows_kernel<T, kMode, kWarps, kAligned>;
-  ensure_smem_limit(reinterpret_cast<const void*>(kernel), kSmem, &smem_done);
-  const int total_blocks = (args.n + S::kRows - 1) / S::kRows;
-  const dim3 grid((total_blocks + blocks_per_cta - 1) / blocks_per_cta, static_cast<unsigned>(args.num_experts));
-  launch_kernel("grouped GEMM (mxfp4_rows)", programmatic, kernel, grid, dim3(32 * kWarps), kSmem, stream, args,
-                blocks_per_cta);
-}
+// How a launch divides the work: weight blocks a CTA takes, and the split of the reduction.
+struct RowsPlan {
+  int blocks_per_cta = 1;
+  int k_splits = 1;
+  int steps_per_split = 0;
+};
 
 // Weight blocks (of block_rows rows) a CTA takes for an output of n columns and a reduction of k.
 int mxfp4_rows_blocks_per_cta(int n, int k, int block_rows) {
@@ -365,30 +515,85 @@ int mxfp4_rows_blocks_per_cta(int n, int k, int block_rows) {
   return std::clamp((16 + k_steps - 1) / k_steps, 1, total_blocks);
 }
 
-template <class T, Mode kMode>
-void launch_shape(const KernelArgs& args, int warps, bool aligned, bool programmatic, cudaStream_t stream) {
-  const int block_rows = 16 * warps;
-  const int blocks_per_cta = mxfp4_rows_blocks_per_cta(args.n, args.k, block_rows);
-  if (warps == 8) {
-    aligned ? launch_rows<T, kMode, 8, true>(args, blocks_per_cta, programmatic, stream)
-            : launch_rows<T, kMode, 8, false>(args, blocks_per_cta, programmatic, stream);
-  } else {
-    aligned ? launch_rows<T, kMode, 4, true>(args, blocks_per_cta, programmatic, stream)
-            : launch_rows<T, kMode, 4, false>(args, blocks_per_cta, programmatic, stream);
+// launch.k_splits: 0 chosen here, 1 none, more forced (then a workspace too small is an error).
+RowsPlan plan_rows(const KernelArgs& args, int block_rows, int smem_bytes, int max_ctas_per_sm, int mats,
+                   const MmaLaunch& launch) {
+  RowsPlan plan;
+  const int k_steps = (args.k / kMxfp4Group + kStepGroups - 1) / kStepGroups;
+  const int total_blocks = (args.n + block_rows - 1) / block_rows;
+  plan.blocks_per_cta = mxfp4_rows_blocks_per_cta(args.n, args.k, block_rows);
+  int splits = launch.k_splits;
+  if (splits == 0) {
+    // Split K only where the touched experts' blocks leave most CTA slots empty (few tokens, few output
+    // columns: Kimi-K3's gate/up at tp-shard 8 and one token has 16 experts x 6 blocks for 132 x 3 slots) and
+    // K is long (no blocks grouped per CTA); each split keeps at least 4 steps so that its ring fills.
+    splits = 1;
+    const int64_t touched = std::max<int64_t>(1, std::min<int64_t>(args.num_experts, launch.max_rows));
+    const int64_t ctas = touched * total_blocks;
+    const int per_sm = std::clamp((current_shared_memory_optin() + 1024) / (smem_bytes + 1024), 1, max_ctas_per_sm);
+    const int64_t resident = static_cast<int64_t>(launch.sm_count) * per_sm;
+    if (launch.partials != nullptr && plan.blocks_per_cta == 1 && 2 * ctas <= resident) {
+      splits = static_cast<int>(std::clamp<int64_t>(resident / ctas, 1, std::max(1, k_steps / 4)));
+    }
   }
+  splits = std::min(splits, k_steps);
+  if (splits <= 1) return plan;
+  plan.steps_per_split = (k_steps + splits - 1) / splits;
+  plan.k_splits = (k_steps + plan.steps_per_split - 1) / plan.steps_per_split;  // no empty split
+  plan.blocks_per_cta = 1;
+  if (plan.k_splits == 1) return plan;
+  const int64_t counters = launch.max_rows * total_blocks;
+  const int64_t floats = launch.max_rows * plan.k_splits * mats * static_cast<int64_t>(args.n);
+  const bool fits = launch.partials != nullptr && counters <= launch.num_tile_counters &&
+                    floats <= static_cast<int64_t>(launch.partial_floats);
+  if (!fits && launch.k_splits == 0) return RowsPlan{mxfp4_rows_blocks_per_cta(args.n, args.k, block_rows), 1, 0};
+  LATENTMOE_CHECK(launch.partials != nullptr, "grouped GEMM (mxfp4_rows): ", launch.k_splits,
+                  " splits of the reduction need a workspace");
+  LATENTMOE_CHECK(fits, "grouped GEMM (mxfp4_rows): ", plan.k_splits, " splits of the reduction for ", launch.max_rows,
+                  " rows and ", args.n, " columns need ", counters, " tile counters and ", floats * sizeof(float),
+                  " bytes of partial sums; the workspace has ", launch.num_tile_counters, " and ",
+                  launch.partial_floats * sizeof(float));
+  return plan;
+}
+
+template <class T, Mode kMode, int kWarps, bool kAligned>
+void launch_rows(KernelArgs args, const MmaLaunch& launch, bool programmatic, cudaStream_t stream) {
+  using S = Stage<kMode, kWarps, kAligned>;
+  static std::atomic<uint64_t> smem_done{0};
+  constexpr int kSmem = kStages * static_cast<int>(sizeof(S));
+  auto kernel = mxfp4_rows_kernel<T, kMode, kWarps, kAligned>;
+  ensure_smem_limit(reinterpret_cast<const void*>(kernel), kSmem, &smem_done);
+  const RowsPlan plan = plan_rows(args, S::kRows, kSmem, kWarps == 4 ? 3 : 2, kMats<kMode>, launch);
+  args.k_splits = plan.k_splits;
+  args.k_tiles_per_split = plan.steps_per_split;
+  args.partials = launch.partials;
+  args.tile_counters = launch.tile_counters;
+  const int total_blocks = (args.n + S::kRows - 1) / S::kRows;
+  const dim3 grid((total_blocks + plan.blocks_per_cta - 1) / plan.blocks_per_cta * plan.k_splits,
+                  static_cast<unsigned>(args.num_experts));
+  launch_kernel("grouped GEMM (mxfp4_rows)", programmatic, kernel, grid, dim3(32 * kWarps), kSmem, stream, args,
+                plan.blocks_per_cta);
+}
+
+template <class T, Mode kMode>
+void launch_shape(const KernelArgs& args, bool aligned, const MmaLaunch& launch, bool programmatic,
+                  cudaStream_t stream) {
+  aligned ? launch_rows<T, kMode, kRowsWarps, true>(args, launch, programmatic, stream)
+          : launch_rows<T, kMode, kRowsWarps, false>(args, launch, programmatic, stream);
 }
 
 template <class T>
-void launch_mode(Mode mode, const KernelArgs& args, int warps, bool aligned, bool programmatic, cudaStream_t stream) {
+void launch_mode(Mode mode, const KernelArgs& args, bool aligned, const MmaLaunch& launch, bool programmatic,
+                 cudaStream_t stream) {
   switch (mode) {
     case Mode::gated:
-      launch_shape<T, Mode::gated>(args, warps, aligned, programmatic, stream);
+      launch_shape<T, Mode::gated>(args, aligned, launch, programmatic, stream);
       return;
     case Mode::relu2:
-      launch_shape<T, Mode::relu2>(args, warps, aligned, programmatic, stream);
+      launch_shape<T, Mode::relu2>(args, aligned, launch, programmatic, stream);
       return;
     case Mode::plain:
-      launch_shape<T, Mode::plain>(args, warps, aligned, programmatic, stream);
+      launch_shape<T, Mode::plain>(args, aligned, launch, programmatic, stream);
       return;
   }
 }
@@ -397,8 +602,8 @@ bool aligned4(const void* p) { return p == nullptr || (reinterpret_cast<uintptr_
 
 }  // namespace
 
-void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, bool programmatic,
-                       cudaStream_t stream) {
+void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, const MmaLaunch& launch,
+                       bool programmatic, cudaStream_t stream) {
   LATENTMOE_CHECK(args.s0 != nullptr && (mode != Mode::gated || args.s1 != nullptr),
                   "grouped GEMM: the mxfp4_rows variant takes MXFP4 weights only");
   LATENTMOE_CHECK(dtype == DType::bf16 || dtype == DType::f16,
@@ -407,19 +612,20 @@ void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_b
                   dtype_name(dtype));
   LATENTMOE_CHECK(args.k % kMxfp4Group == 0 && args.n > 0, "grouped GEMM: mxfp4_rows needs K a multiple of ",
                   kMxfp4Group, " (K ", args.k, ", N ", args.n, ")");
-  LATENTMOE_CHECK(cta_blocks >= 0 && cta_blocks <= 2,
-                  "grouped GEMM: mxfp4_rows takes 1 or 2 blocks of 64 weight rows "
-                  "a CTA (0: its choice), not ",
+  LATENTMOE_CHECK(static_cast<int64_t>(args.n) * (args.k / 2) <= INT32_MAX,
+                  "grouped GEMM: mxfp4_rows takes expert matrices of at most 2^31 code bytes (N ", args.n, ", K ",
+                  args.k, ")");
+  // One CTA shape, 4 warps (64 weight rows): on an H100 (9bbd3be, grouped_gemm_bench, kimi-k3 tp-shard 8,
+  // gate/up + down) CTAs of 8 warps (128 rows, 2 per SM) were 12-16% slower at every count from 8 to 256
+  // tokens (891 against 788 µs at 64 tokens) and were removed.
+  LATENTMOE_CHECK(cta_blocks == 0 || cta_blocks == 1,
+                  "grouped GEMM: mxfp4_rows takes one block of 64 weight rows a CTA (n_tiles_per_cta 0 or 1), not ",
                   cta_blocks);
-  // 4 warps unless asked for 8: on an H100 (9bbd3be, grouped_gemm_bench, kimi-k3 tp-shard 8, gate/up + down)
-  // the 64-row CTAs (3 per SM) took 788 µs at 64 tokens and 1167 at 256 against 891 and 1320 for the
-  // 128-row ones (2 per SM), 12-16% faster at every count from 8 to 256.
-  const int warps = cta_blocks == 2 ? 8 : 4;
   const bool aligned = args.k % (kStepGroups * kMxfp4Group) == 0 && aligned4(args.s0) && aligned4(args.s1);
   if (dtype == DType::bf16) {
-    launch_mode<__nv_bfloat16>(mode, args, warps, aligned, programmatic, stream);
+    launch_mode<__nv_bfloat16>(mode, args, aligned, launch, programmatic, stream);
   } else {
-    launch_mode<__half>(mode, args, warps, aligned, programmatic, stream);
+    launch_mode<__half>(mode, args, aligned, launch, programmatic, stream);
   }
 }
 
