@@ -558,6 +558,68 @@ TEST(Cuda_GroupedGemm, mxfp4_rows_graph_replay_with_new_layout) {
       "mxfp4_rows split-K graph replay");
 }
 
+// The persistent warp-specialised kernel (wgmma_ws) walks a static tile schedule computed on the device. Its grid
+// is one CTA per SM, or smaller when GemmChoice::n_tiles_per_cta asks for at least that many tiles per CTA: one
+// CTA walking every tile (its mbarrier ring wrapping many times, the tiles' k-steps (5 here) not a multiple of the
+// 4 stages, so the stage and parity of a tile's first step differ from tile to tile), 3 and 7 CTAs (tile counts
+// that do not divide); and, on the other side, grids larger than the tiles there are (experts mostly empty, most
+// pairs routed to no expert), so that some CTAs get no tile at all.
+TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!detail::wgmma_available()) GTEST_SKIP() << "no sm_90a device";
+  const std::vector<GemmChoice> small_grids = {GemmChoice(GemmVariant::wgmma_ws, 1 << 20),
+                                               GemmChoice(GemmVariant::wgmma_ws, 7),
+                                               GemmChoice(GemmVariant::wgmma_ws, 3), GemmChoice(GemmVariant::wgmma_ws)};
+  const Case many_tiles[] = {
+      // name, dtype, act, T, E, Z, k, I_r, l, heavy
+      // Experts of ~150-300 rows (two or three 128-row tiles, the last partial), 2 n-tiles of gate/up and down.
+      Case{"ws_bf16_silu_t300_i200_l264", DType::bf16, Activation::silu, 300, 5, 0, 2, 200, 264, 1},
+      Case{"ws_f16_relu2_t257_i456_l328", DType::f16, Activation::relu2, 257, 7, 0, 3, 456, 328, -1},
+      Case{"ws_bf16_situ_t129_i136_l520", DType::bf16, Activation::situ, 129, 3, 0, 2, 136, 520, 0},
+  };
+  for (const Case& c : many_tiles) {
+    Problem problem(c, 4242u + static_cast<uint32_t>(c.num_tokens));
+    check_choices(problem, c.name, small_grids);
+  }
+  const Case idle_ctas[] = {
+      // One expert of 40 rows, ~40 more rows spread over 63 experts: the host's bound (65 row tiles) is about
+      // twice the tiles there are.
+      Case{"ws_bf16_silu_t40_e64_heavy", DType::bf16, Activation::silu, 40, 64, 0, 2, 192, 256, 0},
+      // 200 of 216 ids route to no expert: most pairs have no row, most experts are empty, one CTA per SM.
+      Case{"ws_f16_situ_t33_e16_z200", DType::f16, Activation::situ, 33, 16, 200, 4, 384, 136, -1},
+      // One token: one row tile of 2 rows (N = 8), the rest of the grid idle.
+      Case{"ws_bf16_relu2_t1_e8", DType::bf16, Activation::relu2, 1, 8, 0, 2, 264, 200, -1},
+  };
+  for (const Case& c : idle_ctas) {
+    Problem problem(c, 777u + static_cast<uint32_t>(c.num_tokens));
+    check_choices(problem, c.name, {GemmChoice(GemmVariant::wgmma_ws), GemmChoice(GemmVariant::wgmma_ws, 2)});
+  }
+}
+
+// wgmma_ws reads the experts' row counts on the device: a replay with a new layout must follow them.
+TEST(Cuda_GroupedGemm, wgmma_ws_graph_replay_with_new_layout) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!detail::wgmma_available()) GTEST_SKIP() << "no sm_90a device";
+  const Case c{"graph_ws", DType::bf16, Activation::situ, 150, 24, 1, 4, 192, 1024, 7};
+  Problem problem(c, 31u);
+  check_graph_replays(
+      problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::wgmma_ws), stream); },
+      "wgmma_ws graph replay");
+  Problem small_grid(c, 32u);
+  check_graph_replays(
+      small_grid, [&](cudaStream_t stream) { small_grid.run(GemmChoice(GemmVariant::wgmma_ws, 5), stream); },
+      "wgmma_ws (at least 5 tiles per CTA) graph replay");
+}
+
+// wgmma_ws keeps a per-expert prefix in shared memory: more experts than it holds are refused with a message.
+TEST(Cuda_GroupedGemm, wgmma_ws_refuses_too_many_experts) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!detail::wgmma_available()) GTEST_SKIP() << "no sm_90a device";
+  const Case c{"ws_too_many_experts", DType::bf16, Activation::silu, 2, 4097, 0, 1, 8, 8, -1};
+  Problem problem(c, 5u);
+  EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws), nullptr), Error);
+}
+
 TEST(Cuda_GroupedGemm, no_tokens_launches_nothing) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   MoeLayout layout;

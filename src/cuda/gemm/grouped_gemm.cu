@@ -109,6 +109,8 @@ std::string to_string(GemmVariant variant) {
       return "wgmma_tall";
     case GemmVariant::wgmma_narrow:
       return "wgmma_narrow";
+    case GemmVariant::wgmma_ws:
+      return "wgmma_ws";
     case GemmVariant::mxfp4_rows:
       return "mxfp4_rows";
   }
@@ -116,16 +118,17 @@ std::string to_string(GemmVariant variant) {
 }
 
 std::vector<GemmVariant> all_variants() {
-  return {GemmVariant::simt,      GemmVariant::mma_s, GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
-          GemmVariant::mma_m32,   GemmVariant::mma_m, GemmVariant::mma_l4,     GemmVariant::mma_l,
-          GemmVariant::mma_xl,    GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow,
-          GemmVariant::mxfp4_rows};
+  return {GemmVariant::simt,     GemmVariant::mma_s,     GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
+          GemmVariant::mma_m32,  GemmVariant::mma_m,     GemmVariant::mma_l4,     GemmVariant::mma_l,
+          GemmVariant::mma_xl,   GemmVariant::wgmma,     GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow,
+          GemmVariant::wgmma_ws, GemmVariant::mxfp4_rows};
 }
 
 bool is_mxfp4_only(GemmVariant variant) { return variant == GemmVariant::mxfp4_rows; }
 
 bool is_wgmma(GemmVariant variant) {
-  return variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall || variant == GemmVariant::wgmma_narrow;
+  return variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall || variant == GemmVariant::wgmma_narrow ||
+         variant == GemmVariant::wgmma_ws;
 }
 
 namespace {
@@ -267,6 +270,11 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   if (wgmma) {
     LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the ", detail::to_string(variant),
                     " variant needs an sm_90 device and sm_90a code");
+  }
+  if (variant == GemmVariant::wgmma_ws) {
+    LATENTMOE_CHECK(!mxfp4, "grouped GEMM: the wgmma_ws variant does not take MXFP4 weights yet");
+    gg::launch_wgmma_ws(dtype, mode, args, launch, stream);
+    return;
   }
   if (mxfp4 && wgmma) {
     gg::launch_wgmma_mxfp4(dtype, shape, mode, args, launch, stream);

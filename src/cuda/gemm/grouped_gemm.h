@@ -89,6 +89,9 @@ enum class GemmVariant {
   wgmma,         // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N (<= 96)
   wgmma_tall,    // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
   wgmma_narrow,  // sm_90a only: tiles of up to 96 expert rows against 128 weight rows, two CTAs per SM
+  wgmma_ws,      // sm_90a only: persistent and warp-specialised (a TMA/cp.async producer warpgroup, two wgmma
+                 // consumer warpgroups, an mbarrier ring), tiles of up to 128 expert rows against 256 weight rows;
+                 // GemmChoice::n_tiles_per_cta > 0 asks for at least that many tiles per CTA (a smaller grid)
   mxfp4_rows,    // MXFP4 weights only (bf16, f16): codes decoded straight into mma.sync fragments, a cp.async
                  // ring per CTA, each expert's weights read once per 16 of its rows (grouped_gemm_mxfp4_rows.cu);
                  // GemmChoice::n_tiles_per_cta is its 64-row blocks a CTA (1: 4 warps, 2: 8 warps, 0: 4)

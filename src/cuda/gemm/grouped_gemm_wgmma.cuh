@@ -135,6 +135,63 @@ __device__ __forceinline__ void wgmma_stage(float (&acc)[B][A], const uint64_t (
   }
 }
 
+// The epilogue of one warpgroup's accumulators (this kernel and grouped_gemm_wgmma_ws.cuh): acc[b] is m64 block b
+// of the warpgroup, whose output columns start at wg_col (gated with two blocks: block 0 the gate rows and block 1
+// the up rows of 64 columns; gated with one block: rows 16q..16q+7 gate and 16q+8..16q+15 up of 8 columns;
+// otherwise 64 consecutive columns per block); the tile's expert rows are row_begin + [0, rows), N = mma_n.
+// Accumulator i of an m64 block: weight row 16*wq + lane/4 + 8*((i >> 1) & 1) of the block, expert row
+// 8*(i >> 2) + 2*(lane % 4) + (i & 1) of the tile. Lanes l and l^4 hold adjacent weight rows (adjacent
+// output columns) of the same two expert rows: they swap one value so that each stores a column pair.
+// Rows past `rows` and columns past args.n are not stored. Every lane of the warp must call it.
+template <class T, Mode kMode, int kBlocks, int kAcc>
+__device__ __forceinline__ void wgmma_store_tile(const float (&acc)[kBlocks][kAcc], const KernelArgs& args, T* out,
+                                                 int row_begin, int rows, int mma_n, int wg_col, int wq, int lane) {
+  constexpr bool kGated = kMode == Mode::gated;
+  const int n = args.n;
+  const int lane_row = lane >> 2;
+  const bool odd = lane_row & 1;
+  auto store_pair = [&](float v0, float v1, int col, int t0) {
+    const float recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+    const int t = t0 + (odd ? 1 : 0);
+    const int c = odd ? col - 1 : col;
+    if (t < rows && c < n) {  // n is a multiple of 8 on this path, so c + 1 < n too
+      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row_begin + t) * n + c) =
+          odd ? pack2<T>(recv, v1) : pack2<T>(v0, recv);
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < kAcc / 4; ++j) {
+    if (8 * j >= mma_n) continue;  // CTA-uniform
+    const int t0 = 8 * j + 2 * (lane & 3);
+    if constexpr (kGated && kBlocks == 2) {
+      // Block 0 gate, block 1 up, rows r and r + 8 of each.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i0 = 4 * j + 2 * h;
+        store_pair(gated_act<true>(acc[0][i0], acc[1][i0], args), gated_act<true>(acc[0][i0 + 1], acc[1][i0 + 1], args),
+                   wg_col + wq * 16 + lane_row + 8 * h, t0);
+      }
+    } else if constexpr (kGated) {
+      // Row r (gate) and row r + 8 (up) of the one block: accumulators 4j + {0, 1} and 4j + {2, 3}.
+      const int i0 = 4 * j;
+      store_pair(gated_act<true>(acc[0][i0], acc[0][i0 + 2], args),
+                 gated_act<true>(acc[0][i0 + 1], acc[0][i0 + 3], args), wg_col + wq * 8 + lane_row, t0);
+    } else {
+      constexpr bool relu2 = kMode == Mode::relu2;
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i0 = 4 * j + 2 * h;
+          const float v0 = relu2 ? act::relu2(acc[b][i0]) : acc[b][i0];
+          const float v1 = relu2 ? act::relu2(acc[b][i0 + 1]) : acc[b][i0 + 1];
+          store_pair(v0, v1, wg_col + b * 64 + wq * 16 + lane_row + 8 * h, t0);
+        }
+      }
+    }
+  }
+}
+
 #endif
 
 template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
@@ -374,55 +431,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_wgmma_
   // Whether this warpgroup holds any output column of n-tile nt (warpgroup-uniform).
   auto wg_active = [&](int nt) { return nt * kOutPerTile + wg * kOutPerWg < n; };
 
-  // Accumulator i of an m64 block: weight row 16*wq + lane/4 + 8*((i >> 1) & 1) of the block, expert row
-  // 8*(i >> 2) + 2*(lane % 4) + (i & 1) of the tile. Lanes l and l^4 hold adjacent weight rows (adjacent
-  // output columns) of the same two expert rows: they swap one value so that each stores a column pair.
   T* out = static_cast<T*>(args.out);
-  const int lane_row = lane >> 2;
-  const bool odd = lane_row & 1;
-  auto store_pair = [&](float v0, float v1, int col, int t0) {
-    const float recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-    const int t = t0 + (odd ? 1 : 0);
-    const int c = odd ? col - 1 : col;
-    if (t < rows && c < n) {  // n is a multiple of 8 on this path, so c + 1 < n too
-      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row_begin + t) * n + c) =
-          odd ? pack2<T>(recv, v1) : pack2<T>(v0, recv);
-    }
-  };
   auto epilogue = [&](int nt) {
     if (!wg_active(nt)) return;
-    const int wg_col = nt * kOutPerTile + wg * kOutPerWg;
-#pragma unroll
-    for (int j = 0; j < kAcc / 4; ++j) {
-      if (8 * j >= mma_n) continue;  // CTA-uniform
-      const int t0 = 8 * j + 2 * (lane & 3);
-      if constexpr (kGated && kBlocks == 2) {
-        // Block 0 gate, block 1 up, rows r and r + 8 of each.
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int i0 = 4 * j + 2 * h;
-          store_pair(gated_act<true>(acc[0][i0], acc[1][i0], args),
-                     gated_act<true>(acc[0][i0 + 1], acc[1][i0 + 1], args), wg_col + wq * 16 + lane_row + 8 * h, t0);
-        }
-      } else if constexpr (kGated) {
-        // Row r (gate) and row r + 8 (up) of the one block: accumulators 4j + {0, 1} and 4j + {2, 3}.
-        const int i0 = 4 * j;
-        store_pair(gated_act<true>(acc[0][i0], acc[0][i0 + 2], args),
-                   gated_act<true>(acc[0][i0 + 1], acc[0][i0 + 3], args), wg_col + wq * 8 + lane_row, t0);
-      } else {
-        constexpr bool relu2 = kMode == Mode::relu2;
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i0 = 4 * j + 2 * h;
-            const float v0 = relu2 ? act::relu2(acc[b][i0]) : acc[b][i0];
-            const float v1 = relu2 ? act::relu2(acc[b][i0 + 1]) : acc[b][i0 + 1];
-            store_pair(v0, v1, wg_col + b * 64 + wq * 16 + lane_row + 8 * h, t0);
-          }
-        }
-      }
-    }
+    wgmma_store_tile<T, kMode>(acc, args, out, row_begin, rows, mma_n, nt * kOutPerTile + wg * kOutPerWg, wq, lane);
   };
 
   // One pipeline over (n-tile, k-step) steps: the copies run ahead across n-tile boundaries, so the

@@ -1,0 +1,496 @@
+// The persistent, warp-specialised Hopper grouped GEMM (sm_90a; GemmVariant::wgmma_ws): the wgmma kernel's
+// math (grouped_gemm_wgmma.cuh: weights as the MMA's M side in m64 blocks, the expert's rows as its N side,
+// N = the tile's rows rounded up to 8, 128B-swizzled stages, the same epilogue), with the copies taken out of
+// the threads that multiply.
+//
+// Threads and tiles. 3 warpgroups (384 threads), one CTA per SM, grid = min(SMs, a bound on the tiles).
+// Warpgroup 0 is the producer (setmaxnreg.dec to kProducerRegs), warpgroups 1 and 2 the consumers
+// (setmaxnreg.inc to kConsumerRegs: 128 * 40 + 256 * 232 = 64512 = 384 * 168, the registers the CTA starts
+// with). A tile is up to kBlockM rows of one expert against kWeightRows weight rows; consumer c owns weight
+// rows [128 c, 128 c + 128) as two m64 blocks (gated: 64 gate rows and the 64 up rows of the same output
+// columns; otherwise 128 consecutive rows). Tiles are numbered row tile by row tile, n-tiles fastest:
+// tile = row_tile * n_tiles + nt, row tiles numbered expert by expert (expert e owns ceil(rows_e / kBlockM)).
+// At the start every CTA computes the prefix of the experts' row-tile counts from expert_offsets into shared
+// memory (s_prefix[e] = row tiles of experts < e; s_prefix[E] = all), then walks tile = blockIdx.x,
+// blockIdx.x + gridDim.x, ... < s_prefix[E] * n_tiles; every warpgroup finds each tile's expert by a binary
+// search of s_prefix. Nothing is read on the host: CTAs past the last tile exit at once.
+//
+// Ring. kStages stages, each [kWeightRows weight rows][64 k] then [kBlockM rows][64 k], 128-byte rows in the
+// canonical 128B swizzle (16-byte chunk c of row r at r * 128 + ((c ^ (r & 7)) * 16), stages 1024-aligned):
+// what TMA's SWIZZLE_128B writes for a box of 64 k x 64 rows at a 1024-aligned address and what sw128_desc
+// describes. Per stage a "full" and an "empty" mbarrier.
+//   full[s]:  count kProducerThreads + 1. Per fill: one elected producer thread does arrive.expect_tx of the
+//             weight bytes (4 boxes of 64 x 64, counted whole even where a box runs past the tensor: TMA fills
+//             those elements with zeros and still delivers the full box) and issues the 4 TMA loads (complete_tx
+//             on full[s]); every producer thread issues its cp.async copies of the gathered rows (16 B, swizzled,
+//             zero-filled past k and past the tile's rows up to N) and then cp.async.mbarrier.arrive.noinc on
+//             full[s] (one arrival per thread, made when all of its earlier cp.async copies have landed).
+//   empty[s]: count kConsumerWarps. Per use: each consumer warp, after wgmma.wait_group has retired the wgmmas
+//             that read the stage, arrives once (lane 0).
+// Step i of a CTA (its k-steps over all of its tiles, counted the same way by both roles) uses stage
+// i % kStages in phase i / kStages. The consumers wait full[s] with parity (i / kStages) & 1; the producer waits
+// empty[s] with parity ((i / kStages) & 1) ^ 1, which a fresh barrier passes at once (its preceding phase
+// counts as complete), so the first kStages fills need no consumer.
+// Invariants:
+//   1. Both roles walk the same tiles in the same order with the same k-steps (ceil(k / 64) per tile): step
+//      numbers, stages and parities agree.
+//   2. Every producer thread makes exactly one noinc arrival per fill and thread 0 exactly one expect_tx
+//      arrival, whatever it copies; every consumer warp makes exactly one empty arrival per step, whether or
+//      not its weight rows hold valid columns (its wgmmas run on zeros or the next expert's rows, not stored).
+//   3. A stage is written only after the empty phase of its previous use completed (all 8 consumer warps
+//      retired its wgmmas), and read only after its full phase completed (TMA bytes landed, every producer
+//      thread's copies landed). cp.async writes are generic-proxy writes and wgmma reads through the async
+//      proxy: the consumers issue fence.proxy.async after the full wait, before their wgmmas.
+//   4. The consumers keep at most two wgmma groups in flight (wait_group 1 after each commit) and release a
+//      stage only after the group that read it retired; the last stage of a tile is released after
+//      wait_group 0, before the epilogue, so the producer fills the next tile's stages while the epilogue
+//      stores (registers only: the epilogue reads no shared memory).
+//   5. Every mbarrier wait is bounded (%globaltimer): a stuck protocol traps (the launch fails) instead of hanging
+//      the GPU. The producer outlives every consumer wait (after its last fill it waits for the consumers' last
+//      releases), so when anything is stuck its wait times out, after kWaitTimeoutNs; a consumer traps
+//      2 s after its own deadline in case the producer did not. Built with LATENTMOE_WGMMA_WS_REPORT=1 the producer
+//      first prints one line (block, barrier, stage, parity, its step and the consumers' last steps); not by
+//      default, since any printf in the kernel makes ptxas serialize its wgmmas (C7510).
+// Programmatic dependent launch: every CTA waits for the previous kernel (griddepcontrol.wait) before it reads
+// anything, then lets the next kernel launch (a persistent grid holds every SM, so nothing is gained by
+// streaming weights before the wait).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (the type only: the encoder comes through cudaGetDriverEntryPointByVersion)
+
+#include <cstdint>
+
+#include "cuda/common/pdl.cuh"
+#include "cuda/gemm/grouped_gemm_common.cuh"
+#include "cuda/gemm/grouped_gemm_mma.cuh"    // smem_u32, cp_async_16, pack2
+#include "cuda/gemm/grouped_gemm_wgmma.cuh"  // sw128_desc, wgmma_stage, wgmma_store_tile, the fences
+#include "cuda/gemm/grouped_gemm_wgmma_ops.cuh"
+
+namespace latentmoe::cuda::gg {
+
+struct WgmmaWsCfg {
+  static constexpr int kConsumers = 2;
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kThreads = kProducerThreads + kConsumers * 128;  // 384
+  static constexpr int kConsumerWarps = kConsumers * 4;
+  static constexpr int kBlocksPerWg = 2;                              // m64 weight blocks per consumer
+  static constexpr int kWeightRows = kConsumers * 64 * kBlocksPerWg;  // 256
+  static constexpr int kBlockM = 128;                                 // expert rows per tile (N at most)
+  static constexpr int kAcc = kBlockM / 2;                            // accumulators per thread and m64 block
+  static constexpr int kBlockK = 64;
+  static constexpr int kRowBytes = kBlockK * 2;
+  static constexpr int kBoxRows = 64;  // TMA box: 64 k x 64 weight rows (8 KB)
+  static constexpr int kBoxes = kWeightRows / kBoxRows;
+  static constexpr int kBoxBytes = kBoxRows * kRowBytes;
+  static constexpr int kWeightBytes = kWeightRows * kRowBytes;  // 32 KB
+  static constexpr int kRowTileBytes = kBlockM * kRowBytes;     // 16 KB
+  static constexpr int kStageBytes = kWeightBytes + kRowTileBytes;
+  static constexpr int kStages = 4;
+  static constexpr int kRingBytes = kStages * kStageBytes;  // 192 KB
+  // The row-tile prefix over experts follows the ring in dynamic shared memory.
+  static constexpr int kMaxExperts = 4096;
+  static constexpr int kMaxSmemBytes = kRingBytes + 1024 + (kMaxExperts + 1) * 4;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
+  static_assert(kProducerThreads * kProducerRegs + kConsumers * 128 * kConsumerRegs <= kThreads * 168,
+                "the warpgroups' registers must fit what the CTA starts with (168 per thread at 384 threads)");
+  static_assert(kBlockM <= kWgmmaMaxN && kBlockM % 16 == 0, "rows per tile: at most the largest N");
+  static_assert(kStageBytes % 1024 == 0 && kWeightBytes % 1024 == 0 && kBoxBytes % 1024 == 0,
+                "swizzle atoms and TMA boxes must stay 1024-byte aligned");
+  static_assert(kMaxSmemBytes <= 227 * 1024 - 256, "the ring and the prefix must fit one SM's shared memory");
+};
+
+// The bytes of dynamic shared memory for E experts.
+constexpr int wgmma_ws_smem_bytes(int num_experts) {
+  return WgmmaWsCfg::kRingBytes + 1024 + ((num_experts + 1) * 4 + 15) / 16 * 16;
+}
+
+inline constexpr uint64_t kWaitTimeoutNs = 5'000'000'000ull;
+
+#ifndef LATENTMOE_WGMMA_WS_REPORT
+#define LATENTMOE_WGMMA_WS_REPORT 0
+#endif
+#if LATENTMOE_WGMMA_WS_REPORT
+// Set by the first waiter of the grid that times out (protocol invariant 5), so that one line is printed, not one
+// per thread. Never reset: the trap ends the CUDA context.
+static __device__ int g_wgmma_ws_timeout_reported = 0;
+#endif
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+namespace ws {
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued before has landed; counts as one of the barrier's
+// expected arrivals (.noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
+// The producer's bounded wait (protocol invariant 5): traps after kWaitTimeoutNs. Built with
+// LATENTMOE_WGMMA_WS_REPORT=1, the first waiter of the grid to time out first prints one line (its block, the barrier,
+// stage, parity and step, and the consumers' last steps, s_consumer_step) and the others give that line a second to
+// reach the buffer. Off by default: any call in the kernel (printf's too, wherever it is) makes ptxas serialize
+// every wgmma of it (C7510), so the report is a debugging build. Inlined: a call in the producer's path also made
+// ptxas ignore setmaxnreg (C7507).
+__device__ __forceinline__ void producer_wait(uint32_t bar, uint32_t parity, int stage, int step,
+                                              const volatile int* s_consumer_step) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t start = global_timer_ns();
+  while (!mbar_try_wait(bar, parity)) {
+    if (global_timer_ns() - start > kWaitTimeoutNs) {
+#if LATENTMOE_WGMMA_WS_REPORT
+      if (atomicCAS(&g_wgmma_ws_timeout_reported, 0, 1) == 0) {
+        printf(
+            "latentmoe: grouped GEMM wgmma_ws kernel: block %d: the producer warpgroup waited %d s on the empty "
+            "barrier of stage %d (parity %u) at its step %d; the consumer warpgroups were last at steps %d and %d: "
+            "protocol stuck, trapping\n",
+            static_cast<int>(blockIdx.x), static_cast<int>(kWaitTimeoutNs / 1'000'000'000ull), stage, parity, step,
+            s_consumer_step[0], s_consumer_step[1]);
+      } else {
+        const uint64_t now = global_timer_ns();
+        while (global_timer_ns() - now < 1'000'000'000ull) __nanosleep(1000000);
+      }
+#endif
+      __trap();
+    }
+  }
+}
+
+// The consumers' bounded wait: no printf (a call while wgmmas are in flight makes ptxas serialize every wgmma,
+// C7510). The producer always outlives the consumers' last wait (its tail waits for their last releases), so
+// when a consumer is stuck the producer's wait times out too and prints; the consumer traps 2 s after its own
+// deadline in case it does not.
+__device__ __forceinline__ void consumer_wait(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t start = global_timer_ns();
+  while (!mbar_try_wait(bar, parity)) {
+    if (global_timer_ns() - start > kWaitTimeoutNs + 2'000'000'000ull) __trap();
+  }
+}
+
+// 2-D TMA load of one box into shared memory, completing `bytes` of the transaction count of `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar,
+                                            uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+      "%3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+struct Tile {
+  int expert;
+  int row_begin;
+  int rows;
+  int nt;
+};
+
+// Tile `tile` of the schedule (the file comment): its expert by binary search of the row-tile prefix.
+__device__ __forceinline__ Tile find_ws_tile(const int* s_prefix, const int32_t* __restrict__ offsets, int num_experts,
+                                             int n_tiles, int tile) {
+  constexpr int kBlockM = WgmmaWsCfg::kBlockM;
+  Tile t;
+  const int row_tile = tile / n_tiles;
+  t.nt = tile - row_tile * n_tiles;
+  // The last expert e with s_prefix[e] <= row_tile (s_prefix[0] = 0): its tiles hold row_tile.
+  int lo = 0, hi = num_experts;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (s_prefix[mid] <= row_tile) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  t.expert = lo;
+  const int begin = __ldg(offsets + lo);
+  const int end = __ldg(offsets + lo + 1);
+  t.row_begin = begin + (row_tile - s_prefix[lo]) * kBlockM;
+  t.rows = min(end - t.row_begin, kBlockM);
+  return t;
+}
+
+// The consumers' k-loop over one tile with the MMA's N fixed (protocol: the file comment). `step` is the CTA's
+// step counter, advanced by num_k_steps. full/empty: the barriers of stage 0 (stage s at + 8 s).
+template <class T, int N, int kBlocks, int kAcc>
+__device__ __forceinline__ void consume_tile(float (&acc)[kBlocks][kAcc], uint32_t ring, uint32_t full, uint32_t empty,
+                                             int& step, int num_k_steps, int consumer, int lane,
+                                             volatile int* s_consumer_step) {
+  using Cfg = WgmmaWsCfg;
+  constexpr int kStages = Cfg::kStages;
+  for (int kt = 0; kt < num_k_steps; ++kt, ++step) {
+    const int s = step % kStages;
+    const uint32_t phase = static_cast<uint32_t>(step / kStages) & 1u;
+    if ((threadIdx.x & 127) == 0) s_consumer_step[consumer] = step;
+    consumer_wait(full + 8 * s, phase);
+    fence_proxy_async_smem();  // the producer's cp.async rows (generic proxy) before the wgmmas' reads
+    const uint32_t stage = ring + s * Cfg::kStageBytes;
+    uint64_t desc_w[kBlocks];
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) desc_w[b] = sw128_desc(stage + (consumer * kBlocks + b) * 64 * Cfg::kRowBytes);
+    const uint64_t desc_x = sw128_desc(stage + Cfg::kWeightBytes);
+    wgmma_stage<T, N>(acc, desc_w, desc_x, kt > 0 ? 1 : 0);
+    wgmma_commit();
+    // The previous step's wgmmas have retired: release its stage (one arrival per warp).
+    wgmma_wait_one();
+    if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((step - 1) % kStages));
+  }
+  wgmma_wait_all();
+  if (lane == 0) mbar_arrive(empty + 8 * ((step - 1) % kStages));
+}
+
+}  // namespace ws
+
+#endif
+
+template <class T, Mode kMode>
+__global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
+    grouped_wgmma_ws_kernel(const __grid_constant__ CUtensorMap map_w0, const __grid_constant__ CUtensorMap map_w1,
+                            const KernelArgs args) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = WgmmaWsCfg;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kThreads = Cfg::kThreads;
+  constexpr int kBK = Cfg::kBlockK;
+  constexpr bool kGated = kMode == Mode::gated;
+  constexpr int kOutPerTile = kGated ? Cfg::kWeightRows / 2 : Cfg::kWeightRows;  // output columns per n-tile
+  constexpr int kOutPerWg = kOutPerTile / Cfg::kConsumers;
+
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ alignas(8) uint64_t full_bar[kStages];  // consume_tile addresses stage s at full_bar + 8 s bytes
+  __shared__ alignas(8) uint64_t empty_bar[kStages];
+  __shared__ int s_scan[kThreads / 32];
+  __shared__ int s_src[2 * Cfg::kBlockM];                    // the producer's source-row tables (two tiles)
+  __shared__ volatile int s_consumer_step[Cfg::kConsumers];  // each consumer's last step (for the timeout report)
+
+  pdl_wait();
+  if (args.trigger_dependents) pdl_trigger();
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  int* const s_prefix = reinterpret_cast<int*>(smem_raw + (ring - smem_u32(smem_raw)) + Cfg::kRingBytes);
+  const int num_experts = args.num_experts;
+
+  if (tid < Cfg::kConsumers) s_consumer_step[tid] = -1;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ws::mbar_init(smem_u32(&full_bar[s]), Cfg::kProducerThreads + 1);
+      ws::mbar_init(smem_u32(&empty_bar[s]), Cfg::kConsumerWarps);
+    }
+    // The inits must be visible to the async proxy (TMA's complete_tx) and to the other threads (the barrier
+    // below).
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_proxy_async_smem();
+  }
+
+  // The row-tile prefix over experts (all threads; rounds of kThreads experts).
+  {
+    int carry = 0;
+    for (int round = 0; round < num_experts; round += kThreads) {
+      const int e = round + tid;
+      int count = 0;
+      if (e < num_experts) {
+        const int rows = __ldg(args.expert_offsets + e + 1) - __ldg(args.expert_offsets + e);
+        count = (max(rows, 0) + Cfg::kBlockM - 1) / Cfg::kBlockM;
+      }
+      int inclusive = count;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += v;
+      }
+      if (lane == 31) s_scan[warp] = inclusive;
+      __syncthreads();
+      int warp_prefix = 0, total = 0;
+#pragma unroll
+      for (int w = 0; w < kThreads / 32; ++w) {
+        const int v = s_scan[w];
+        if (w < warp) warp_prefix += v;
+        total += v;
+      }
+      if (e < num_experts) s_prefix[e] = carry + warp_prefix + inclusive - count;
+      carry += total;
+      __syncthreads();  // s_scan is rewritten by the next round
+    }
+    if (tid == 0) s_prefix[num_experts] = carry;
+  }
+  __syncthreads();  // the prefix and the barrier inits
+
+  const int n_tiles = args.n_tiles;
+  const int num_tiles = s_prefix[num_experts] * n_tiles;
+  const int n = args.n;
+  const int k = args.k;
+  const int num_k_steps = (k + kBK - 1) / kBK;
+
+  if (warp < 4) {
+    // ---------------------------------------------------------------- producer
+    ws::setmaxnreg_dec<Cfg::kProducerRegs>();
+    constexpr int kChunks = kBK / 8;                           // 16-byte chunks per 128-byte row
+    constexpr int kRowStep = Cfg::kProducerThreads / kChunks;  // 16: rows between one thread's copies
+    constexpr int kXIters = Cfg::kBlockM / kRowStep;           // 8
+    static_assert(kRowStep % 8 == 0, "a thread's rows must share their swizzle phase");
+    static_assert(Cfg::kProducerThreads == Cfg::kBlockM, "one producer thread per tile row fills the source table");
+    const int chunk = tid % kChunks;
+    const int row0 = tid / kChunks;
+    const uint32_t copy_offset = row0 * Cfg::kRowBytes + ((chunk ^ (row0 & 7)) << 4);
+    const T* a_base = static_cast<const T*>(args.a);
+    uint64_t policy = 0;
+    if (tid == 0) {
+      ws::prefetch_tensor_map(&map_w0);
+      if constexpr (kGated) ws::prefetch_tensor_map(&map_w1);
+      policy = evict_first_policy();
+    }
+    int step = 0;
+    int tile_count = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
+      const ws::Tile t = ws::find_ws_tile(s_prefix, args.expert_offsets, num_experts, n_tiles, tile);
+      const int mma_n = (t.rows + 7) & ~7;
+      // The source row of each tile row (-1: past the tile's rows, zero-filled up to mma_n), one per producer
+      // thread, double-buffered by tile: the named barrier publishes this tile's table to the producer warpgroup,
+      // and a thread that passes it has finished reading the table of two tiles back (its k-loop precedes).
+      int* const src = s_src + (tile_count & 1) * Cfg::kBlockM;
+      src[tid] = tid < t.rows
+                     ? (args.sorted_pairs != nullptr ? __ldg(args.sorted_pairs + t.row_begin + tid) / args.top_k
+                                                     : t.row_begin + tid)
+                     : -1;
+      asm volatile("bar.sync 1, %0;\n" ::"n"(Cfg::kProducerThreads) : "memory");
+      // The tensor maps' row coordinate of the tile's first weight row (rows past the expert's n read the
+      // next expert's, or zeros past the last: never stored).
+      const int w_row = t.expert * n + t.nt * kOutPerTile;
+      for (int kt = 0; kt < num_k_steps; ++kt, ++step) {
+        const int s = step % kStages;
+        const uint32_t phase = static_cast<uint32_t>(step / kStages) & 1u;
+        const uint32_t full = smem_u32(&full_bar[s]);
+        ws::producer_wait(smem_u32(&empty_bar[s]), phase ^ 1u, s, step, s_consumer_step);
+        const uint32_t stage = ring + s * Cfg::kStageBytes;
+        if (tid == 0) {
+          ws::mbar_arrive_expect_tx(full, Cfg::kWeightBytes);
+#pragma unroll
+          for (int b = 0; b < Cfg::kBoxes; ++b) {
+            // Gated: box 2c gate rows, box 2c + 1 the up rows of the same 64 columns (consumer c's blocks 0, 1).
+            // Otherwise: 64 consecutive weight rows per box.
+            const bool up = kGated && (b & 1);
+            const int row = kGated ? w_row + (b >> 1) * 64 : w_row + b * 64;
+            ws::tma_load_2d(stage + b * Cfg::kBoxBytes, up ? &map_w1 : &map_w0, kt * kBK, row, full, policy);
+          }
+        }
+        const int kc = kt * kBK + chunk * 8;
+        const uint32_t dst = stage + Cfg::kWeightBytes + copy_offset;
+#pragma unroll
+        for (int j = 0; j < kXIters; ++j) {
+          const int r = row0 + j * kRowStep;
+          if (r < mma_n) {
+            const int x = src[r];
+            const bool ok = kc < k && x >= 0;
+            cp_async_16(dst + j * kRowStep * Cfg::kRowBytes, ok ? a_base + static_cast<size_t>(x) * k + kc : a_base,
+                        ok);
+          }
+        }
+        ws::cp_async_arrive_noinc(full);
+      }
+    }
+    // Tail: wait until the consumers have released every stage's last use, so that the producer outlives every
+    // consumer wait (and reports a stuck one: protocol invariant 5). A stage never used passes at once.
+    for (int i = 0; i < kStages; ++i, ++step) {
+      const int s = step % kStages;
+      ws::producer_wait(smem_u32(&empty_bar[s]), (static_cast<uint32_t>(step / kStages) & 1u) ^ 1u, s, step,
+                        s_consumer_step);
+    }
+  } else {
+    // ---------------------------------------------------------------- consumers
+    ws::setmaxnreg_inc<Cfg::kConsumerRegs>();
+    const int c = warp / 4 - 1;  // consumer 0 or 1
+    const int wq = warp & 3;     // warp in the warpgroup: rows 16 wq.. of each m64 block
+    constexpr int kBlocks = Cfg::kBlocksPerWg;
+    T* out = static_cast<T*>(args.out);
+    float acc[kBlocks][Cfg::kAcc];
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) {
+#pragma unroll
+      for (int i = 0; i < Cfg::kAcc; ++i) acc[b][i] = 0.0f;
+    }
+    int step = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const ws::Tile t = ws::find_ws_tile(s_prefix, args.expert_offsets, num_experts, n_tiles, tile);
+      const int mma_n = (t.rows + 7) & ~7;
+      // N is an operand of the instruction: one k-loop per N (the switch outside the loop: a switch among the
+      // wgmmas after each barrier wait made ptxas serialize them, C7520).
+      switch (mma_n >> 3) {
+#define LATENTMOE_WGMMA_WS_CASE(N)                                                                                 \
+  case N / 8:                                                                                                      \
+    ws::consume_tile<T, N>(acc, ring, smem_u32(&full_bar[0]), smem_u32(&empty_bar[0]), step, num_k_steps, c, lane, \
+                           s_consumer_step);                                                                       \
+    break;
+        LATENTMOE_WGMMA_WS_CASE(8)
+        LATENTMOE_WGMMA_WS_CASE(16)
+        LATENTMOE_WGMMA_WS_CASE(24)
+        LATENTMOE_WGMMA_WS_CASE(32)
+        LATENTMOE_WGMMA_WS_CASE(40)
+        LATENTMOE_WGMMA_WS_CASE(48)
+        LATENTMOE_WGMMA_WS_CASE(56)
+        LATENTMOE_WGMMA_WS_CASE(64)
+        LATENTMOE_WGMMA_WS_CASE(72)
+        LATENTMOE_WGMMA_WS_CASE(80)
+        LATENTMOE_WGMMA_WS_CASE(88)
+        LATENTMOE_WGMMA_WS_CASE(96)
+        LATENTMOE_WGMMA_WS_CASE(104)
+        LATENTMOE_WGMMA_WS_CASE(112)
+        LATENTMOE_WGMMA_WS_CASE(120)
+        LATENTMOE_WGMMA_WS_CASE(128)
+#undef LATENTMOE_WGMMA_WS_CASE
+        default:
+          break;
+      }
+      static_assert(Cfg::kBlockM == 128, "the dispatch above covers N = 8 .. 128");
+      fence_accumulators(acc);
+      if (t.nt * kOutPerTile + c * kOutPerWg < n) {
+        wgmma_store_tile<T, kMode>(acc, args, out, t.row_begin, t.rows, mma_n, t.nt * kOutPerTile + c * kOutPerWg, wq,
+                                   lane);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace latentmoe::cuda::gg
