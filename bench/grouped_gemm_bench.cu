@@ -303,7 +303,8 @@ int run(int argc, char** argv) {
     for (GemmVariant v : {GemmVariant::mxfp4_rows, GemmVariant::mma_s_wide, GemmVariant::mma_m, GemmVariant::mma_l4})
       variants.emplace_back(v);
     if (latentmoe::cuda::detail::wgmma_available()) {
-      for (GemmVariant v : {GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow})
+      for (GemmVariant v :
+           {GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow, GemmVariant::wgmma_ws})
         variants.emplace_back(v);
     }
   } else if (variants_arg == "all") {

@@ -469,9 +469,13 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
         GemmChoice(GemmVariant::mxfp4_rows, 0, 2), GemmChoice(GemmVariant::mxfp4_rows, 1, 3),
         GemmChoice(GemmVariant::mxfp4_rows, 0, 64)};
     if (detail::wgmma_available()) {  // the Hopper kernels decode into their swizzled weight tiles
-      for (const GemmChoice& wgmma : {GemmChoice(GemmVariant::wgmma), GemmChoice(GemmVariant::wgmma, 3),
-                                      GemmChoice(GemmVariant::wgmma_tall), GemmChoice(GemmVariant::wgmma_tall, 2),
-                                      GemmChoice(GemmVariant::wgmma_narrow), GemmChoice(GemmVariant::wgmma_narrow, 3)})
+      // wgmma_ws: its producer warpgroup decodes; one CTA per SM, at least 3 tiles per CTA, and one CTA walking
+      // every tile (its raw-copy cursor running ahead across the tiles).
+      for (const GemmChoice& wgmma :
+           {GemmChoice(GemmVariant::wgmma), GemmChoice(GemmVariant::wgmma, 3), GemmChoice(GemmVariant::wgmma_tall),
+            GemmChoice(GemmVariant::wgmma_tall, 2), GemmChoice(GemmVariant::wgmma_narrow),
+            GemmChoice(GemmVariant::wgmma_narrow, 3), GemmChoice(GemmVariant::wgmma_ws),
+            GemmChoice(GemmVariant::wgmma_ws, 3), GemmChoice(GemmVariant::wgmma_ws, 1 << 20)})
         choices.push_back(wgmma);
     }
     check_choices(problem, c.name, choices);
@@ -618,6 +622,21 @@ TEST(Cuda_GroupedGemm, wgmma_ws_refuses_too_many_experts) {
   const Case c{"ws_too_many_experts", DType::bf16, Activation::silu, 2, 4097, 0, 1, 8, 8, -1};
   Problem problem(c, 5u);
   EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws), nullptr), Error);
+}
+
+// The same with MXFP4 weights (the producer decodes them): new layouts on replay, and a CTA walking many tiles.
+TEST(Cuda_GroupedGemm, wgmma_ws_mxfp4_graph_replay_with_new_layout) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!detail::wgmma_available()) GTEST_SKIP() << "no sm_90a device";
+  const Case c{"graph_ws_mxfp4", DType::f16, Activation::silu, 150, 24, 1, 4, 192, 1024, 7};
+  Problem problem(c, 33u, /*mxfp4=*/true);
+  check_graph_replays(
+      problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::wgmma_ws), stream); },
+      "wgmma_ws MXFP4 graph replay");
+  Problem small_grid(c, 34u, /*mxfp4=*/true);
+  check_graph_replays(
+      small_grid, [&](cudaStream_t stream) { small_grid.run(GemmChoice(GemmVariant::wgmma_ws, 5), stream); },
+      "wgmma_ws MXFP4 (at least 5 tiles per CTA) graph replay");
 }
 
 TEST(Cuda_GroupedGemm, no_tokens_launches_nothing) {

@@ -272,7 +272,6 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
                     " variant needs an sm_90 device and sm_90a code");
   }
   if (variant == GemmVariant::wgmma_ws) {
-    LATENTMOE_CHECK(!mxfp4, "grouped GEMM: the wgmma_ws variant does not take MXFP4 weights yet");
     gg::launch_wgmma_ws(dtype, mode, args, launch, stream);
     return;
   }

@@ -4,11 +4,11 @@
 // the threads that multiply.
 //
 // Threads and tiles. 3 warpgroups (384 threads), one CTA per SM, grid = min(SMs, a bound on the tiles).
-// Warpgroup 0 is the producer (setmaxnreg.dec to kProducerRegs), warpgroups 1 and 2 the consumers
-// (setmaxnreg.inc to kConsumerRegs: 128 * 40 + 256 * 232 = 64512 = 384 * 168, the registers the CTA starts
-// with). A tile is up to kBlockM rows of one expert against kWeightRows weight rows; consumer c owns weight
-// rows [128 c, 128 c + 128) as two m64 blocks (gated: 64 gate rows and the 64 up rows of the same output
-// columns; otherwise 128 consecutive rows). Tiles are numbered row tile by row tile, n-tiles fastest:
+// Warpgroup 0 is the producer (setmaxnreg.dec to producer_regs), warpgroups 1 and 2 the consumers
+// (setmaxnreg.inc to consumer_regs: 128 * 40 + 256 * 232 = 128 * 56 + 256 * 224 = 64512 = 384 * 168, the
+// registers the CTA starts with). A tile is up to kBlockM rows of one expert against kWeightRows weight rows;
+// consumer c owns weight rows [128 c, 128 c + 128) as two m64 blocks (gated: 64 gate rows and the 64 up rows of
+// the same output columns; otherwise 128 consecutive rows). Tiles are numbered row tile by row tile, n-tiles fastest:
 // tile = row_tile * n_tiles + nt, row tiles numbered expert by expert (expert e owns ceil(rows_e / kBlockM)).
 // At the start every CTA computes the prefix of the experts' row-tile counts from expert_offsets into shared
 // memory (s_prefix[e] = row tiles of experts < e; s_prefix[E] = all), then walks tile = blockIdx.x,
@@ -35,8 +35,9 @@
 //   1. Both roles walk the same tiles in the same order with the same k-steps (ceil(k / 64) per tile): step
 //      numbers, stages and parities agree.
 //   2. Every producer thread makes exactly one noinc arrival per fill and thread 0 exactly one expect_tx
-//      arrival, whatever it copies; every consumer warp makes exactly one empty arrival per step, whether or
-//      not its weight rows hold valid columns (its wgmmas run on zeros or the next expert's rows, not stored).
+//      arrival (MXFP4: every producer thread one more arrival, after its decode), whatever it copies; every consumer
+//      warp makes exactly one empty arrival per step, whether or not its weight rows hold valid columns (its wgmmas run
+//      on zeros or the next expert's rows, not stored).
 //   3. A stage is written only after the empty phase of its previous use completed (all 8 consumer warps
 //      retired its wgmmas), and read only after its full phase completed (TMA bytes landed, every producer
 //      thread's copies landed). cp.async writes are generic-proxy writes and wgmma reads through the async
@@ -51,6 +52,17 @@
 //      2 s after its own deadline in case the producer did not. Built with LATENTMOE_WGMMA_WS_REPORT=1 the producer
 //      first prints one line (block, barrier, stage, parity, its step and the consumers' last steps); not by
 //      default, since any printf in the kernel makes ptxas serialize its wgmmas (C7510).
+// MXFP4 weights (kMxfp4; docs/MXFP4.md): no TMA. 3 stages (the same layout), and a raw ring of kRawStages slots
+// per producer thread's units: unit u = tid + 128 i (i < 4) of a step is scale group u % 2 of tile row u / 2 (16
+// code bytes and the aligned 4-byte word holding its scale byte, cp.async, zero-filled past n and k). Per step i
+// a producer thread: waits empty; copies its rows of step i and arrives noinc on full (as above); copies its raw
+// units of step i + kRawStages - 1 (a cursor that walks the tiles ahead) and commits them as one cp.async group
+// with those rows; waits until at most kRawStages - 1 groups are pending (its raw units of step i landed: they
+// were committed that many groups earlier); decodes them (mxfp4_decode8) into the stage's weight tile in the
+// swizzled layout; fence.proxy.async; arrives on full. full[s] counts 2 * 128 arrivals, no transaction bytes.
+// Nobody reads another thread's raw units (no barrier there); the noinc arrival also waits for the raw copies
+// issued in earlier steps (a cp.async arrival tracks all of the thread's earlier copies), one step ahead of
+// need at least, which the kStages - 1 steps the producer runs ahead cover.
 // Programmatic dependent launch: every CTA waits for the previous kernel (griddepcontrol.wait) before it reads
 // anything, then lets the next kernel launch (a persistent grid holds every SM, so nothing is gained by
 // streaming weights before the wait).
@@ -58,13 +70,19 @@
 
 #include <cuda.h>  // CUtensorMap (the type only: the encoder comes through cudaGetDriverEntryPointByVersion)
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/grouped_gemm_common.cuh"
+#include "cuda/gemm/grouped_gemm_launch.cuh"
 #include "cuda/gemm/grouped_gemm_mma.cuh"    // smem_u32, cp_async_16, pack2
 #include "cuda/gemm/grouped_gemm_wgmma.cuh"  // sw128_desc, wgmma_stage, wgmma_store_tile, the fences
 #include "cuda/gemm/grouped_gemm_wgmma_ops.cuh"
+#include "cuda/gemm/mxfp4_device.cuh"  // mxfp4_decode8
+#include "latentmoe/dtype.h"
+#include "latentmoe/error.h"
 
 namespace latentmoe::cuda::gg {
 
@@ -85,26 +103,43 @@ struct WgmmaWsCfg {
   static constexpr int kWeightBytes = kWeightRows * kRowBytes;  // 32 KB
   static constexpr int kRowTileBytes = kBlockM * kRowBytes;     // 16 KB
   static constexpr int kStageBytes = kWeightBytes + kRowTileBytes;
+  // Stages: 4 with bf16/f16 weights (192 KB); 3 with MXFP4 (144 KB), whose raw ring (kRawStages slots of the
+  // step's codes and scale words, 10 KB each) takes the rest.
   static constexpr int kStages = 4;
-  static constexpr int kRingBytes = kStages * kStageBytes;  // 192 KB
-  // The row-tile prefix over experts follows the ring in dynamic shared memory.
+  static constexpr int kStagesMxfp4 = 3;
+  static constexpr int kRawUnits = kWeightRows * kBlockK / 32;  // scale groups per step: 512
+  static constexpr int kRawStageBytes = kRawUnits * 20;         // 16 code bytes and a 4-byte scale word each
+  static constexpr int kRawStages = 4;                          // raw copies run kRawStages - 1 steps ahead
+  // The row-tile prefix over experts follows the ring (and the raw ring) in dynamic shared memory.
   static constexpr int kMaxExperts = 4096;
-  static constexpr int kMaxSmemBytes = kRingBytes + 1024 + (kMaxExperts + 1) * 4;
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
-  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
-  static_assert(kProducerThreads * kProducerRegs + kConsumers * 128 * kConsumerRegs <= kThreads * 168,
-                "the warpgroups' registers must fit what the CTA starts with (168 per thread at 384 threads)");
+  static constexpr int ring_bytes(bool mxfp4) {
+    return mxfp4 ? kStagesMxfp4 * kStageBytes + kRawStages * kRawStageBytes : kStages * kStageBytes;
+  }
+  static constexpr int smem_bytes(bool mxfp4, int num_experts) {
+    return ring_bytes(mxfp4) + 1024 + ((num_experts + 1) * 4 + 15) / 16 * 16;
+  }
+  // setmaxnreg: the producer's and the consumers' registers per thread. MXFP4's producer decodes (40 registers
+  // spilled 24 bytes there); the consumers' 128 accumulators fit either.
+  static constexpr int producer_regs(bool mxfp4) { return mxfp4 ? 56 : 40; }
+  static constexpr int consumer_regs(bool mxfp4) { return mxfp4 ? 224 : 232; }
   static_assert(kBlockM <= kWgmmaMaxN && kBlockM % 16 == 0, "rows per tile: at most the largest N");
   static_assert(kStageBytes % 1024 == 0 && kWeightBytes % 1024 == 0 && kBoxBytes % 1024 == 0,
                 "swizzle atoms and TMA boxes must stay 1024-byte aligned");
-  static_assert(kMaxSmemBytes <= 227 * 1024 - 256, "the ring and the prefix must fit one SM's shared memory");
+  static_assert(kRawStageBytes % 16 == 0, "raw slots keep the 16-byte alignment of the code copies");
 };
-
-// The bytes of dynamic shared memory for E experts.
-constexpr int wgmma_ws_smem_bytes(int num_experts) {
-  return WgmmaWsCfg::kRingBytes + 1024 + ((num_experts + 1) * 4 + 15) / 16 * 16;
-}
+static_assert(WgmmaWsCfg::producer_regs(false) % 8 == 0 && WgmmaWsCfg::consumer_regs(false) % 8 == 0 &&
+                  WgmmaWsCfg::producer_regs(true) % 8 == 0 && WgmmaWsCfg::consumer_regs(true) % 8 == 0,
+              "setmaxnreg takes multiples of 8");
+static_assert(WgmmaWsCfg::kProducerThreads * WgmmaWsCfg::producer_regs(false) +
+                          WgmmaWsCfg::kConsumers * 128 * WgmmaWsCfg::consumer_regs(false) <=
+                      WgmmaWsCfg::kThreads * 168 &&
+                  WgmmaWsCfg::kProducerThreads * WgmmaWsCfg::producer_regs(true) +
+                          WgmmaWsCfg::kConsumers * 128 * WgmmaWsCfg::consumer_regs(true) <=
+                      WgmmaWsCfg::kThreads * 168,
+              "the warpgroups' registers must fit what the CTA starts with (168 per thread at 384 threads)");
+static_assert(WgmmaWsCfg::smem_bytes(false, WgmmaWsCfg::kMaxExperts) <= 227 * 1024 - 2048 &&
+                  WgmmaWsCfg::smem_bytes(true, WgmmaWsCfg::kMaxExperts) <= 227 * 1024 - 2048,
+              "the ring and the prefix must fit one SM's shared memory (beside the static barriers and tables)");
 
 inline constexpr uint64_t kWaitTimeoutNs = 5'000'000'000ull;
 
@@ -153,11 +188,11 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 }
 
 // The producer's bounded wait (protocol invariant 5): traps after kWaitTimeoutNs. Built with
-// LATENTMOE_WGMMA_WS_REPORT=1, the first waiter of the grid to time out first prints one line (its block, the barrier,
-// stage, parity and step, and the consumers' last steps, s_consumer_step) and the others give that line a second to
-// reach the buffer. Off by default: any call in the kernel (printf's too, wherever it is) makes ptxas serialize
-// every wgmma of it (C7510), so the report is a debugging build. Inlined: a call in the producer's path also made
-// ptxas ignore setmaxnreg (C7507).
+// LATENTMOE_WGMMA_WS_REPORT=1, the first waiter of the grid to time out first prints one line (its block, the
+// barrier, stage, parity and step, and the consumers' last steps, s_consumer_step) and the others give that line a
+// second to reach the buffer. Off by default: any call in the kernel (printf's too, wherever it is) makes ptxas
+// serialize every wgmma of it (C7510), so the report is a debugging build. Inlined: a call in the producer's path
+// also made ptxas ignore setmaxnreg (C7507).
 __device__ __forceinline__ void producer_wait(uint32_t bar, uint32_t parity, int stage, int step,
                                               const volatile int* s_consumer_step) {
   if (mbar_try_wait(bar, parity)) return;
@@ -250,18 +285,17 @@ __device__ __forceinline__ Tile find_ws_tile(const int* s_prefix, const int32_t*
 
 // The consumers' k-loop over one tile with the MMA's N fixed (protocol: the file comment). `step` is the CTA's
 // step counter, advanced by num_k_steps. full/empty: the barriers of stage 0 (stage s at + 8 s).
-template <class T, int N, int kBlocks, int kAcc>
+template <class T, int N, int kStages, int kBlocks, int kAcc>
 __device__ __forceinline__ void consume_tile(float (&acc)[kBlocks][kAcc], uint32_t ring, uint32_t full, uint32_t empty,
                                              int& step, int num_k_steps, int consumer, int lane,
                                              volatile int* s_consumer_step) {
   using Cfg = WgmmaWsCfg;
-  constexpr int kStages = Cfg::kStages;
   for (int kt = 0; kt < num_k_steps; ++kt, ++step) {
     const int s = step % kStages;
     const uint32_t phase = static_cast<uint32_t>(step / kStages) & 1u;
     if ((threadIdx.x & 127) == 0) s_consumer_step[consumer] = step;
     consumer_wait(full + 8 * s, phase);
-    fence_proxy_async_smem();  // the producer's cp.async rows (generic proxy) before the wgmmas' reads
+    fence_proxy_async_smem();  // the producer's cp.async rows and decoded weights (generic proxy) before the wgmmas
     const uint32_t stage = ring + s * Cfg::kStageBytes;
     uint64_t desc_w[kBlocks];
 #pragma unroll
@@ -281,18 +315,23 @@ __device__ __forceinline__ void consume_tile(float (&acc)[kBlocks][kAcc], uint32
 
 #endif
 
-template <class T, Mode kMode>
+// kMxfp4: args.w0/w1 hold MXFP4 codes [E, N, K/2] and args.s0/s1 their E8M0 scales [E, N, K/32] (the tensor maps
+// are unused); the producer decodes them into the weight stages (the file comment, "MXFP4").
+template <class T, Mode kMode, bool kMxfp4 = false>
 __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
     grouped_wgmma_ws_kernel(const __grid_constant__ CUtensorMap map_w0, const __grid_constant__ CUtensorMap map_w1,
                             const KernelArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = WgmmaWsCfg;
-  constexpr int kStages = Cfg::kStages;
+  constexpr int kStages = kMxfp4 ? Cfg::kStagesMxfp4 : Cfg::kStages;
   constexpr int kThreads = Cfg::kThreads;
   constexpr int kBK = Cfg::kBlockK;
   constexpr bool kGated = kMode == Mode::gated;
   constexpr int kOutPerTile = kGated ? Cfg::kWeightRows / 2 : Cfg::kWeightRows;  // output columns per n-tile
   constexpr int kOutPerWg = kOutPerTile / Cfg::kConsumers;
+  // Arrivals that complete a fill: bf16, every producer thread's noinc arrival and the expect_tx arrival; MXFP4,
+  // every producer thread's noinc arrival (rows) and its arrival after decoding (weights).
+  constexpr uint32_t kFullArrivals = kMxfp4 ? 2 * Cfg::kProducerThreads : Cfg::kProducerThreads + 1;
 
   extern __shared__ unsigned char smem_raw[];
   __shared__ alignas(8) uint64_t full_bar[kStages];  // consume_tile addresses stage s at full_bar + 8 s bytes
@@ -308,14 +347,15 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  int* const s_prefix = reinterpret_cast<int*>(smem_raw + (ring - smem_u32(smem_raw)) + Cfg::kRingBytes);
+  unsigned char* const ring_ptr = smem_raw + (ring - smem_u32(smem_raw));
+  int* const s_prefix = reinterpret_cast<int*>(ring_ptr + Cfg::ring_bytes(kMxfp4));
   const int num_experts = args.num_experts;
 
   if (tid < Cfg::kConsumers) s_consumer_step[tid] = -1;
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      ws::mbar_init(smem_u32(&full_bar[s]), Cfg::kProducerThreads + 1);
+      ws::mbar_init(smem_u32(&full_bar[s]), kFullArrivals);
       ws::mbar_init(smem_u32(&empty_bar[s]), Cfg::kConsumerWarps);
     }
     // The inits must be visible to the async proxy (TMA's complete_tx) and to the other threads (the barrier
@@ -365,7 +405,7 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
 
   if (warp < 4) {
     // ---------------------------------------------------------------- producer
-    ws::setmaxnreg_dec<Cfg::kProducerRegs>();
+    ws::setmaxnreg_dec<Cfg::producer_regs(kMxfp4)>();
     constexpr int kChunks = kBK / 8;                           // 16-byte chunks per 128-byte row
     constexpr int kRowStep = Cfg::kProducerThreads / kChunks;  // 16: rows between one thread's copies
     constexpr int kXIters = Cfg::kBlockM / kRowStep;           // 8
@@ -376,11 +416,104 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
     const uint32_t copy_offset = row0 * Cfg::kRowBytes + ((chunk ^ (row0 & 7)) << 4);
     const T* a_base = static_cast<const T*>(args.a);
     uint64_t policy = 0;
-    if (tid == 0) {
-      ws::prefetch_tensor_map(&map_w0);
-      if constexpr (kGated) ws::prefetch_tensor_map(&map_w1);
-      policy = evict_first_policy();
+    if constexpr (!kMxfp4) {
+      if (tid == 0) {
+        ws::prefetch_tensor_map(&map_w0);
+        if constexpr (kGated) ws::prefetch_tensor_map(&map_w1);
+        policy = evict_first_policy();
+      }
     }
+
+    // MXFP4: unit u = tid + i * kProducerThreads of a step is scale group u % 2 (32 k) of tile row u / 2, whose
+    // 16 code bytes and the aligned 4-byte word holding its scale byte this thread copies (cp.async) into raw slot
+    // step % kRawStages, kRawStages - 1 steps ahead, and decodes itself: no other thread reads its raw units.
+    constexpr int kRawAhead = Cfg::kRawStages - 1;
+    constexpr int kRawPerThread = Cfg::kRawUnits / Cfg::kProducerThreads;  // 4
+    static_assert(Cfg::kRawUnits % Cfg::kProducerThreads == 0, "the scale groups must divide over the producer");
+    const uint32_t raw_base = ring + kStages * Cfg::kStageBytes;  // codes [slot][unit][16], then words [slot][unit][4]
+    const unsigned char* const raw_ptr = ring_ptr + kStages * Cfg::kStageBytes;
+    const size_t code_row = static_cast<size_t>(k / 2);    // code bytes per weight row
+    const size_t scale_row = static_cast<size_t>(k / 32);  // scale bytes per weight row
+    // Tile row r of n-tile nt: its column and whether it is an up row (the boxes of the bf16 path: gated, rows
+    // [128 c, 128 c + 64) the gate rows and the next 64 the up rows of columns nt * 128 + 64 c + [0, 64)).
+    auto weight_row = [&](int nt, int r, bool* up) {
+      *up = kGated && ((r >> 6) & 1);
+      return kGated ? nt * kOutPerTile + (r >> 7) * 64 + (r & 63) : nt * kOutPerTile + r;
+    };
+    // The raw copies of step `raw_step` (tile `raw_tile` of expert raw_expert, n-tile raw_nt, k-step raw_kt):
+    // zero-filled past n and k, so that those values decode to 0.
+    auto copy_raw = [&](int raw_step, int raw_expert, int raw_nt, int raw_kt) {
+      const int slot = raw_step % Cfg::kRawStages;
+      const uint8_t* codes0 = static_cast<const uint8_t*>(args.w0) + static_cast<size_t>(raw_expert) * n * code_row;
+      const uint8_t* codes1 =
+          kGated ? static_cast<const uint8_t*>(args.w1) + static_cast<size_t>(raw_expert) * n * code_row : codes0;
+      const uint8_t* scales0 = args.s0 + static_cast<size_t>(raw_expert) * n * scale_row;
+      const uint8_t* scales1 = kGated ? args.s1 + static_cast<size_t>(raw_expert) * n * scale_row : scales0;
+#pragma unroll
+      for (int i = 0; i < kRawPerThread; ++i) {
+        const int u = tid + i * Cfg::kProducerThreads;
+        bool up;
+        const int col = weight_row(raw_nt, u >> 1, &up);
+        const int kk = raw_kt * kBK + (u & 1) * 32;
+        const bool ok = kk < k && col < n;
+        const uint8_t* codes = (up ? codes1 : codes0) + col * code_row + kk / 2;
+        const uint8_t* scale = (up ? scales1 : scales0) + col * scale_row + kk / 32;
+        // Without an L2 policy: the MXFP4 wgmma kernel's cp.async with one stopped with an illegal instruction
+        // (grouped_gemm_wgmma.cuh).
+        cp_async_16(raw_base + (slot * Cfg::kRawUnits + u) * 16, ok ? codes : codes0, ok);
+        cp_async_4(raw_base + Cfg::kRawStages * Cfg::kRawUnits * 16 + (slot * Cfg::kRawUnits + u) * 4,
+                   ok ? reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(scale) & ~uintptr_t{3}) : codes0, ok);
+      }
+    };
+    // Decodes this thread's units of step `step` (expert, n-tile nt, k-step kt) from its raw slot into the stage's
+    // weight tile, in the swizzled layout the TMA writes in the bf16 path.
+    auto decode_raw = [&](int step, int expert, int nt, int kt, uint32_t stage) {
+      const int slot = step % Cfg::kRawStages;
+      const uint8_t* scales0 = args.s0 + static_cast<size_t>(expert) * n * scale_row;
+      const uint8_t* scales1 = kGated ? args.s1 + static_cast<size_t>(expert) * n * scale_row : scales0;
+      unsigned char* const tile = ring_ptr + (stage - ring);
+#pragma unroll
+      for (int i = 0; i < kRawPerThread; ++i) {
+        const int u = tid + i * Cfg::kProducerThreads;
+        const int r = u >> 1, group = u & 1;
+        bool up;
+        const int col = weight_row(nt, r, &up);
+        const int kk = kt * kBK + group * 32;
+        const uint4 codes = *reinterpret_cast<const uint4*>(raw_ptr + (slot * Cfg::kRawUnits + u) * 16);
+        const uint32_t word = *reinterpret_cast<const uint32_t*>(raw_ptr + Cfg::kRawStages * Cfg::kRawUnits * 16 +
+                                                                 (slot * Cfg::kRawUnits + u) * 4);
+        // Past n or k the copy zero-filled the codes and the word: every value decodes to 0.
+        const uintptr_t scale_address =
+            reinterpret_cast<uintptr_t>((up ? scales1 : scales0) + col * scale_row + kk / 32);
+        const uint32_t scale_byte = (word >> ((scale_address & 3) * 8)) & 0xFFu;
+        const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int chunk16 = group * 4 + c;  // 16-byte chunk of the 128-byte row
+          *reinterpret_cast<uint4*>(tile + r * Cfg::kRowBytes + ((chunk16 ^ (r & 7)) << 4)) =
+              mxfp4_decode8<T>(words[c], scale_byte);
+        }
+      }
+    };
+    // MXFP4: the lookahead cursor, the tile and k-step of the raw copies (kRawAhead steps past the fill).
+    int raw_tile = blockIdx.x, raw_kt = 0, raw_step = 0;
+    ws::Tile raw_t{};
+    auto advance_raw = [&]() {
+      if (raw_tile < num_tiles) {
+        if (raw_kt == 0) raw_t = ws::find_ws_tile(s_prefix, args.expert_offsets, num_experts, n_tiles, raw_tile);
+        copy_raw(raw_step, raw_t.expert, raw_t.nt, raw_kt);
+        if (++raw_kt == num_k_steps) {
+          raw_kt = 0;
+          raw_tile += gridDim.x;
+        }
+      }
+      ++raw_step;
+      cp_async_commit();  // one group per step, empty past the last tile: the waits below count groups
+    };
+    if constexpr (kMxfp4) {
+      for (int i = 0; i < kRawAhead; ++i) advance_raw();
+    }
+
     int step = 0;
     int tile_count = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
@@ -404,15 +537,17 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
         const uint32_t full = smem_u32(&full_bar[s]);
         ws::producer_wait(smem_u32(&empty_bar[s]), phase ^ 1u, s, step, s_consumer_step);
         const uint32_t stage = ring + s * Cfg::kStageBytes;
-        if (tid == 0) {
-          ws::mbar_arrive_expect_tx(full, Cfg::kWeightBytes);
+        if constexpr (!kMxfp4) {
+          if (tid == 0) {
+            ws::mbar_arrive_expect_tx(full, Cfg::kWeightBytes);
 #pragma unroll
-          for (int b = 0; b < Cfg::kBoxes; ++b) {
-            // Gated: box 2c gate rows, box 2c + 1 the up rows of the same 64 columns (consumer c's blocks 0, 1).
-            // Otherwise: 64 consecutive weight rows per box.
-            const bool up = kGated && (b & 1);
-            const int row = kGated ? w_row + (b >> 1) * 64 : w_row + b * 64;
-            ws::tma_load_2d(stage + b * Cfg::kBoxBytes, up ? &map_w1 : &map_w0, kt * kBK, row, full, policy);
+            for (int b = 0; b < Cfg::kBoxes; ++b) {
+              // Gated: box 2c gate rows, box 2c + 1 the up rows of the same 64 columns (consumer c's blocks 0, 1).
+              // Otherwise: 64 consecutive weight rows per box.
+              const bool up = kGated && (b & 1);
+              const int row = kGated ? w_row + (b >> 1) * 64 : w_row + b * 64;
+              ws::tma_load_2d(stage + b * Cfg::kBoxBytes, up ? &map_w1 : &map_w0, kt * kBK, row, full, policy);
+            }
           }
         }
         const int kc = kt * kBK + chunk * 8;
@@ -427,7 +562,18 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
                         ok);
           }
         }
+        // Counts when this thread's row copies (and every earlier cp.async of it, MXFP4's raw copies of the steps
+        // before included) have landed.
         ws::cp_async_arrive_noinc(full);
+        if constexpr (kMxfp4) {
+          // The raw copies of step + kRawAhead (after the arrival above, which would wait for them too), then this
+          // step's: committed kRawAhead groups before the one just committed.
+          advance_raw();
+          cp_async_wait<kRawAhead>();
+          decode_raw(step, t.expert, t.nt, kt, stage);
+          fence_proxy_async_smem();  // the decoded weights (generic-proxy stores) before the consumers' wgmmas
+          ws::mbar_arrive(full);
+        }
       }
     }
     // Tail: wait until the consumers have released every stage's last use, so that the producer outlives every
@@ -437,9 +583,10 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
       ws::producer_wait(smem_u32(&empty_bar[s]), (static_cast<uint32_t>(step / kStages) & 1u) ^ 1u, s, step,
                         s_consumer_step);
     }
+    if constexpr (kMxfp4) cp_async_wait<0>();  // the empty raw groups past the last tile
   } else {
     // ---------------------------------------------------------------- consumers
-    ws::setmaxnreg_inc<Cfg::kConsumerRegs>();
+    ws::setmaxnreg_inc<Cfg::consumer_regs(kMxfp4)>();
     const int c = warp / 4 - 1;  // consumer 0 or 1
     const int wq = warp & 3;     // warp in the warpgroup: rows 16 wq.. of each m64 block
     constexpr int kBlocks = Cfg::kBlocksPerWg;
@@ -457,10 +604,10 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
       // N is an operand of the instruction: one k-loop per N (the switch outside the loop: a switch among the
       // wgmmas after each barrier wait made ptxas serialize them, C7520).
       switch (mma_n >> 3) {
-#define LATENTMOE_WGMMA_WS_CASE(N)                                                                                 \
-  case N / 8:                                                                                                      \
-    ws::consume_tile<T, N>(acc, ring, smem_u32(&full_bar[0]), smem_u32(&empty_bar[0]), step, num_k_steps, c, lane, \
-                           s_consumer_step);                                                                       \
+#define LATENTMOE_WGMMA_WS_CASE(N)                                                                                    \
+  case N / 8:                                                                                                         \
+    ws::consume_tile<T, N, kStages>(acc, ring, smem_u32(&full_bar[0]), smem_u32(&empty_bar[0]), step, num_k_steps, c, \
+                                    lane, s_consumer_step);                                                           \
     break;
         LATENTMOE_WGMMA_WS_CASE(8)
         LATENTMOE_WGMMA_WS_CASE(16)
@@ -492,5 +639,61 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
   }
 #endif
 }
+
+// --- Host side (grouped_gemm_wgmma_ws.cu, grouped_gemm_wgmma_ws_mxfp4.cu).
+
+// A 2-D TMA map over the stacked bf16/f16 weights [rows = E * N][k], boxes of 64 k x 64 rows in the 128B swizzle
+// (grouped_gemm_wgmma_ws.cu). Throws latentmoe::Error when the driver refuses it.
+CUtensorMap wgmma_ws_weight_map(DType dtype, const void* weights, int64_t rows, int64_t k);
+
+template <class T, Mode kMode, bool kMxfp4>
+void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
+  using Cfg = WgmmaWsCfg;
+  static std::atomic<uint64_t> done_mask{0};
+  auto kernel = grouped_wgmma_ws_kernel<T, kMode, kMxfp4>;
+  ensure_smem_limit(reinterpret_cast<const void*>(kernel), Cfg::smem_bytes(kMxfp4, Cfg::kMaxExperts), &done_mask);
+  const int out_per_tile = kMode == Mode::gated ? Cfg::kWeightRows / 2 : Cfg::kWeightRows;
+  args.n_tiles = (args.n + out_per_tile - 1) / out_per_tile;
+  args.n_tiles_per_cta = 1;
+  args.n_groups = args.n_tiles;
+  args.trigger_dependents = launch.trigger;
+  args.wait_before_tile = true;  // the kernel waits before it reads anything
+  const int64_t stacked_rows = static_cast<int64_t>(args.num_experts) * args.n;
+  LATENTMOE_CHECK(stacked_rows + Cfg::kWeightRows < (int64_t{1} << 31), "grouped GEMM (wgmma_ws): ", args.num_experts,
+                  " experts x ", args.n, " weight rows exceed the kernel's 32-bit row coordinates");
+  CUtensorMap map0{}, map1{};  // MXFP4: unused (the producer copies and decodes the codes)
+  if constexpr (!kMxfp4) {
+    map0 = wgmma_ws_weight_map(dtype, args.w0, stacked_rows, args.k);
+    map1 = kMode == Mode::gated ? wgmma_ws_weight_map(dtype, args.w1, stacked_rows, args.k) : map0;
+  }
+  // Tiles: at most the host bound on row tiles times the n-tiles; one CTA per SM, fewer when the bound is smaller,
+  // or when launch.n_tiles_per_cta asks for at least that many tiles per CTA (the tests' many-tiles-per-CTA case).
+  const int64_t tiles_bound = tile_entries_bound(launch.max_rows, args.num_experts, Cfg::kBlockM) * args.n_tiles;
+  LATENTMOE_CHECK(tiles_bound < (int64_t{1} << 31), "grouped GEMM (wgmma_ws): too many tiles (", tiles_bound, ")");
+  int64_t grid = std::min<int64_t>(tiles_bound, std::max(1, launch.sm_count));
+  if (launch.n_tiles_per_cta > 0) {
+    grid = std::min<int64_t>(grid, (tiles_bound + launch.n_tiles_per_cta - 1) / launch.n_tiles_per_cta);
+  }
+  grid = std::max<int64_t>(grid, 1);
+  launch_kernel("grouped GEMM (wgmma_ws kernel)", launch.programmatic, kernel, dim3(static_cast<unsigned>(grid)),
+                dim3(Cfg::kThreads), Cfg::smem_bytes(kMxfp4, args.num_experts), stream, map0, map1, args);
+}
+
+template <class T, bool kMxfp4>
+void launch_wgmma_ws_typed(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                           cudaStream_t stream) {
+  switch (mode) {
+    case Mode::gated:
+      return launch_wgmma_ws_mode<T, Mode::gated, kMxfp4>(dtype, args, launch, stream);
+    case Mode::relu2:
+      return launch_wgmma_ws_mode<T, Mode::relu2, kMxfp4>(dtype, args, launch, stream);
+    case Mode::plain:
+      return launch_wgmma_ws_mode<T, Mode::plain, kMxfp4>(dtype, args, launch, stream);
+  }
+}
+
+// MXFP4 weights (grouped_gemm_wgmma_ws_mxfp4.cu): dtype bf16 or f16, checked by launch_wgmma_ws.
+void launch_wgmma_ws_mxfp4(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                           cudaStream_t stream);
 
 }  // namespace latentmoe::cuda::gg

@@ -1,0 +1,16 @@
+// The persistent, warp-specialised Hopper grouped GEMM (grouped_gemm_wgmma_ws.cuh) with MXFP4 weights: the producer
+// warpgroup decodes the codes into the bf16/f16 weight stages. Arguments checked by launch_wgmma_ws.
+#include "cuda/gemm/grouped_gemm_wgmma_ws.cuh"
+
+namespace latentmoe::cuda::gg {
+
+void launch_wgmma_ws_mxfp4(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                           cudaStream_t stream) {
+  if (dtype == DType::bf16) {
+    launch_wgmma_ws_typed<__nv_bfloat16, true>(dtype, mode, args, launch, stream);
+  } else {
+    launch_wgmma_ws_typed<__half, true>(dtype, mode, args, launch, stream);
+  }
+}
+
+}  // namespace latentmoe::cuda::gg
