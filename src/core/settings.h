@@ -138,7 +138,7 @@ inline constexpr std::array<SettingSpec, 12> kSettings{{
      .min = 0,
      .max = 64,
      .unit = "tokens",
-     .fallback = 16,
+     .fallback = 8,
      .meaning = "up to how many tokens MXFP4 routed experts with bf16/f16 activations run on the decode kernels "
                 "(mxfp4_decode_mma.cu; above 8 in batches of 8); above, on the grouped GEMMs (to measure the "
                 "boundary; the default is `kMxfp4DecodeTokens`, measured: docs/MXFP4.md)",

@@ -77,10 +77,9 @@ void set_edge_scales(HostTensor& scales) {
 // MXFP4 routed experts (issue 16), decoded in registers: the whole layer at tp 1 and on 2 simulated
 // ranks against the CPU runner (which decodes exactly), situ and silu with a gate, relu2 without,
 // 1..8 tokens on the decode kernels (bf16, f16: tensor cores; f32: CUDA cores; tokens sharing experts),
-// 9 tokens in batches of 8 on them (up to kMxfp4DecodeTokens), 37 and 150 tokens on the grouped GEMMs (the
-// rows kernel, the tile kernels; f32 in batches of 8 on the decode kernels at every count), a latent long enough for
-// the unrolled loop and its remainder (544 = 17 groups over 8 warps; a partial last k-tile of the grouped GEMM), edge
-// scale bytes.
+// 9, 37 and 150 tokens on the grouped GEMMs (above kMxfp4DecodeTokens: the rows kernel, the tile kernels; f32 in
+// batches of 8 on the decode kernels at every count), a latent long enough for the unrolled loop and its remainder (544
+// = 17 groups over 8 warps; a partial last k-tile of the grouped GEMM), edge scale bytes.
 TEST(CudaRunner, mxfp4_experts_match_the_cpu_runner) {
   LATENTMOE_REQUIRE_GPU();
   LayerConfig kimi = resized(kimi_k3_config(), {40, 64, 6, 3, 256, 40});
@@ -99,7 +98,7 @@ TEST(CudaRunner, mxfp4_experts_match_the_cpu_runner) {
       set_edge_scales(weights.expert_gate_scale);
       set_edge_scales(weights.expert_up_scale);
       set_edge_scales(weights.expert_down_scale);
-      // 1-8 tokens: the decode kernels; 9, 37 and 150 the grouped tensor-core GEMMs' three MXFP4 tile shapes
+      // 1-8 tokens: the decode kernels; 9, 37 and 150 the grouped tensor-core GEMMs' MXFP4 shapes
       // (about 5, 18 and 75 rows per expert here); f32 runs above 8 tokens in batches of 8.
       for (int64_t tokens : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{9}, int64_t{37}, int64_t{150}}) {
         for (int tp : {1, 2}) {
@@ -173,7 +172,8 @@ TEST(CudaRunner, mxfp4_gate_up_with_fewer_warps_per_tile_matches_the_cpu_runner)
 // what the decode kernels would take to the grouped GEMMs, whose automatic choice is the rows kernel here
 // (at most 16 rows per touched expert). A latent of 544 and I of 320 (17 and 10 scale groups: partial
 // 128-column steps, unaligned scale words) and one of 512 and 256 (whole steps), gated and relu2, bf16 and
-// f16, tp 1 and 2, against the CPU runner; a value past 64 is refused by name.
+// f16, tp 1 and 2, against the CPU runner; 9 and 16 tokens in batches of 8 on the decode kernels (the setting
+// at 16); a value past 64 is refused by name.
 TEST(CudaRunner, mxfp4_grouped_rows_kernel_from_one_token_matches_the_cpu_runner) {
   LATENTMOE_REQUIRE_GPU();
   LayerConfig kimi_long = resized(kimi_k3_config(), {48, 544, 9, 4, 320, 40});
@@ -199,6 +199,21 @@ TEST(CudaRunner, mxfp4_grouped_rows_kernel_from_one_token_matches_the_cpu_runner
                 inputs, tp, dtype);
           }
         }
+      }
+    }
+  }
+  {
+    // Above 8 tokens the decode kernels run in batches of 8 where the setting sends them there (9 and 16
+    // tokens: a partial and a whole second batch).
+    const ScopedVariable batches("LATENTMOE_MXFP4_DECODE_MAX_TOKENS", "16");
+    for (const LayerConfig& config : {kimi_long, nemotron}) {
+      const LayerWeights weights = make_random_layer_weights(config, DType::bf16, ++seed);
+      for (int64_t tokens : {int64_t{9}, int64_t{16}}) {
+        SCOPED_TRACE(std::string(to_string(config.activation)) + ", batches of 8, T " + std::to_string(tokens));
+        const LocalGroupInputs inputs = latentmoe::testing::random_inputs(config, tokens, DType::bf16, seed + tokens);
+        expect_cuda_matches_cpu(
+            config, [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, config, parallel); },
+            inputs, 1, DType::bf16);
       }
     }
   }

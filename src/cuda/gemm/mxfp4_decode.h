@@ -22,11 +22,11 @@
 namespace latentmoe::cuda {
 
 inline constexpr int kMxfp4DecodeMaxRows = 8;
-// Up to how many tokens the layer runs MXFP4 experts (bf16/f16 activations) on these kernels, in batches of
-// kMxfp4DecodeMaxRows above 8; the grouped GEMMs above (their rows kernel, grouped_gemm.h). Measured on an
-// H100 (docs/MXFP4.md, mxfp4_rows_h100_61aa048.json, kimi-k3 tp-shard 8): at 16 tokens two batches took 327
-// µs against 388 for the rows kernel, at 32 four batches 648 against 620.
-inline constexpr int kMxfp4DecodeTokens = 16;
+// Up to how many tokens the layer runs MXFP4 experts (bf16/f16 activations) on these kernels (in batches of
+// kMxfp4DecodeMaxRows above 8, where the setting raises it); the grouped GEMMs above (their rows kernel,
+// grouped_gemm.h). Measured on an H100 (docs/MXFP4.md, da0f97a, kimi-k3 tp-shard 8, routed experts in the
+// layer): at 16 tokens two batches took 325 µs against 299 for the rows kernel, at 8 one batch 162 against 184.
+inline constexpr int kMxfp4DecodeTokens = 8;
 
 // Stacked MXFP4 matrices [E, rows, cols]: packed [E, rows, cols/2] and scales [E, rows, cols/32]
 // (U8, contiguous). cols is a multiple of 32.
