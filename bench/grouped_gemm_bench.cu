@@ -13,9 +13,9 @@
 //                      [--weights bf16|mxfp4] [--json FILE] [--commit SHA]
 // --weights mxfp4: the experts' weights as MXFP4 codes (random bytes) and E8M0 scales (2^-6), the
 // activations bf16; their bytes counted at 17/32 byte per weight; "all" then sweeps the tile shapes
-// that have MXFP4 instances (mxfp4_rows, three mma.sync shapes, and on Hopper wgmma, wgmma_tall and wgmma_narrow).
-// (Up to 8 tokens the layer runs MXFP4 on the decode kernels instead: latentmoe bench layer --experts mxfp4 measures
-// both.) Timing, the repro line and the JSON go through the benchmark harness (bench/harness/timing.h).
+// that have MXFP4 instances (mxfp4_rows and mxfp4_rows_s3, three mma.sync shapes, and on Hopper wgmma, wgmma_tall and
+// wgmma_narrow). (Up to 8 tokens the layer runs MXFP4 on the decode kernels instead: latentmoe bench layer --experts
+// mxfp4 measures both.) Timing, the repro line and the JSON go through the benchmark harness (bench/harness/timing.h).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -300,7 +300,8 @@ int run(int argc, char** argv) {
   // Variants swept: "automatic" (the library's choice), "all" (every tensor-core variant), or a list.
   std::vector<GemmChoice> variants;
   if (variants_arg == "all" && mxfp4) {
-    for (GemmVariant v : {GemmVariant::mxfp4_rows, GemmVariant::mma_s_wide, GemmVariant::mma_m, GemmVariant::mma_l4})
+    for (GemmVariant v : {GemmVariant::mxfp4_rows, GemmVariant::mxfp4_rows_s3, GemmVariant::mma_s_wide,
+                          GemmVariant::mma_m, GemmVariant::mma_l4})
       variants.emplace_back(v);
     if (latentmoe::cuda::detail::wgmma_available()) {
       for (GemmVariant v :

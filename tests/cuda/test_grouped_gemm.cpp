@@ -467,7 +467,8 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
         GemmChoice(GemmVariant::mxfp4_rows, 1),
         // mxfp4_rows with the reduction split (the sums of 2, 3 and every k-step's CTA added by the last).
         GemmChoice(GemmVariant::mxfp4_rows, 0, 2), GemmChoice(GemmVariant::mxfp4_rows, 1, 3),
-        GemmChoice(GemmVariant::mxfp4_rows, 0, 64)};
+        GemmChoice(GemmVariant::mxfp4_rows, 0, 64), GemmChoice(GemmVariant::mxfp4_rows_s3),
+        GemmChoice(GemmVariant::mxfp4_rows_s3, 0, 3)};
     if (detail::wgmma_available()) {  // the Hopper kernels decode into their swizzled weight tiles
       // wgmma_ws: its producer warpgroup decodes; one CTA per SM, at least 3 tiles per CTA, and one CTA walking
       // every tile (its raw-copy cursor running ahead across the tiles).
@@ -490,7 +491,8 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
     const Case c{"mxfp4_bf16_silu_t40_i256_l512_big_scales", DType::bf16, Activation::silu, 40, 3, 0, 2, 256, 512, -1};
     Problem problem(c, 7u + static_cast<uint32_t>(every), /*mxfp4=*/true, every);
     check_choices(problem, c.name + " every " + std::to_string(every),
-                  {GemmChoice(GemmVariant::mxfp4_rows, 1), GemmChoice(GemmVariant::mxfp4_rows, 0, 3)});
+                  {GemmChoice(GemmVariant::mxfp4_rows, 1), GemmChoice(GemmVariant::mxfp4_rows, 0, 3),
+                   GemmChoice(GemmVariant::mxfp4_rows_s3)});
   }
   // The automatic MXFP4 shape follows the rows per touched expert (kimi-k3 tp-shard 8: E 896, k 16).
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 9, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);
@@ -560,6 +562,9 @@ TEST(Cuda_GroupedGemm, mxfp4_rows_graph_replay_with_new_layout) {
   check_graph_replays(
       problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::mxfp4_rows, 0, 3), stream); },
       "mxfp4_rows split-K graph replay");
+  check_graph_replays(
+      problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::mxfp4_rows_s3, 0, 2), stream); },
+      "mxfp4_rows_s3 split-K graph replay");
 }
 
 // The persistent warp-specialised kernel (wgmma_ws) walks a static tile schedule computed on the device. Its grid

@@ -113,18 +113,22 @@ std::string to_string(GemmVariant variant) {
       return "wgmma_ws";
     case GemmVariant::mxfp4_rows:
       return "mxfp4_rows";
+    case GemmVariant::mxfp4_rows_s3:
+      return "mxfp4_rows_s3";
   }
   return "unknown";
 }
 
 std::vector<GemmVariant> all_variants() {
-  return {GemmVariant::simt,     GemmVariant::mma_s,     GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
-          GemmVariant::mma_m32,  GemmVariant::mma_m,     GemmVariant::mma_l4,     GemmVariant::mma_l,
-          GemmVariant::mma_xl,   GemmVariant::wgmma,     GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow,
-          GemmVariant::wgmma_ws, GemmVariant::mxfp4_rows};
+  return {GemmVariant::simt,     GemmVariant::mma_s,      GemmVariant::mma_s_wide,   GemmVariant::mma_s_k128,
+          GemmVariant::mma_m32,  GemmVariant::mma_m,      GemmVariant::mma_l4,       GemmVariant::mma_l,
+          GemmVariant::mma_xl,   GemmVariant::wgmma,      GemmVariant::wgmma_tall,   GemmVariant::wgmma_narrow,
+          GemmVariant::wgmma_ws, GemmVariant::mxfp4_rows, GemmVariant::mxfp4_rows_s3};
 }
 
-bool is_mxfp4_only(GemmVariant variant) { return variant == GemmVariant::mxfp4_rows; }
+bool is_mxfp4_only(GemmVariant variant) {
+  return variant == GemmVariant::mxfp4_rows || variant == GemmVariant::mxfp4_rows_s3;
+}
 
 bool is_wgmma(GemmVariant variant) {
   return variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall || variant == GemmVariant::wgmma_narrow ||
@@ -225,8 +229,8 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
                     : choose_variant(dtype, down, mode == gg::Mode::gated, num_tokens, args.top_k, args.num_experts,
                                      intermediate, latent);
   }
-  LATENTMOE_CHECK(variant != GemmVariant::mxfp4_rows || mxfp4,
-                  "grouped GEMM: the mxfp4_rows variant takes MXFP4 weights only");
+  LATENTMOE_CHECK(!is_mxfp4_only(variant) || mxfp4, "grouped GEMM: the ", to_string(variant),
+                  " variant takes MXFP4 weights only");
   const bool tensor_core_ok = dtype != DType::f32 && current_compute_capability() >= 80 && args.n % 8 == 0 &&
                               args.k % 8 == 0 && aligned16(args.a) && aligned16(args.w0) &&
                               (args.w1 == nullptr || aligned16(args.w1)) && aligned16(args.out);
@@ -259,8 +263,9 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.prefer_two_tiles = down;
   launch.k_splits = choice.k_splits;
   gg::attach_split_k(launch, workspace, workspace_bytes, gg::kSplitKCounters, gg::kSplitKPartialBytes, "grouped GEMM");
-  if (variant == GemmVariant::mxfp4_rows) {
-    gg::launch_mxfp4_rows(dtype, mode, args, choice.n_tiles_per_cta, launch, hopper, stream);
+  if (is_mxfp4_only(variant)) {
+    const int stages = variant == GemmVariant::mxfp4_rows_s3 ? 3 : 4;
+    gg::launch_mxfp4_rows(dtype, mode, args, choice.n_tiles_per_cta, stages, launch, hopper, stream);
     return;
   }
   const bool wgmma = detail::is_wgmma(variant);

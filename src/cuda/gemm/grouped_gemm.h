@@ -76,27 +76,28 @@ size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_exper
 namespace detail {
 
 enum class GemmVariant {
-  automatic,     // the table in grouped_gemm.cu
-  simt,          // fp32 SIMT (every dtype; the only engine for f32)
-  mma_s,         // mma.sync, 16-row tiles, 4 warps, 64 weight rows: small row counts (decode)
-  mma_s_wide,    // mma.sync, 16-row tiles, 4 warps, 128 weight rows
-  mma_s_k128,    // mma.sync, 16-row tiles, 4 warps, 64 weight rows, 128-deep k-tiles
-  mma_m32,       // mma.sync, 32-row tiles, 8 warps, 5 stages
-  mma_m,         // mma.sync, 64-row tiles, 8 warps
-  mma_l4,        // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
-  mma_l,         // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
-  mma_xl,        // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
-  wgmma,         // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N (<= 96)
-  wgmma_tall,    // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
-  wgmma_narrow,  // sm_90a only: tiles of up to 96 expert rows against 128 weight rows, two CTAs per SM
-  wgmma_ws,      // sm_90a only: persistent and warp-specialised (a TMA/cp.async producer warpgroup, two wgmma
-                 // consumer warpgroups, an mbarrier ring), tiles of up to 128 expert rows against 256 weight rows;
-                 // GemmChoice::n_tiles_per_cta > 0 asks for at least that many tiles per CTA (a smaller grid)
-  mxfp4_rows,    // MXFP4 weights only (bf16, f16): codes decoded straight into mma.sync fragments, a cp.async
-                 // ring per CTA, each expert's weights read once per 16 of its rows (grouped_gemm_mxfp4_rows.cu);
-                 // GemmChoice::n_tiles_per_cta is its 64-row blocks a CTA (1: 4 warps, 2: 8 warps, 0: 4)
+  automatic,      // the table in grouped_gemm.cu
+  simt,           // fp32 SIMT (every dtype; the only engine for f32)
+  mma_s,          // mma.sync, 16-row tiles, 4 warps, 64 weight rows: small row counts (decode)
+  mma_s_wide,     // mma.sync, 16-row tiles, 4 warps, 128 weight rows
+  mma_s_k128,     // mma.sync, 16-row tiles, 4 warps, 64 weight rows, 128-deep k-tiles
+  mma_m32,        // mma.sync, 32-row tiles, 8 warps, 5 stages
+  mma_m,          // mma.sync, 64-row tiles, 8 warps
+  mma_l4,         // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
+  mma_l,          // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
+  mma_xl,         // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
+  wgmma,          // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N (<= 96)
+  wgmma_tall,     // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
+  wgmma_narrow,   // sm_90a only: tiles of up to 96 expert rows against 128 weight rows, two CTAs per SM
+  wgmma_ws,       // sm_90a only: persistent and warp-specialised (a TMA/cp.async producer warpgroup, two wgmma
+                  // consumer warpgroups, an mbarrier ring), tiles of up to 128 expert rows against 256 weight rows;
+                  // GemmChoice::n_tiles_per_cta > 0 asks for at least that many tiles per CTA (a smaller grid)
+  mxfp4_rows,     // MXFP4 weights only (bf16, f16): codes decoded straight into mma.sync fragments, a cp.async
+                  // ring per CTA, each expert's weights read once per 16 of its rows (grouped_gemm_mxfp4_rows.cu);
+                  // GemmChoice::n_tiles_per_cta is its 64-row blocks a CTA (1: 4 warps, 2: 8 warps, 0: 4)
+  mxfp4_rows_s3,  // mxfp4_rows with a ring of 3 stages and 4 CTAs per SM (4 stages, 3 CTAs per SM above)
 };
-// True for the variants that take MXFP4 weights only (mxfp4_rows).
+// True for the variants that take MXFP4 weights only (mxfp4_rows, mxfp4_rows_s3).
 bool is_mxfp4_only(GemmVariant variant);
 // True for the variants that run the wgmma kernel (sm_90a only).
 bool is_wgmma(GemmVariant variant);

@@ -55,7 +55,11 @@ namespace latentmoe::cuda::gg {
 namespace {
 
 constexpr int kStepGroups = 4;  // scale groups per pipeline step
-constexpr int kStages = 4;
+// Ring depths: 4 stages and 3 CTAs per SM (mxfp4_rows), or 3 stages and 4 CTAs per SM (mxfp4_rows_s3: a third
+// more warps to hide latency, registers capped at 128; ncu at 64 tokens saw the 4-stage form issue on 65% of
+// cycles with 2.9 warps per scheduler, 1.15 of them eligible).
+template <int kStages>
+constexpr int kCtasPerSm = kStages == 4 ? 3 : 4;
 constexpr int kPassRows = 16;  // expert rows per pass: two n8 tiles
 constexpr int kRowsWarps = 4;  // warps a CTA: 64 weight rows (kept a parameter of the templates below)
 // Shared-memory row strides, padded so that the fragment reads are free of bank conflicts: a code row
@@ -410,9 +414,9 @@ __device__ __forceinline__ void gather_partials(const KernelArgs& a, const Walk&
 }
 
 // Grid (x_count * k_splits, E): blockIdx.x = x * k_splits + split, x the CTA's group of weight blocks.
-template <class T, Mode kMode, int kWarps, bool kAligned>
-// Blocks per SM: what the shared memory allows (3 of 4 warps), so up to 170 registers.
-__global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 3 : 2)
+// CTAs per SM: what the shared memory allows (3 with 4 stages: up to 170 registers; 4 with 3: 128).
+template <class T, Mode kMode, int kWarps, bool kAligned, int kStages>
+__global__ void __launch_bounds__(32 * kWarps, kCtasPerSm<kStages>)
     mxfp4_rows_kernel(KernelArgs a, int blocks_per_cta) {
   using S = Stage<kMode, kWarps, kAligned>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -564,14 +568,14 @@ RowsPlan plan_rows(const KernelArgs& args, int block_rows, int smem_bytes, int m
   return plan;
 }
 
-template <class T, Mode kMode, int kWarps, bool kAligned>
+template <class T, Mode kMode, int kWarps, bool kAligned, int kStages>
 void launch_rows(KernelArgs args, const MmaLaunch& launch, bool programmatic, cudaStream_t stream) {
   using S = Stage<kMode, kWarps, kAligned>;
   static std::atomic<uint64_t> smem_done{0};
   constexpr int kSmem = kStages * static_cast<int>(sizeof(S));
-  auto kernel = mxfp4_rows_kernel<T, kMode, kWarps, kAligned>;
+  auto kernel = mxfp4_rows_kernel<T, kMode, kWarps, kAligned, kStages>;
   ensure_smem_limit(reinterpret_cast<const void*>(kernel), kSmem, &smem_done);
-  const RowsPlan plan = plan_rows(args, S::kRows, kSmem, kWarps == 4 ? 3 : 2, kMats<kMode>, launch);
+  const RowsPlan plan = plan_rows(args, S::kRows, kSmem, kCtasPerSm<kStages>, kMats<kMode>, launch);
   args.k_splits = plan.k_splits;
   args.k_tiles_per_split = plan.steps_per_split;
   args.partials = launch.partials;
@@ -584,24 +588,29 @@ void launch_rows(KernelArgs args, const MmaLaunch& launch, bool programmatic, cu
 }
 
 template <class T, Mode kMode>
-void launch_shape(const KernelArgs& args, bool aligned, const MmaLaunch& launch, bool programmatic,
+void launch_shape(const KernelArgs& args, bool aligned, int stages, const MmaLaunch& launch, bool programmatic,
                   cudaStream_t stream) {
-  aligned ? launch_rows<T, kMode, kRowsWarps, true>(args, launch, programmatic, stream)
-          : launch_rows<T, kMode, kRowsWarps, false>(args, launch, programmatic, stream);
+  if (stages == 3) {
+    aligned ? launch_rows<T, kMode, kRowsWarps, true, 3>(args, launch, programmatic, stream)
+            : launch_rows<T, kMode, kRowsWarps, false, 3>(args, launch, programmatic, stream);
+  } else {
+    aligned ? launch_rows<T, kMode, kRowsWarps, true, 4>(args, launch, programmatic, stream)
+            : launch_rows<T, kMode, kRowsWarps, false, 4>(args, launch, programmatic, stream);
+  }
 }
 
 template <class T>
-void launch_mode(Mode mode, const KernelArgs& args, bool aligned, const MmaLaunch& launch, bool programmatic,
-                 cudaStream_t stream) {
+void launch_mode(Mode mode, const KernelArgs& args, bool aligned, int stages, const MmaLaunch& launch,
+                 bool programmatic, cudaStream_t stream) {
   switch (mode) {
     case Mode::gated:
-      launch_shape<T, Mode::gated>(args, aligned, launch, programmatic, stream);
+      launch_shape<T, Mode::gated>(args, aligned, stages, launch, programmatic, stream);
       return;
     case Mode::relu2:
-      launch_shape<T, Mode::relu2>(args, aligned, launch, programmatic, stream);
+      launch_shape<T, Mode::relu2>(args, aligned, stages, launch, programmatic, stream);
       return;
     case Mode::plain:
-      launch_shape<T, Mode::plain>(args, aligned, launch, programmatic, stream);
+      launch_shape<T, Mode::plain>(args, aligned, stages, launch, programmatic, stream);
       return;
   }
 }
@@ -610,8 +619,8 @@ bool aligned4(const void* p) { return p == nullptr || (reinterpret_cast<uintptr_
 
 }  // namespace
 
-void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, const MmaLaunch& launch,
-                       bool programmatic, cudaStream_t stream) {
+void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, int stages,
+                       const MmaLaunch& launch, bool programmatic, cudaStream_t stream) {
   LATENTMOE_CHECK(args.s0 != nullptr && (mode != Mode::gated || args.s1 != nullptr),
                   "grouped GEMM: the mxfp4_rows variant takes MXFP4 weights only");
   LATENTMOE_CHECK(dtype == DType::bf16 || dtype == DType::f16,
@@ -629,11 +638,12 @@ void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_b
   LATENTMOE_CHECK(cta_blocks == 0 || cta_blocks == 1,
                   "grouped GEMM: mxfp4_rows takes one block of 64 weight rows a CTA (n_tiles_per_cta 0 or 1), not ",
                   cta_blocks);
+  LATENTMOE_CHECK(stages == 3 || stages == 4, "grouped GEMM: mxfp4_rows has rings of 3 or 4 stages, not ", stages);
   const bool aligned = args.k % (kStepGroups * kMxfp4Group) == 0 && aligned4(args.s0) && aligned4(args.s1);
   if (dtype == DType::bf16) {
-    launch_mode<__nv_bfloat16>(mode, args, aligned, launch, programmatic, stream);
+    launch_mode<__nv_bfloat16>(mode, args, aligned, stages, launch, programmatic, stream);
   } else {
-    launch_mode<__half>(mode, args, aligned, launch, programmatic, stream);
+    launch_mode<__half>(mode, args, aligned, stages, launch, programmatic, stream);
   }
 }
 
