@@ -76,25 +76,27 @@ size_t grouped_gemm_workspace_bytes(int64_t max_tokens, int top_k, int num_exper
 namespace detail {
 
 enum class GemmVariant {
-  automatic,     // the table in grouped_gemm.cu
-  simt,          // fp32 SIMT (every dtype; the only engine for f32)
-  mma_s,         // mma.sync, 16-row tiles, 4 warps, 64 weight rows: small row counts (decode)
-  mma_s_wide,    // mma.sync, 16-row tiles, 4 warps, 128 weight rows
-  mma_s_k128,    // mma.sync, 16-row tiles, 4 warps, 64 weight rows, 128-deep k-tiles
-  mma_m32,       // mma.sync, 32-row tiles, 8 warps, 5 stages
-  mma_m,         // mma.sync, 64-row tiles, 8 warps
-  mma_l4,        // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
-  mma_l,         // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
-  mma_xl,        // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
-  wgmma,         // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N (<= 96)
-  wgmma_tall,    // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
-  wgmma_narrow,  // sm_90a only: tiles of up to 96 expert rows against 128 weight rows, two CTAs per SM
-  wgmma_ws,      // sm_90a only: persistent and warp-specialised (a TMA/cp.async producer warpgroup, two wgmma
-                 // consumer warpgroups, an mbarrier ring), tiles of up to 128 expert rows against 256 weight rows;
-                 // GemmChoice::n_tiles_per_cta > 0 asks for at least that many tiles per CTA (a smaller grid)
-  mxfp4_rows,    // MXFP4 weights only (bf16, f16): codes decoded straight into mma.sync fragments, a cp.async
-                 // ring per CTA, each expert's weights read once per 16 of its rows (grouped_gemm_mxfp4_rows.cu);
-                 // GemmChoice::n_tiles_per_cta is its 64-row blocks a CTA (1: 4 warps, 2: 8 warps, 0: 4)
+  automatic,      // the table in grouped_gemm.cu
+  simt,           // fp32 SIMT (every dtype; the only engine for f32)
+  mma_s,          // mma.sync, 16-row tiles, 4 warps, 64 weight rows: small row counts (decode)
+  mma_s_wide,     // mma.sync, 16-row tiles, 4 warps, 128 weight rows
+  mma_s_k128,     // mma.sync, 16-row tiles, 4 warps, 64 weight rows, 128-deep k-tiles
+  mma_m32,        // mma.sync, 32-row tiles, 8 warps, 5 stages
+  mma_m,          // mma.sync, 64-row tiles, 8 warps
+  mma_l4,         // mma.sync, 96-row tiles, 8 warps, 4 stages, 2 CTAs per SM
+  mma_l,          // mma.sync, 128-row tiles, 8 warps, 3 stages, 2 CTAs per SM
+  mma_xl,         // mma.sync, 128-row tiles, twice the columns, 1 CTA per SM (most reuse per byte)
+  wgmma,          // sm_90a only: warpgroup MMA, weight rows as the MMA's M, the expert's rows as its N (<= 96)
+  wgmma_tall,     // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
+  wgmma_narrow,   // sm_90a only: tiles of up to 96 expert rows against 128 weight rows, two CTAs per SM
+  wgmma_ws,       // sm_90a only: persistent and warp-specialised (a TMA/cp.async producer warpgroup, two wgmma
+                  // consumer warpgroups, an mbarrier ring), tiles of up to 128 expert rows against 256 weight rows;
+                  // GemmChoice::n_tiles_per_cta > 0 asks for at least that many tiles per CTA (a smaller grid)
+  wgmma_ws_tall,  // sm_90a only: wgmma_ws with tiles of up to 256 expert rows against 128 weight rows (an expert of
+                  // up to 256 rows reads its weights once; n-tiles of 128 weight rows)
+  mxfp4_rows,     // MXFP4 weights only (bf16, f16): codes decoded straight into mma.sync fragments, a cp.async
+                  // ring per CTA, each expert's weights read once per 16 of its rows (grouped_gemm_mxfp4_rows.cu);
+                  // GemmChoice::n_tiles_per_cta is its 64-row blocks a CTA (1: 4 warps, 2: 8 warps, 0: 4)
 };
 // True for the variants that take MXFP4 weights only (mxfp4_rows).
 bool is_mxfp4_only(GemmVariant variant);
@@ -103,13 +105,16 @@ bool is_wgmma(GemmVariant variant);
 
 // A variant, how many n-tiles one CTA computes (0: chosen from the shape) and how many CTAs split the
 // reduction of one output tile (0: chosen from the shape; 1: no split-K; more needs a workspace large
-// enough, else the call throws). Split-K runs one n-tile per CTA.
+// enough, else the call throws). Split-K runs one n-tile per CTA. `option`: a variant's own switch, 0 its
+// default; wgmma_ws and wgmma_ws_tall: 1 stores the outputs from registers (4 bytes a thread) instead of
+// through shared memory (16 bytes a thread), for comparison.
 struct GemmChoice {
-  GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0, int splits = 0)
-      : variant(v), n_tiles_per_cta(tiles_per_cta), k_splits(splits) {}
+  GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0, int splits = 0, int opt = 0)
+      : variant(v), n_tiles_per_cta(tiles_per_cta), k_splits(splits), option(opt) {}
   GemmVariant variant;
   int n_tiles_per_cta;
   int k_splits;
+  int option;
 };
 
 std::string to_string(GemmVariant variant);
