@@ -570,13 +570,15 @@ TEST(Cuda_GroupedGemm, mxfp4_rows_graph_replay_with_new_layout) {
 // CTA walking every tile (its mbarrier ring wrapping many times, the tiles' k-steps (5 here) not a multiple of the
 // 4 stages, so the stage and parity of a tile's first step differ from tile to tile), 3 and 7 CTAs (tile counts
 // that do not divide); and, on the other side, grids larger than the tiles there are (experts mostly empty, most
-// pairs routed to no expert), so that some CTAs get no tile at all.
+// pairs routed to no expert), so that some CTAs get no tile at all. Both epilogues: through shared memory (the
+// default) and from registers (GemmChoice::option 1).
 TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!detail::wgmma_available()) GTEST_SKIP() << "no sm_90a device";
   std::vector<GemmChoice> small_grids;
   for (GemmVariant v : {GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall}) {
     for (int per_cta : {1 << 20, 7, 3, 0}) small_grids.emplace_back(v, per_cta);
+    small_grids.emplace_back(v, 3, 0, /*option: the register epilogue*/ 1);
   }
   const Case many_tiles[] = {
       // name, dtype, act, T, E, Z, k, I_r, l, heavy

@@ -525,7 +525,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   __syncthreads();  // the prefix and the barrier inits
 
   const int n_tiles = args.n_tiles;
-  const int num_tiles = s_prefix[num_experts] * n_tiles;
+  // The tile count: read from shared memory by each role after its setmaxnreg (a value live across it was spilled).
+  auto tile_count_of_cta = [&]() { return *reinterpret_cast<volatile const int*>(s_prefix + num_experts) * n_tiles; };
   const int n = args.n;
   const int k = args.k;
   const int num_k_steps = (k + kBK - 1) / kBK;
@@ -533,6 +534,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warp < 4) {
     // ---------------------------------------------------------------- producer
     ws::setmaxnreg_dec<Cfg::producer_regs(kMxfp4)>();
+    const int num_tiles = tile_count_of_cta();
     constexpr int kChunks = kBK / 8;                           // 16-byte chunks per 128-byte row
     constexpr int kRowStep = Cfg::kProducerThreads / kChunks;  // 16: rows between one thread's copies
     constexpr int kXIters = Cfg::kBlockM / kRowStep;           // 8 or 16
@@ -559,7 +561,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // 16 code bytes and the aligned 4-byte word holding its scale byte this thread copies (cp.async) into raw slot
     // step % kRawStages, kRawStages - 1 steps ahead, and decodes itself: no other thread reads its raw units.
     constexpr int kRawAhead = Cfg::kRawStages - 1;
-    constexpr int kRawPerThread = Cfg::kRawUnits / Cfg::kProducerThreads;  // 4
+    constexpr int kRawPerThread = Cfg::kRawUnits / Cfg::kProducerThreads;  // 4 (wide) or 2 (tall)
     static_assert(Cfg::kRawUnits % Cfg::kProducerThreads == 0, "the scale groups must divide over the producer");
     const uint32_t raw_base = ring + kStages * Cfg::kStageBytes;  // codes [slot][unit][16], then words [slot][unit][4]
     const unsigned char* const raw_ptr = ring_ptr + kStages * Cfg::kStageBytes;
@@ -762,6 +764,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   } else {
     // ---------------------------------------------------------------- consumers
     ws::setmaxnreg_inc<Cfg::consumer_regs(kMxfp4)>();
+    const int num_tiles = tile_count_of_cta();
     const int c = warp / 4 - 1;  // consumer 0 or 1
     const int wq = warp & 3;     // warp in the warpgroup: rows 16 wq.. of each m64 block
     constexpr int kBlocks = Cfg::kBlocksPerWg;
