@@ -328,8 +328,17 @@ __device__ __forceinline__ void run_step(const Stage<kMode, kWarps, kAligned>& s
   compute_step<T, kMode, kWarps, kAligned, kTiles>(stage, warp, g, t, scale_address, ks, acc);
 }
 
-// Stores a warp's outputs of one (pass, block) and clears its accumulators. C fragment: acc[.][c][0..1]
-// weight row g, pass rows 8c + 2t and 8c + 2t + 1; acc[.][c][2..3] weight row g + 8.
+// Where accumulator (c, i) of lane (g, t) belongs: the pass row (an index into the expert's rows) and the
+// output column. C fragment: acc[.][c][0..1] weight row g, pass rows 8c + 2t and 8c + 2t + 1; acc[.][c][2..3]
+// weight row g + 8.
+struct FragmentPlace {
+  int idx, col;
+};
+__device__ __forceinline__ FragmentPlace fragment_place(int pass, int first_row_of_tile, int g, int t, int c, int i) {
+  return {pass * kPassRows + c * 8 + 2 * t + (i & 1), first_row_of_tile + g + (i >= 2 ? 8 : 0)};
+}
+
+// Stores a warp's outputs of one (pass, block) and clears its accumulators.
 template <class T, Mode kMode>
 __device__ __forceinline__ void store_pass(const KernelArgs& a, const Walk& w, int pass, int first_row_of_tile, int g,
                                            int t, float (&acc)[2][2][4]) {
@@ -338,8 +347,7 @@ __device__ __forceinline__ void store_pass(const KernelArgs& a, const Walk& w, i
   for (int c = 0; c < 2; ++c) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int idx = pass * kPassRows + c * 8 + 2 * t + (i & 1);
-      const int row = first_row_of_tile + g + (i >= 2 ? 8 : 0);
+      const auto [idx, row] = fragment_place(pass, first_row_of_tile, g, t, c, i);
       float value;
       if constexpr (kMode == Mode::gated) {
         value = gated_act<true>(acc[0][c][i], acc[1][c][i], a);
@@ -364,8 +372,7 @@ __device__ __forceinline__ void store_partials(const KernelArgs& a, const Walk& 
   for (int c = 0; c < 2; ++c) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int idx = pass * kPassRows + c * 8 + 2 * t + (i & 1);
-      const int col = first_row_of_tile + g + (i >= 2 ? 8 : 0);
+      const auto [idx, col] = fragment_place(pass, first_row_of_tile, g, t, c, i);
 #pragma unroll
       for (int m = 0; m < kMats<kMode>; ++m) {
         if (idx < w.rows && col < a.n) {
@@ -393,8 +400,7 @@ __device__ __forceinline__ void gather_partials(const KernelArgs& a, const Walk&
     for (int c = 0; c < 2; ++c) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int idx = pass * kPassRows + c * 8 + 2 * t + (i & 1);
-        const int col = first_row_of_tile + g + (i >= 2 ? 8 : 0);
+        const auto [idx, col] = fragment_place(pass, first_row_of_tile, g, t, c, i);
         const bool ok = idx < w.rows && col < a.n;
         const float* p =
             a.partials + (static_cast<int64_t>(w.first_row + idx) * a.k_splits + split) * split_stride + col;

@@ -194,6 +194,27 @@ __device__ __forceinline__ void wgmma_store_tile(const float (&acc)[kBlocks][kAc
 
 #endif
 
+// Tile row r of n-tile nt of a wgmma tile of kBlocks m64 blocks per warpgroup: its output column, and whether it
+// is an up row (gated). Gated, two blocks: tile rows [128 g, 128 g + 64) are the gate rows of output columns
+// nt * kOutPerTile + 64 g + [0, 64), the next 64 the up rows of the same columns. Gated, one block: block g
+// (rows [64 g, 64 g + 64)) holds columns nt * kOutPerTile + 32 g + [0, 32), its rows 16 q + j (j < 8) the gate
+// rows of column 8 q + j, rows 16 q + 8 + j the up rows of the same column (the accumulator rows r and r + 8 of
+// one thread). Otherwise consecutive rows. Shared with the warp-specialised kernel (grouped_gemm_wgmma_ws.cuh).
+template <bool kGated, int kBlocks, int kOutPerTile>
+__host__ __device__ __forceinline__ int wgmma_weight_row(int nt, int r, bool* up) {
+  *up = false;
+  if constexpr (kGated && kBlocks == 2) {
+    *up = (r >> 6) & 1;
+    return nt * kOutPerTile + (r >> 7) * 64 + (r & 63);
+  } else if constexpr (kGated) {
+    const int rr = r & 63;
+    *up = (rr >> 3) & 1;
+    return nt * kOutPerTile + (r >> 6) * 32 + ((rr >> 4) << 3) + (rr & 7);
+  } else {
+    return nt * kOutPerTile + r;
+  }
+}
+
 template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_wgmma_kernel(const KernelArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -273,23 +294,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_wgmma_
   const uint64_t weight_policy = evict_first_policy();
 
   // Tile row r of n-tile nt: its output column, and whether it is an up row (gated).
-  auto weight_row = [&](int nt, int r, bool* up) {
-    *up = false;
-    if constexpr (kGated && kBlocks == 2) {
-      // Tile rows [128 g, 128 g + 64): gate rows of output columns nt*128 + 64 g + [0, 64); the next 64:
-      // the up rows of the same columns.
-      *up = (r >> 6) & 1;
-      return nt * kOutPerTile + (r >> 7) * 64 + (r & 63);
-    } else if constexpr (kGated) {
-      // Block g (rows [64 g, 64 g + 64)) holds output columns nt*64 + 32 g + [0, 32): its rows 16q + j
-      // (j < 8) the gate rows of column 8q + j, rows 16q + 8 + j the up rows of the same column.
-      const int rr = r & 63;
-      *up = (rr >> 3) & 1;
-      return nt * kOutPerTile + (r >> 6) * 32 + ((rr >> 4) << 3) + (rr & 7);
-    } else {
-      return nt * kOutPerTile + r;
-    }
-  };
+  auto weight_row = [&](int nt, int r, bool* up) { return wgmma_weight_row<kGated, kBlocks, kOutPerTile>(nt, r, up); };
 
   auto load_weights = [&](int stage, int step) {
     const int nt = nt_first + step / num_k_steps;

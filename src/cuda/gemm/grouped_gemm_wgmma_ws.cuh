@@ -567,22 +567,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const unsigned char* const raw_ptr = ring_ptr + kStages * Cfg::kStageBytes;
     const size_t code_row = static_cast<size_t>(k / 2);    // code bytes per weight row
     const size_t scale_row = static_cast<size_t>(k / 32);  // scale bytes per weight row
-    // Tile row r of n-tile nt: its column and whether it is an up row (the boxes of the bf16 path). Gated, two
-    // m64 blocks per consumer: rows [128 c, 128 c + 64) the gate rows and the next 64 the up rows of columns
-    // nt * 128 + 64 c + [0, 64). Gated, one block: block c's rows 16 q + j (j < 8) the gate row of column
-    // nt * 64 + 32 c + 8 q + j, rows 16 q + 8 + j its up row (the accumulator rows r and r + 8 of one thread).
+    // Tile row r of n-tile nt: its column and whether it is an up row (wgmma_weight_row, grouped_gemm_wgmma.cuh).
     auto weight_row = [&](int nt, int r, bool* up) {
-      if constexpr (kGated && Cfg::kBlocksPerWg == 2) {
-        *up = (r >> 6) & 1;
-        return nt * kOutPerTile + (r >> 7) * 64 + (r & 63);
-      } else if constexpr (kGated) {
-        const int rr = r & 63;
-        *up = (rr >> 3) & 1;
-        return nt * kOutPerTile + (r >> 6) * 32 + ((rr >> 4) << 3) + (rr & 7);
-      } else {
-        *up = false;
-        return nt * kOutPerTile + r;
-      }
+      return wgmma_weight_row<kGated, Cfg::kBlocksPerWg, kOutPerTile>(nt, r, up);
     };
     // The raw copies of step `raw_step` (tile `raw_tile` of expert raw_expert, n-tile raw_nt, k-step raw_kt):
     // zero-filled past n and k, so that those values decode to 0.
