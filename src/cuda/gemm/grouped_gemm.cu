@@ -183,12 +183,13 @@ GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num
                                  int64_t intermediate, int64_t latent) {
   // By rows per touched expert, measured on an H200 (grouped_gemm_bench --weights mxfp4 --variants all,
   // docs/MXFP4.md; kimi-k3 tp-shard 8 and 1, 256-4096 tokens): up to kMxfp4RowsMaxMeanRows rows the rows
-  // kernel (on an H100 at 8-256 tokens 0.42-0.51 of the byte floor against mma_s_wide's 0.35-0.38, which it
-  // replaced; mxfp4_rows_h100_61aa048.json; at 1024 tokens, 18 rows, wgmma_narrow was 10% ahead); above, on Hopper, the
-  // wgmma kernel where bf16 takes it (at least 384 output columns), 6-18% faster than the best mma.sync shape at 1024
-  // and 4096 tokens, in its narrow shape (128 weight rows, two CTAs per SM): 3-8% faster than the 256-row one at
-  // 256-4096 tokens, both presets (140c3c2, grouped_gemm_mxfp4_narrow_h200_140c3c2.json); else mma_m up to 48 rows,
-  // mma_l4 above. The tall wgmma tiles measured 1.6-1.8x slower than the 96-row ones with MXFP4 and are not chosen.
+  // kernel (replaced mma_s_wide, 0.35-0.38 of the byte floor at 8-256 tokens; on an H100 at da0f97a 0.58-0.66 at
+  // 16-256 tokens, mxfp4_rows_h100_da0f97a.json; at 1024 tokens, 18 rows, wgmma_narrow was 10% ahead); above, on
+  // Hopper, the wgmma kernel where bf16 takes it (at least 384 output columns), 6-18% faster than the best mma.sync
+  // shape at 1024 and 4096 tokens, in its narrow shape (128 weight rows, two CTAs per SM): 3-8% faster than the 256-row
+  // one at 256-4096 tokens, both presets (140c3c2, grouped_gemm_mxfp4_narrow_h200_140c3c2.json); else mma_m up to 48
+  // rows, mma_l4 above. The tall wgmma tiles measured 1.6-1.8x slower than the 96-row ones with MXFP4 and are not
+  // chosen.
   (void)dtype, (void)gated;
   const int64_t mean_rows = mean_rows_per_touched_expert(num_tokens, top_k, num_experts);
   if (num_tokens <= 16 || mean_rows <= kMxfp4RowsMaxMeanRows) return GemmVariant::mxfp4_rows;

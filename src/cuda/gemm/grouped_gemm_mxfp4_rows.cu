@@ -55,6 +55,9 @@ namespace latentmoe::cuda::gg {
 namespace {
 
 constexpr int kStepGroups = 4;  // scale groups per pipeline step
+
+// Pipeline steps over a reduction of k (a multiple of the scale group).
+__host__ __device__ constexpr int k_steps_of(int k) { return (k / kMxfp4Group + kStepGroups - 1) / kStepGroups; }
 // Ring depths: 4 stages and 3 CTAs per SM (mxfp4_rows), or 3 stages and 4 CTAs per SM (mxfp4_rows_s3: a third
 // more warps to hide latency, registers capped at 128; ncu at 64 tokens saw the 4-stage form issue on 65% of
 // cycles with 2.9 warps per scheduler, 1.15 of them eligible).
@@ -440,7 +443,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtasPerSm<kStages>)
   w.first_block = x * blocks_per_cta;
   w.blocks = min(blocks_per_cta, total_blocks - w.first_block);
   w.groups = a.k / kMxfp4Group;
-  const int k_steps = (w.groups + kStepGroups - 1) / kStepGroups;
+  const int k_steps = k_steps_of(a.k);
   w.ks_begin = a.k_splits > 1 ? split * a.k_tiles_per_split : 0;
   w.ks_end = a.k_splits > 1 ? min(k_steps, w.ks_begin + a.k_tiles_per_split) : k_steps;
   if (w.rows <= 0 || w.blocks <= 0 || w.ks_begin >= w.ks_end) return;
@@ -528,7 +531,7 @@ struct RowsPlan {
 int mxfp4_rows_blocks_per_cta(int n, int k, int block_rows) {
   // At least ~16 pipeline steps a CTA where the blocks allow: a short K (Kimi-K3's down at tp-shard 8 has 3
   // steps a block) would otherwise spend most of each CTA filling and draining its ring.
-  const int k_steps = (k / kMxfp4Group + kStepGroups - 1) / kStepGroups;
+  const int k_steps = k_steps_of(k);
   const int total_blocks = (n + block_rows - 1) / block_rows;
   return std::clamp((16 + k_steps - 1) / k_steps, 1, total_blocks);
 }
@@ -537,7 +540,7 @@ int mxfp4_rows_blocks_per_cta(int n, int k, int block_rows) {
 RowsPlan plan_rows(const KernelArgs& args, int block_rows, int smem_bytes, int max_ctas_per_sm, int mats,
                    const MmaLaunch& launch) {
   RowsPlan plan;
-  const int k_steps = (args.k / kMxfp4Group + kStepGroups - 1) / kStepGroups;
+  const int k_steps = k_steps_of(args.k);
   const int total_blocks = (args.n + block_rows - 1) / block_rows;
   plan.blocks_per_cta = mxfp4_rows_blocks_per_cta(args.n, args.k, block_rows);
   int splits = launch.k_splits;
@@ -556,15 +559,16 @@ RowsPlan plan_rows(const KernelArgs& args, int block_rows, int smem_bytes, int m
   }
   splits = std::min(splits, k_steps);
   if (splits <= 1) return plan;
+  const RowsPlan unsplit = plan;
   plan.steps_per_split = (k_steps + splits - 1) / splits;
   plan.k_splits = (k_steps + plan.steps_per_split - 1) / plan.steps_per_split;  // no empty split
   plan.blocks_per_cta = 1;
-  if (plan.k_splits == 1) return plan;
+  if (plan.k_splits == 1) return unsplit;
   const int64_t counters = launch.max_rows * total_blocks;
   const int64_t floats = launch.max_rows * plan.k_splits * mats * static_cast<int64_t>(args.n);
   const bool fits = launch.partials != nullptr && counters <= launch.num_tile_counters &&
                     floats <= static_cast<int64_t>(launch.partial_floats);
-  if (!fits && launch.k_splits == 0) return RowsPlan{mxfp4_rows_blocks_per_cta(args.n, args.k, block_rows), 1, 0};
+  if (!fits && launch.k_splits == 0) return unsplit;
   LATENTMOE_CHECK(launch.partials != nullptr, "grouped GEMM (mxfp4_rows): ", launch.k_splits,
                   " splits of the reduction need a workspace");
   LATENTMOE_CHECK(fits, "grouped GEMM (mxfp4_rows): ", plan.k_splits, " splits of the reduction for ", launch.max_rows,
