@@ -13,9 +13,10 @@
 //                      [--weights bf16|mxfp4] [--json FILE] [--commit SHA]
 // --weights mxfp4: the experts' weights as MXFP4 codes (random bytes) and E8M0 scales (2^-6), the
 // activations bf16; their bytes counted at 17/32 byte per weight; "all" then sweeps the tile shapes
-// that have MXFP4 instances (mxfp4_rows and mxfp4_rows_s3, three mma.sync shapes, and on Hopper wgmma, wgmma_tall and
-// wgmma_narrow). (Up to 8 tokens the layer runs MXFP4 on the decode kernels instead: latentmoe bench layer --experts
-// mxfp4 measures both.) Timing, the repro line and the JSON go through the benchmark harness (bench/harness/timing.h).
+// that have MXFP4 instances (mxfp4_rows and mxfp4_rows_s3, three mma.sync shapes, and on Hopper wgmma, wgmma_tall,
+// wgmma_narrow, wgmma_ws and wgmma_ws_tall). (Up to 8 tokens the layer runs MXFP4 on the decode kernels instead:
+// latentmoe bench layer --experts mxfp4 measures both.) Timing, the repro line and the JSON go through the
+// benchmark harness (bench/harness/timing.h).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -236,12 +237,13 @@ nlohmann::json json_row(const Row& r) {
 }
 
 // "mma_l", "mma_l:ng4" (4 n-tiles per CTA), "mma_s:ks2" (2 split-K CTAs per tile), "mma_s:ng1:ks1";
-// "automatic".
+// "wgmma_ws_tall:op1" (GemmChoice::option 1: the register epilogue); "automatic".
 GemmChoice parse_choice(const std::string& spec) {
   const size_t colon = spec.find(':');
   const std::string name = spec.substr(0, colon);
   int per_cta = 0;
   int splits = 0;
+  int variant_option = 0;
   for (size_t at = colon; at != std::string::npos;) {
     const size_t next = spec.find(':', at + 1);
     const std::string option = spec.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
@@ -249,14 +251,16 @@ GemmChoice parse_choice(const std::string& spec) {
       per_cta = std::stoi(option.substr(2));
     } else if (option.rfind("ks", 0) == 0) {
       splits = std::stoi(option.substr(2));
+    } else if (option.rfind("op", 0) == 0) {
+      variant_option = std::stoi(option.substr(2));
     } else {
       latentmoe::detail::throw_error("unknown option ", option, " in ", spec);
     }
     at = next;
   }
-  if (name == "automatic") return GemmChoice(GemmVariant::automatic, per_cta, splits);
+  if (name == "automatic") return GemmChoice(GemmVariant::automatic, per_cta, splits, variant_option);
   for (GemmVariant v : latentmoe::cuda::detail::all_variants()) {
-    if (latentmoe::cuda::detail::to_string(v) == name) return GemmChoice(v, per_cta, splits);
+    if (latentmoe::cuda::detail::to_string(v) == name) return GemmChoice(v, per_cta, splits, variant_option);
   }
   latentmoe::detail::throw_error("unknown variant ", spec);
 }
@@ -304,8 +308,8 @@ int run(int argc, char** argv) {
                           GemmVariant::mma_m, GemmVariant::mma_l4})
       variants.emplace_back(v);
     if (latentmoe::cuda::detail::wgmma_available()) {
-      for (GemmVariant v :
-           {GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow, GemmVariant::wgmma_ws})
+      for (GemmVariant v : {GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow,
+                            GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall})
         variants.emplace_back(v);
     }
   } else if (variants_arg == "all") {
@@ -446,6 +450,7 @@ int run(int argc, char** argv) {
             std::string name = latentmoe::cuda::detail::to_string(resolved);
             if (v.n_tiles_per_cta > 0) name += ":ng" + std::to_string(v.n_tiles_per_cta);
             if (v.k_splits > 0) name += ":ks" + std::to_string(v.k_splits);
+            if (v.option > 0) name += ":op" + std::to_string(v.option);
             return name;
           };
           r.gu_variant = resolve(false);

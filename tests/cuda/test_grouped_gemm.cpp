@@ -470,13 +470,15 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
         GemmChoice(GemmVariant::mxfp4_rows, 0, 64), GemmChoice(GemmVariant::mxfp4_rows_s3),
         GemmChoice(GemmVariant::mxfp4_rows_s3, 0, 3)};
     if (detail::wgmma_available()) {  // the Hopper kernels decode into their swizzled weight tiles
-      // wgmma_ws: its producer warpgroup decodes; one CTA per SM, at least 3 tiles per CTA, and one CTA walking
-      // every tile (its raw-copy cursor running ahead across the tiles).
+      // wgmma_ws and wgmma_ws_tall: their producer warpgroup decodes; one CTA per SM, at least 3 tiles per CTA,
+      // and one CTA walking every tile (its raw-copy cursor running ahead across the tiles).
       for (const GemmChoice& wgmma :
            {GemmChoice(GemmVariant::wgmma), GemmChoice(GemmVariant::wgmma, 3), GemmChoice(GemmVariant::wgmma_tall),
             GemmChoice(GemmVariant::wgmma_tall, 2), GemmChoice(GemmVariant::wgmma_narrow),
             GemmChoice(GemmVariant::wgmma_narrow, 3), GemmChoice(GemmVariant::wgmma_ws),
-            GemmChoice(GemmVariant::wgmma_ws, 3), GemmChoice(GemmVariant::wgmma_ws, 1 << 20)})
+            GemmChoice(GemmVariant::wgmma_ws, 3), GemmChoice(GemmVariant::wgmma_ws, 1 << 20),
+            GemmChoice(GemmVariant::wgmma_ws_tall), GemmChoice(GemmVariant::wgmma_ws_tall, 3),
+            GemmChoice(GemmVariant::wgmma_ws_tall, 1 << 20)})
         choices.push_back(wgmma);
     }
     check_choices(problem, c.name, choices);
@@ -567,24 +569,31 @@ TEST(Cuda_GroupedGemm, mxfp4_rows_graph_replay_with_new_layout) {
       "mxfp4_rows_s3 split-K graph replay");
 }
 
-// The persistent warp-specialised kernel (wgmma_ws) walks a static tile schedule computed on the device. Its grid
+// The persistent warp-specialised kernel (wgmma_ws, and its tall shape wgmma_ws_tall) walks a static tile schedule
+// computed on the device. Its grid
 // is one CTA per SM, or smaller when GemmChoice::n_tiles_per_cta asks for at least that many tiles per CTA: one
 // CTA walking every tile (its mbarrier ring wrapping many times, the tiles' k-steps (5 here) not a multiple of the
 // 4 stages, so the stage and parity of a tile's first step differ from tile to tile), 3 and 7 CTAs (tile counts
 // that do not divide); and, on the other side, grids larger than the tiles there are (experts mostly empty, most
-// pairs routed to no expert), so that some CTAs get no tile at all.
+// pairs routed to no expert), so that some CTAs get no tile at all. Both epilogues: through shared memory (the
+// default) and from registers (GemmChoice::option 1).
 TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!detail::wgmma_available()) GTEST_SKIP() << "no sm_90a device";
-  const std::vector<GemmChoice> small_grids = {GemmChoice(GemmVariant::wgmma_ws, 1 << 20),
-                                               GemmChoice(GemmVariant::wgmma_ws, 7),
-                                               GemmChoice(GemmVariant::wgmma_ws, 3), GemmChoice(GemmVariant::wgmma_ws)};
+  std::vector<GemmChoice> small_grids;
+  for (GemmVariant v : {GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall}) {
+    for (int per_cta : {1 << 20, 7, 3, 0}) small_grids.emplace_back(v, per_cta);
+    small_grids.emplace_back(v, 3, 0, /*option: the register epilogue*/ 1);
+  }
   const Case many_tiles[] = {
       // name, dtype, act, T, E, Z, k, I_r, l, heavy
       // Experts of ~150-300 rows (two or three 128-row tiles, the last partial), 2 n-tiles of gate/up and down.
       Case{"ws_bf16_silu_t300_i200_l264", DType::bf16, Activation::silu, 300, 5, 0, 2, 200, 264, 1},
       Case{"ws_f16_relu2_t257_i456_l328", DType::f16, Activation::relu2, 257, 7, 0, 3, 456, 328, -1},
       Case{"ws_bf16_situ_t129_i136_l520", DType::bf16, Activation::situ, 129, 3, 0, 2, 136, 520, 0},
+      // Experts of ~400 rows: two 256-row tall tiles each (the last partial), gated n-tiles of 64 columns whose
+      // last holds 8 (one consumer without a valid column).
+      Case{"ws_tall_bf16_situ_t600_i136_l200", DType::bf16, Activation::situ, 600, 3, 0, 2, 136, 200, -1},
   };
   for (const Case& c : many_tiles) {
     Problem problem(c, 4242u + static_cast<uint32_t>(c.num_tokens));
@@ -601,7 +610,9 @@ TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
   };
   for (const Case& c : idle_ctas) {
     Problem problem(c, 777u + static_cast<uint32_t>(c.num_tokens));
-    check_choices(problem, c.name, {GemmChoice(GemmVariant::wgmma_ws), GemmChoice(GemmVariant::wgmma_ws, 2)});
+    check_choices(problem, c.name,
+                  {GemmChoice(GemmVariant::wgmma_ws), GemmChoice(GemmVariant::wgmma_ws, 2),
+                   GemmChoice(GemmVariant::wgmma_ws_tall), GemmChoice(GemmVariant::wgmma_ws_tall, 2)});
   }
 }
 
@@ -610,14 +621,16 @@ TEST(Cuda_GroupedGemm, wgmma_ws_graph_replay_with_new_layout) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!detail::wgmma_available()) GTEST_SKIP() << "no sm_90a device";
   const Case c{"graph_ws", DType::bf16, Activation::situ, 150, 24, 1, 4, 192, 1024, 7};
-  Problem problem(c, 31u);
-  check_graph_replays(
-      problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::wgmma_ws), stream); },
-      "wgmma_ws graph replay");
-  Problem small_grid(c, 32u);
-  check_graph_replays(
-      small_grid, [&](cudaStream_t stream) { small_grid.run(GemmChoice(GemmVariant::wgmma_ws, 5), stream); },
-      "wgmma_ws (at least 5 tiles per CTA) graph replay");
+  for (GemmVariant v : {GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall}) {
+    const std::string name = detail::to_string(v);
+    Problem problem(c, 31u);
+    check_graph_replays(
+        problem, [&](cudaStream_t stream) { problem.run(GemmChoice(v), stream); }, name + " graph replay");
+    Problem small_grid(c, 32u);
+    check_graph_replays(
+        small_grid, [&](cudaStream_t stream) { small_grid.run(GemmChoice(v, 5), stream); },
+        name + " (at least 5 tiles per CTA) graph replay");
+  }
 }
 
 // wgmma_ws keeps a per-expert prefix in shared memory: more experts than it holds are refused with a message.
@@ -627,6 +640,7 @@ TEST(Cuda_GroupedGemm, wgmma_ws_refuses_too_many_experts) {
   const Case c{"ws_too_many_experts", DType::bf16, Activation::silu, 2, 4097, 0, 1, 8, 8, -1};
   Problem problem(c, 5u);
   EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws), nullptr), Error);
+  EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws_tall), nullptr), Error);
 }
 
 // The same with MXFP4 weights (the producer decodes them): new layouts on replay, and a CTA walking many tiles.
@@ -634,14 +648,16 @@ TEST(Cuda_GroupedGemm, wgmma_ws_mxfp4_graph_replay_with_new_layout) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!detail::wgmma_available()) GTEST_SKIP() << "no sm_90a device";
   const Case c{"graph_ws_mxfp4", DType::f16, Activation::silu, 150, 24, 1, 4, 192, 1024, 7};
-  Problem problem(c, 33u, /*mxfp4=*/true);
-  check_graph_replays(
-      problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::wgmma_ws), stream); },
-      "wgmma_ws MXFP4 graph replay");
-  Problem small_grid(c, 34u, /*mxfp4=*/true);
-  check_graph_replays(
-      small_grid, [&](cudaStream_t stream) { small_grid.run(GemmChoice(GemmVariant::wgmma_ws, 5), stream); },
-      "wgmma_ws MXFP4 (at least 5 tiles per CTA) graph replay");
+  for (GemmVariant v : {GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall}) {
+    const std::string name = detail::to_string(v);
+    Problem problem(c, 33u, /*mxfp4=*/true);
+    check_graph_replays(
+        problem, [&](cudaStream_t stream) { problem.run(GemmChoice(v), stream); }, name + " MXFP4 graph replay");
+    Problem small_grid(c, 34u, /*mxfp4=*/true);
+    check_graph_replays(
+        small_grid, [&](cudaStream_t stream) { small_grid.run(GemmChoice(v, 5), stream); },
+        name + " MXFP4 (at least 5 tiles per CTA) graph replay");
+  }
 }
 
 TEST(Cuda_GroupedGemm, no_tokens_launches_nothing) {

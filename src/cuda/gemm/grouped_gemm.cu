@@ -111,6 +111,8 @@ std::string to_string(GemmVariant variant) {
       return "wgmma_narrow";
     case GemmVariant::wgmma_ws:
       return "wgmma_ws";
+    case GemmVariant::wgmma_ws_tall:
+      return "wgmma_ws_tall";
     case GemmVariant::mxfp4_rows:
       return "mxfp4_rows";
     case GemmVariant::mxfp4_rows_s3:
@@ -120,10 +122,10 @@ std::string to_string(GemmVariant variant) {
 }
 
 std::vector<GemmVariant> all_variants() {
-  return {GemmVariant::simt,     GemmVariant::mma_s,      GemmVariant::mma_s_wide,   GemmVariant::mma_s_k128,
-          GemmVariant::mma_m32,  GemmVariant::mma_m,      GemmVariant::mma_l4,       GemmVariant::mma_l,
-          GemmVariant::mma_xl,   GemmVariant::wgmma,      GemmVariant::wgmma_tall,   GemmVariant::wgmma_narrow,
-          GemmVariant::wgmma_ws, GemmVariant::mxfp4_rows, GemmVariant::mxfp4_rows_s3};
+  return {GemmVariant::simt,     GemmVariant::mma_s,         GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
+          GemmVariant::mma_m32,  GemmVariant::mma_m,         GemmVariant::mma_l4,     GemmVariant::mma_l,
+          GemmVariant::mma_xl,   GemmVariant::wgmma,         GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow,
+          GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall, GemmVariant::mxfp4_rows, GemmVariant::mxfp4_rows_s3};
 }
 
 bool is_mxfp4_only(GemmVariant variant) {
@@ -132,7 +134,7 @@ bool is_mxfp4_only(GemmVariant variant) {
 
 bool is_wgmma(GemmVariant variant) {
   return variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall || variant == GemmVariant::wgmma_narrow ||
-         variant == GemmVariant::wgmma_ws;
+         variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall;
 }
 
 namespace {
@@ -261,6 +263,7 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.wait_before_tile = hopper && !down;
   launch.trigger = hopper;
   launch.sm_count = current_sm_count();
+  launch.variant_option = choice.option;
   launch.prefer_two_tiles = down;
   launch.k_splits = choice.k_splits;
   gg::attach_split_k(launch, workspace, workspace_bytes, gg::kSplitKCounters, gg::kSplitKPartialBytes, "grouped GEMM");
@@ -277,8 +280,9 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
     LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the ", detail::to_string(variant),
                     " variant needs an sm_90 device and sm_90a code");
   }
-  if (variant == GemmVariant::wgmma_ws) {
-    gg::launch_wgmma_ws(dtype, mode, args, launch, stream);
+  if (variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall) {
+    gg::launch_wgmma_ws(dtype, variant == GemmVariant::wgmma_ws_tall ? gg::WgmmaWsShape::tall : gg::WgmmaWsShape::wide,
+                        mode, args, launch, stream);
     return;
   }
   if (mxfp4 && wgmma) {

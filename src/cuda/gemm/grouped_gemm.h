@@ -92,10 +92,13 @@ enum class GemmVariant {
   wgmma_ws,       // sm_90a only: persistent and warp-specialised (a TMA/cp.async producer warpgroup, two wgmma
                   // consumer warpgroups, an mbarrier ring), tiles of up to 128 expert rows against 256 weight rows;
                   // GemmChoice::n_tiles_per_cta > 0 asks for at least that many tiles per CTA (a smaller grid)
+  wgmma_ws_tall,  // sm_90a only: wgmma_ws with tiles of up to 256 expert rows against 128 weight rows (an expert of
+                  // up to 256 rows reads its weights once; n-tiles of 128 weight rows)
   mxfp4_rows,     // MXFP4 weights only (bf16, f16): codes decoded straight into mma.sync fragments, a cp.async
                   // ring per CTA, each expert's weights read once per 16 of its rows (grouped_gemm_mxfp4_rows.cu);
-                  // GemmChoice::n_tiles_per_cta is its 64-row blocks a CTA (1: 4 warps, 2: 8 warps, 0: 4)
-  mxfp4_rows_s3,  // mxfp4_rows with a ring of 3 stages and 4 CTAs per SM (4 stages, 3 CTAs per SM above)
+                  // GemmChoice::n_tiles_per_cta: 0 or 1 (one 64-row block a CTA, 4 warps; a ring of 4 stages,
+                  // 3 CTAs per SM)
+  mxfp4_rows_s3,  // mxfp4_rows with a ring of 3 stages and 4 CTAs per SM
 };
 // True for the variants that take MXFP4 weights only (mxfp4_rows, mxfp4_rows_s3).
 bool is_mxfp4_only(GemmVariant variant);
@@ -104,13 +107,16 @@ bool is_wgmma(GemmVariant variant);
 
 // A variant, how many n-tiles one CTA computes (0: chosen from the shape) and how many CTAs split the
 // reduction of one output tile (0: chosen from the shape; 1: no split-K; more needs a workspace large
-// enough, else the call throws). Split-K runs one n-tile per CTA.
+// enough, else the call throws). Split-K runs one n-tile per CTA. `option`: a variant's own switch, 0 its
+// default; wgmma_ws and wgmma_ws_tall: 1 stores the outputs from registers (4 bytes a thread) instead of
+// through shared memory (16 bytes a thread), for comparison.
 struct GemmChoice {
-  GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0, int splits = 0)
-      : variant(v), n_tiles_per_cta(tiles_per_cta), k_splits(splits) {}
+  GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0, int splits = 0, int opt = 0)
+      : variant(v), n_tiles_per_cta(tiles_per_cta), k_splits(splits), option(opt) {}
   GemmVariant variant;
   int n_tiles_per_cta;
   int k_splits;
+  int option;
 };
 
 std::string to_string(GemmVariant variant);

@@ -21,6 +21,7 @@ struct MmaLaunch {
   bool trigger = false;           // let the next kernel launch early (sm_90)
   bool prefer_two_tiles = false;  // the down projection: two n-tiles per CTA where the grid stays full
   int sm_count = 0;
+  int variant_option = 0;  // GemmChoice::option
   // Split-K (tensor-core kernels): 0 chosen from the shape, 1 off, > 1 forced; the workspace (null: off).
   int k_splits = 0;
   float* partials = nullptr;

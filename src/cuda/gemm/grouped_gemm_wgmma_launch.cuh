@@ -25,12 +25,19 @@ void launch_wgmma(DType dtype, WgmmaShape shape, Mode mode, KernelArgs args, con
 void launch_wgmma_mxfp4(DType dtype, WgmmaShape shape, Mode mode, KernelArgs args, const MmaLaunch& launch,
                         cudaStream_t stream);
 
-// The persistent, warp-specialised kernel (GemmVariant::wgmma_ws; grouped_gemm_wgmma_ws.cu), bf16 or f16, the
-// weights in the compute dtype (TMA loads) or MXFP4 (args.s0 set; decoded by the producer): one CTA per SM walking
-// the tiles (launch.n_tiles_per_cta > 0: at least that many tiles per CTA, a smaller grid), no split-K. Throws
-// latentmoe::Error for other dtypes, more than WgmmaWsCfg::kMaxExperts experts, or when detail::wgmma_available()
-// is false.
-void launch_wgmma_ws(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream);
+// The tile shapes of the persistent, warp-specialised kernel (grouped_gemm_wgmma_ws.cuh).
+enum class WgmmaWsShape {
+  wide,  // up to 128 expert rows x 256 weight rows (GemmVariant::wgmma_ws)
+  tall,  // up to 256 expert rows x 128 weight rows (GemmVariant::wgmma_ws_tall)
+};
+
+// The persistent, warp-specialised kernel (GemmVariant::wgmma_ws, wgmma_ws_tall; grouped_gemm_wgmma_ws.cu), bf16
+// or f16, the weights in the compute dtype (TMA loads) or MXFP4 (args.s0 set; decoded by the producer): one CTA per
+// SM walking the tiles (launch.n_tiles_per_cta > 0: at least that many tiles per CTA, a smaller grid), no split-K.
+// Throws latentmoe::Error for other dtypes, more than WgmmaWsCfg::kMaxExperts experts, or when
+// detail::wgmma_available() is false.
+void launch_wgmma_ws(DType dtype, WgmmaWsShape shape, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                     cudaStream_t stream);
 
 // Per element type (grouped_gemm_wgmma.cu, grouped_gemm_wgmma_f16.cu).
 void launch_wgmma_bf16(WgmmaShape shape, Mode mode, const KernelArgs& args, const MmaLaunch& launch,

@@ -1,6 +1,6 @@
-// The persistent, warp-specialised Hopper grouped GEMM (GemmVariant::wgmma_ws; grouped_gemm_wgmma_ws.cuh): the
-// weights' TMA descriptors, the argument checks, and the bf16/f16 instances (MXFP4's in
-// grouped_gemm_wgmma_ws_mxfp4.cu).
+// The persistent, warp-specialised Hopper grouped GEMM (GemmVariant::wgmma_ws, wgmma_ws_tall;
+// grouped_gemm_wgmma_ws.cuh): the weights' TMA descriptors, the argument checks, and the bf16/f16 instances of the
+// wide shape (the tall shape's in grouped_gemm_wgmma_ws_tall.cu, MXFP4's in grouped_gemm_wgmma_ws_mxfp4.cu).
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
 
 #include <mutex>
@@ -35,12 +35,13 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }  // namespace
 
 // The layout the kernel's stages and sw128_desc describe: 128-byte rows (64 k of one weight row) in the 128B
-// swizzle. Past k and past `rows` the box is zero-filled (and still counted whole by the transaction).
-CUtensorMap wgmma_ws_weight_map(DType dtype, const void* weights, int64_t rows, int64_t k) {
+// swizzle, boxes of box_rows rows (64, or 8: one swizzle atom). Past k and past `rows` the box is zero-filled (and
+// still counted whole by the transaction).
+CUtensorMap wgmma_ws_weight_map(DType dtype, const void* weights, int64_t rows, int64_t k, int box_rows) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};  // bytes between rows: a multiple of 16
-  const cuuint32_t box[2] = {WgmmaWsCfg::kBlockK, WgmmaWsCfg::kBoxRows};
+  const cuuint32_t box[2] = {WgmmaWsCfg::kBlockK, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result = tensor_map_encoder()(
       &map, dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
@@ -51,7 +52,17 @@ CUtensorMap wgmma_ws_weight_map(DType dtype, const void* weights, int64_t rows, 
   return map;
 }
 
-void launch_wgmma_ws(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream) {
+void launch_wgmma_ws_wide(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                          cudaStream_t stream) {
+  if (dtype == DType::bf16) {
+    launch_wgmma_ws_typed<__nv_bfloat16, WgmmaWsCfg, false>(dtype, mode, args, launch, stream);
+  } else {
+    launch_wgmma_ws_typed<__half, WgmmaWsCfg, false>(dtype, mode, args, launch, stream);
+  }
+}
+
+void launch_wgmma_ws(DType dtype, WgmmaWsShape shape, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+                     cudaStream_t stream) {
   const bool mxfp4 = args.s0 != nullptr;
   LATENTMOE_CHECK(dtype == DType::bf16 || dtype == DType::f16, "grouped GEMM (wgmma_ws): dtype ", dtype_name(dtype),
                   " is not bf16 or f16");
@@ -72,12 +83,13 @@ void launch_wgmma_ws(DType dtype, Mode mode, const KernelArgs& args, const MmaLa
                   "grouped GEMM (wgmma_ws): the weights are not 16-byte aligned");
   LATENTMOE_CHECK(mode != Mode::gated || (args.w1 != nullptr && (!mxfp4 || args.s1 != nullptr)),
                   "grouped GEMM (wgmma_ws): the gated mode's up weights are missing");
+  static_assert(WgmmaWsCfg::kMaxExperts == WgmmaWsTallCfg::kMaxExperts, "one expert bound for both shapes");
   if (mxfp4) {
-    launch_wgmma_ws_mxfp4(dtype, mode, args, launch, stream);
-  } else if (dtype == DType::bf16) {
-    launch_wgmma_ws_typed<__nv_bfloat16, false>(dtype, mode, args, launch, stream);
+    launch_wgmma_ws_mxfp4(dtype, shape, mode, args, launch, stream);
+  } else if (shape == WgmmaWsShape::tall) {
+    launch_wgmma_ws_tall(dtype, mode, args, launch, stream);
   } else {
-    launch_wgmma_ws_typed<__half, false>(dtype, mode, args, launch, stream);
+    launch_wgmma_ws_wide(dtype, mode, args, launch, stream);
   }
 }
 

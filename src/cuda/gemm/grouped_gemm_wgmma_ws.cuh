@@ -1,29 +1,41 @@
-// The persistent, warp-specialised Hopper grouped GEMM (sm_90a; GemmVariant::wgmma_ws): the wgmma kernel's
-// math (grouped_gemm_wgmma.cuh: weights as the MMA's M side in m64 blocks, the expert's rows as its N side,
-// N = the tile's rows rounded up to 8, 128B-swizzled stages, the same epilogue), with the copies taken out of
-// the threads that multiply.
+// The persistent, warp-specialised Hopper grouped GEMM (sm_90a; GemmVariant::wgmma_ws, wgmma_ws_tall): the wgmma
+// kernel's math (grouped_gemm_wgmma.cuh: weights as the MMA's M side in m64 blocks, the expert's rows as its N side, N
+// = the tile's rows rounded up to 8, 128B-swizzled stages, the same epilogue), with the copies taken out of the threads
+// that multiply.
 //
 // Threads and tiles. 3 warpgroups (384 threads), one CTA per SM, grid = min(SMs, a bound on the tiles).
 // Warpgroup 0 is the producer (setmaxnreg.dec to producer_regs), warpgroups 1 and 2 the consumers
-// (setmaxnreg.inc to consumer_regs: 128 * 40 + 256 * 232 = 128 * 56 + 256 * 224 = 64512 = 384 * 168, the
-// registers the CTA starts with). A tile is up to kBlockM rows of one expert against kWeightRows weight rows;
-// consumer c owns weight rows [128 c, 128 c + 128) as two m64 blocks (gated: 64 gate rows and the 64 up rows of
-// the same output columns; otherwise 128 consecutive rows). Tiles are numbered row tile by row tile, n-tiles fastest:
+// (setmaxnreg.inc to consumer_regs: 128 * 56 + 256 * 224 = 64512 = 384 * 168, the registers the CTA starts with;
+// MXFP4 128 * 64 + 256 * 216 = 63488). A tile is up to kBlockM rows of one expert against kWeightRows weight rows,
+// in two shapes (WgmmaWsConfig; the same code):
+//   WgmmaWsCfg      (wgmma_ws)      128 rows x 256 weight rows: consumer c owns weight rows [128 c, 128 c + 128) as
+//                   two m64 blocks (gated: 64 gate rows and the 64 up rows of the same output columns; otherwise
+//                   128 consecutive rows), 2 x 64 accumulators per thread.
+//   WgmmaWsTallCfg  (wgmma_ws_tall) 256 rows x 128 weight rows: consumer c owns weight rows [64 c, 64 c + 64) as one
+//                   m64 block (gated: rows 16 q .. 16 q + 7 the gate rows and 16 q + 8 .. 16 q + 15 the up rows of
+//                   the same 8 columns, as in the wgmma kernel's one-block shapes; otherwise 64 consecutive rows),
+//                   128 accumulators per thread. An expert of up to 256 rows reads its weights once, and the n-tiles
+//                   are half as wide (less padding past N: 336 = 3 x 128 - 48 rather than 2 x 256 - 176).
+// Tiles are numbered row tile by row tile, n-tiles fastest:
 // tile = row_tile * n_tiles + nt, row tiles numbered expert by expert (expert e owns ceil(rows_e / kBlockM)).
 // At the start every CTA computes the prefix of the experts' row-tile counts from expert_offsets into shared
 // memory (s_prefix[e] = row tiles of experts < e; s_prefix[E] = all), then walks tile = blockIdx.x,
 // blockIdx.x + gridDim.x, ... < s_prefix[E] * n_tiles; every warpgroup finds each tile's expert by a binary
-// search of s_prefix. Nothing is read on the host: CTAs past the last tile exit at once.
+// search of s_prefix. Nothing is read on the host: CTAs past the last tile exit at once. Tile look-ahead (TileRef):
+// the consumers load the next tile's expert offsets before a tile's k-loop, the producer the next tile's pair
+// indices and the offsets of the one after, so that no tile boundary waits on a global load; it changes what is
+// loaded when, not the walk (invariant 1).
 //
 // Ring. kStages stages, each [kWeightRows weight rows][64 k] then [kBlockM rows][64 k], 128-byte rows in the
 // canonical 128B swizzle (16-byte chunk c of row r at r * 128 + ((c ^ (r & 7)) * 16), stages 1024-aligned):
-// what TMA's SWIZZLE_128B writes for a box of 64 k x 64 rows at a 1024-aligned address and what sw128_desc
+// what TMA's SWIZZLE_128B writes for a box of 64 k x 64 (or 8) rows at a 1024-aligned address and what sw128_desc
 // describes. Per stage a "full" and an "empty" mbarrier.
-//   full[s]:  count kProducerThreads + 1. Per fill: one elected producer thread does arrive.expect_tx of the
-//             weight bytes (4 boxes of 64 x 64, counted whole even where a box runs past the tensor: TMA fills
-//             those elements with zeros and still delivers the full box) and issues the 4 TMA loads (complete_tx
-//             on full[s]); every producer thread issues its cp.async copies of the gathered rows (16 B, swizzled,
-//             zero-filled past k and past the tile's rows up to N) and then cp.async.mbarrier.arrive.noinc on
+//   full[s]:  count kProducerThreads + 1. Per fill: producer thread 0 does arrive.expect_tx of the weight bytes
+//             (kWeightRows rows of 64 k: boxes of 64 k x 64 rows, or of 8 rows for the tall shape's gated
+//             interleave; counted whole even where a box runs past the tensor: TMA fills those elements with zeros
+//             and still delivers the full box); after a __syncwarp, lane b of warp 0 issues the TMA load of box b
+//             (complete_tx on full[s]); every producer thread issues its cp.async copies of the gathered rows (16 B,
+//             swizzled, zero-filled past k and past the tile's rows up to N) and then cp.async.mbarrier.arrive.noinc on
 //             full[s] (one arrival per thread, made when all of its earlier cp.async copies have landed).
 //   empty[s]: count kConsumerWarps. Per use: each consumer warp, after wgmma.wait_group has retired the wgmmas
 //             that read the stage, arrives once (lane 0).
@@ -45,7 +57,8 @@
 //   4. The consumers keep at most two wgmma groups in flight (wait_group 1 after each commit) and release a
 //      stage only after the group that read it retired; the last stage of a tile is released after
 //      wait_group 0, before the epilogue, so the producer fills the next tile's stages while the epilogue
-//      stores (registers only: the epilogue reads no shared memory).
+//      stores (from registers, or through each consumer warp's own 512 bytes of s_epilogue, outside the ring:
+//      the epilogue reads no stage).
 //   5. Every mbarrier wait is bounded (%globaltimer): a stuck protocol traps (the launch fails) instead of hanging
 //      the GPU. The producer outlives every consumer wait (after its last fill it waits for the consumers' last
 //      releases), so when anything is stuck its wait times out, after kWaitTimeoutNs; a consumer traps
@@ -53,9 +66,9 @@
 //      first prints one line (block, barrier, stage, parity, its step and the consumers' last steps); not by
 //      default, since any printf in the kernel makes ptxas serialize its wgmmas (C7510).
 // MXFP4 weights (kMxfp4; docs/MXFP4.md): no TMA. 3 stages (the same layout), and a raw ring of kRawStages slots
-// per producer thread's units: unit u = tid + 128 i (i < 4) of a step is scale group u % 2 of tile row u / 2 (16
-// code bytes and the aligned 4-byte word holding its scale byte, cp.async, zero-filled past n and k). Per step i
-// a producer thread: waits empty; copies its rows of step i and arrives noinc on full (as above); copies its raw
+// per producer thread's units: unit u = tid + 128 i (i < kWeightRows / 64) of a step is scale group u % 2 of tile row u
+// / 2 (16 code bytes and the aligned 4-byte word holding its scale byte, cp.async, zero-filled past n and k). Per step
+// i a producer thread: waits empty; copies its rows of step i and arrives noinc on full (as above); copies its raw
 // units of step i + kRawStages - 1 (a cursor that walks the tiles ahead) and commits them as one cp.async group
 // with those rows; waits until at most kRawStages - 1 groups are pending (its raw units of step i landed: they
 // were committed that many groups earlier); decodes them (mxfp4_decode8) into the stage's weight tile in the
@@ -86,28 +99,29 @@
 
 namespace latentmoe::cuda::gg {
 
-struct WgmmaWsCfg {
+// The tile shapes (the file comment): kBlockM expert rows against kConsumers * 64 * kBlocksPerWg weight rows,
+// kStages stages with bf16/f16 weights and kStagesMxfp4 with MXFP4 ones (whose raw ring takes the rest).
+template <int kBlockM_, int kBlocksPerWg_, int kStages_, int kStagesMxfp4_>
+struct WgmmaWsConfig {
   static constexpr int kConsumers = 2;
   static constexpr int kProducerThreads = 128;
   static constexpr int kThreads = kProducerThreads + kConsumers * 128;  // 384
   static constexpr int kConsumerWarps = kConsumers * 4;
-  static constexpr int kBlocksPerWg = 2;                              // m64 weight blocks per consumer
-  static constexpr int kWeightRows = kConsumers * 64 * kBlocksPerWg;  // 256
-  static constexpr int kBlockM = 128;                                 // expert rows per tile (N at most)
+  static constexpr int kBlocksPerWg = kBlocksPerWg_;                  // m64 weight blocks per consumer
+  static constexpr int kWeightRows = kConsumers * 64 * kBlocksPerWg;  // 256 or 128
+  static constexpr int kBlockM = kBlockM_;                            // expert rows per tile (N at most)
   static constexpr int kAcc = kBlockM / 2;                            // accumulators per thread and m64 block
   static constexpr int kBlockK = 64;
   static constexpr int kRowBytes = kBlockK * 2;
-  static constexpr int kBoxRows = 64;  // TMA box: 64 k x 64 weight rows (8 KB)
-  static constexpr int kBoxes = kWeightRows / kBoxRows;
-  static constexpr int kBoxBytes = kBoxRows * kRowBytes;
-  static constexpr int kWeightBytes = kWeightRows * kRowBytes;  // 32 KB
-  static constexpr int kRowTileBytes = kBlockM * kRowBytes;     // 16 KB
+  // TMA boxes: 64 k x 64 weight rows (8 KB), except gated with one m64 block per consumer, whose gate and up rows
+  // alternate by 8 (grouped_gemm_wgmma.cuh): boxes of 64 k x 8 rows (1 KB, one swizzle atom each).
+  static constexpr int box_rows(bool gated) { return gated && kBlocksPerWg == 1 ? 8 : 64; }
+  static constexpr int kWeightBytes = kWeightRows * kRowBytes;  // 32 KB or 16 KB
+  static constexpr int kRowTileBytes = kBlockM * kRowBytes;     // 16 KB or 32 KB
   static constexpr int kStageBytes = kWeightBytes + kRowTileBytes;
-  // Stages: 4 with bf16/f16 weights (192 KB); 3 with MXFP4 (144 KB), whose raw ring (kRawStages slots of the
-  // step's codes and scale words, 10 KB each) takes the rest.
-  static constexpr int kStages = 4;
-  static constexpr int kStagesMxfp4 = 3;
-  static constexpr int kRawUnits = kWeightRows * kBlockK / 32;  // scale groups per step: 512
+  static constexpr int kStages = kStages_;
+  static constexpr int kStagesMxfp4 = kStagesMxfp4_;
+  static constexpr int kRawUnits = kWeightRows * kBlockK / 32;  // scale groups per step
   static constexpr int kRawStageBytes = kRawUnits * 20;         // 16 code bytes and a 4-byte scale word each
   static constexpr int kRawStages = 4;                          // raw copies run kRawStages - 1 steps ahead
   // The row-tile prefix over experts follows the ring (and the raw ring) in dynamic shared memory.
@@ -118,28 +132,35 @@ struct WgmmaWsCfg {
   static constexpr int smem_bytes(bool mxfp4, int num_experts) {
     return ring_bytes(mxfp4) + 1024 + ((num_experts + 1) * 4 + 15) / 16 * 16;
   }
-  // setmaxnreg: the producer's and the consumers' registers per thread. MXFP4's producer decodes (40 registers
-  // spilled 24 bytes there); the consumers' 128 accumulators fit either.
-  static constexpr int producer_regs(bool mxfp4) { return mxfp4 ? 56 : 40; }
-  static constexpr int consumer_regs(bool mxfp4) { return mxfp4 ? 224 : 232; }
+  // setmaxnreg: the producer's and the consumers' registers per thread. The producer's tile look-ahead spilled at
+  // 40 (bf16) and, with MXFP4's decode and raw cursor, at 56; the consumers' 128 accumulators fit 216 and 224
+  // without spills (ptxas -v, CUDA 13.0).
+  static constexpr int producer_regs(bool mxfp4) { return mxfp4 ? 64 : 56; }
+  static constexpr int consumer_regs(bool mxfp4) { return mxfp4 ? 216 : 224; }
   static_assert(kBlockM <= kWgmmaMaxN && kBlockM % 16 == 0, "rows per tile: at most the largest N");
-  static_assert(kStageBytes % 1024 == 0 && kWeightBytes % 1024 == 0 && kBoxBytes % 1024 == 0,
+  static_assert(kBlocksPerWg == 1 || kBlocksPerWg == 2, "one or two m64 blocks per consumer");
+  static_assert(kBlocksPerWg * kAcc <= 128, "at most 128 accumulators per consumer thread");
+  static_assert(kStageBytes % 1024 == 0 && kWeightBytes % 1024 == 0,
                 "swizzle atoms and TMA boxes must stay 1024-byte aligned");
   static_assert(kRawStageBytes % 16 == 0, "raw slots keep the 16-byte alignment of the code copies");
+  static_assert(producer_regs(false) % 8 == 0 && consumer_regs(false) % 8 == 0 && producer_regs(true) % 8 == 0 &&
+                    consumer_regs(true) % 8 == 0,
+                "setmaxnreg takes multiples of 8");
+  static_assert(kProducerThreads * producer_regs(false) + kConsumers * 128 * consumer_regs(false) <= kThreads * 168 &&
+                    kProducerThreads * producer_regs(true) + kConsumers * 128 * consumer_regs(true) <= kThreads * 168,
+                "the warpgroups' registers must fit what the CTA starts with (168 per thread at 384 threads)");
+  static_assert(smem_bytes(false, kMaxExperts) <= 227 * 1024 - 8192 &&
+                    smem_bytes(true, kMaxExperts) <= 227 * 1024 - 8192,
+                "the ring and the prefix must fit one SM's shared memory (beside the static barriers, tables and the "
+                "epilogue's 4 KB)");
 };
-static_assert(WgmmaWsCfg::producer_regs(false) % 8 == 0 && WgmmaWsCfg::consumer_regs(false) % 8 == 0 &&
-                  WgmmaWsCfg::producer_regs(true) % 8 == 0 && WgmmaWsCfg::consumer_regs(true) % 8 == 0,
-              "setmaxnreg takes multiples of 8");
-static_assert(WgmmaWsCfg::kProducerThreads * WgmmaWsCfg::producer_regs(false) +
-                          WgmmaWsCfg::kConsumers * 128 * WgmmaWsCfg::consumer_regs(false) <=
-                      WgmmaWsCfg::kThreads * 168 &&
-                  WgmmaWsCfg::kProducerThreads * WgmmaWsCfg::producer_regs(true) +
-                          WgmmaWsCfg::kConsumers * 128 * WgmmaWsCfg::consumer_regs(true) <=
-                      WgmmaWsCfg::kThreads * 168,
-              "the warpgroups' registers must fit what the CTA starts with (168 per thread at 384 threads)");
-static_assert(WgmmaWsCfg::smem_bytes(false, WgmmaWsCfg::kMaxExperts) <= 227 * 1024 - 2048 &&
-                  WgmmaWsCfg::smem_bytes(true, WgmmaWsCfg::kMaxExperts) <= 227 * 1024 - 2048,
-              "the ring and the prefix must fit one SM's shared memory (beside the static barriers and tables)");
+// GemmVariant::wgmma_ws: up to 128 expert rows against 256 weight rows (each consumer two m64 blocks), 4 stages of
+// 48 KB (MXFP4: 3, and 4 raw slots of 10 KB).
+using WgmmaWsCfg = WgmmaWsConfig<128, 2, 4, 3>;
+// GemmVariant::wgmma_ws_tall: up to 256 expert rows against 128 weight rows (each consumer one m64 block), 4 stages
+// of 48 KB (MXFP4: 3, and 4 raw slots of 5 KB): an expert of up to 256 rows reads its weights once, and the n-tiles
+// are 128 weight rows (64 output columns gated), so that N = 336 wastes 48 rows, not 176.
+using WgmmaWsTallCfg = WgmmaWsConfig<256, 1, 4, 3>;
 
 inline constexpr uint64_t kWaitTimeoutNs = 5'000'000'000ull;
 
@@ -258,11 +279,21 @@ struct Tile {
   int nt;
 };
 
+// A tile looked up but not resolved: its expert's offsets are loaded, and nothing is computed from them until
+// resolve_ws_tile, so that their latency overlaps whatever runs in between (the tile before's k-loop).
+struct TileRef {
+  int expert;
+  int nt;
+  int first_row;  // of the tile within its expert
+  int begin;      // expert_offsets[expert], expert_offsets[expert + 1]
+  int end;
+};
+
 // Tile `tile` of the schedule (the file comment): its expert by binary search of the row-tile prefix.
-__device__ __forceinline__ Tile find_ws_tile(const int* s_prefix, const int32_t* __restrict__ offsets, int num_experts,
-                                             int n_tiles, int tile) {
-  constexpr int kBlockM = WgmmaWsCfg::kBlockM;
-  Tile t;
+template <int kBlockM>
+__device__ __forceinline__ TileRef lookup_ws_tile(const int* s_prefix, const int32_t* __restrict__ offsets,
+                                                  int num_experts, int n_tiles, int tile) {
+  TileRef t;
   const int row_tile = tile / n_tiles;
   t.nt = tile - row_tile * n_tiles;
   // The last expert e with s_prefix[e] <= row_tile (s_prefix[0] = 0): its tiles hold row_tile.
@@ -276,20 +307,34 @@ __device__ __forceinline__ Tile find_ws_tile(const int* s_prefix, const int32_t*
     }
   }
   t.expert = lo;
-  const int begin = __ldg(offsets + lo);
-  const int end = __ldg(offsets + lo + 1);
-  t.row_begin = begin + (row_tile - s_prefix[lo]) * kBlockM;
-  t.rows = min(end - t.row_begin, kBlockM);
+  t.first_row = (row_tile - s_prefix[lo]) * kBlockM;
+  t.begin = __ldg(offsets + lo);
+  t.end = __ldg(offsets + lo + 1);
   return t;
+}
+
+template <int kBlockM>
+__device__ __forceinline__ Tile resolve_ws_tile(const TileRef& ref) {
+  Tile t;
+  t.expert = ref.expert;
+  t.nt = ref.nt;
+  t.row_begin = ref.begin + ref.first_row;
+  t.rows = min(ref.end - t.row_begin, kBlockM);
+  return t;
+}
+
+template <int kBlockM>
+__device__ __forceinline__ Tile find_ws_tile(const int* s_prefix, const int32_t* __restrict__ offsets, int num_experts,
+                                             int n_tiles, int tile) {
+  return resolve_ws_tile<kBlockM>(lookup_ws_tile<kBlockM>(s_prefix, offsets, num_experts, n_tiles, tile));
 }
 
 // The consumers' k-loop over one tile with the MMA's N fixed (protocol: the file comment). `step` is the CTA's
 // step counter, advanced by num_k_steps. full/empty: the barriers of stage 0 (stage s at + 8 s).
-template <class T, int N, int kStages, int kBlocks, int kAcc>
+template <class T, class Cfg, int N, int kStages, int kBlocks, int kAcc>
 __device__ __forceinline__ void consume_tile(float (&acc)[kBlocks][kAcc], uint32_t ring, uint32_t full, uint32_t empty,
                                              int& step, int num_k_steps, int consumer, int lane,
                                              volatile int* s_consumer_step) {
-  using Cfg = WgmmaWsCfg;
   for (int kt = 0; kt < num_k_steps; ++kt, ++step) {
     const int s = step % kStages;
     const uint32_t phase = static_cast<uint32_t>(step / kStages) & 1u;
@@ -311,18 +356,99 @@ __device__ __forceinline__ void consume_tile(float (&acc)[kBlocks][kAcc], uint32
   if (lane == 0) mbar_arrive(empty + 8 * ((step - 1) % kStages));
 }
 
+// Four 8x8 b16 matrices (register i of every lane: matrix i's fragment, row lane / 4, columns 2 (lane % 4) and + 1)
+// stored transposed: lane t gives the address of row t % 8 of matrix t / 8, which receives the matrix's column t % 8.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// The epilogue through shared memory (the default; KernelArgs::ws_register_epilogue selects wgmma_store_tile): the
+// same outputs as wgmma_store_tile (grouped_gemm_wgmma.cuh: the accumulator layout, the gated pairs, rows past
+// `rows` and columns past n not stored), but each warp transposes its accumulators through its own 512 bytes of
+// shared memory (`buf`) with stmatrix.trans, so that every lane stores 16 bytes: 8 consecutive output columns of
+// one row (n and the columns multiples of 8, `out` 16-byte aligned), a warp instruction 16 or 32 whole rows' 32-
+// or 16-byte pieces instead of 8 rows' 16-byte pieces from 4-byte stores. Every lane of the warp must call it.
+template <class T, Mode kMode, int kBlocks, int kAcc>
+__device__ __forceinline__ void store_tile_smem(const float (&acc)[kBlocks][kAcc], const KernelArgs& args, T* out,
+                                                int row_begin, int rows, int mma_n, int wg_col, int wq, int lane,
+                                                uint32_t buf, unsigned char* buf_ptr) {
+  constexpr bool kGated = kMode == Mode::gated;
+  const int n = args.n;
+  auto store16 = [&](int row, int col, const unsigned char* src) {
+    if (row < rows && col < n) {
+      *reinterpret_cast<uint4*>(out + static_cast<size_t>(row_begin + row) * n + col) =
+          *reinterpret_cast<const uint4*>(src);
+    }
+  };
+  if constexpr (kGated && kBlocks == 1) {
+    // Rows 16 q .. 16 q + 7 of the block the gate rows and 16 q + 8 .. the up rows of columns 8 q + [0, 8): one
+    // 8 x 8 matrix (8 columns x 8 expert rows) per 8 expert rows; four at a time give 32 rows of 16 bytes, lane t
+    // reading row t.
+    static_assert(kAcc % 16 == 0, "four 8-row groups at a time");
+#pragma unroll
+    for (int j = 0; j < kAcc / 4; j += 4) {
+      if (8 * j >= mma_n) continue;  // CTA-uniform
+      uint32_t r[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int i0 = 4 * (j + m);
+        r[m] = pack2<T>(gated_act<true>(acc[0][i0], acc[0][i0 + 2], args),
+                        gated_act<true>(acc[0][i0 + 1], acc[0][i0 + 3], args));
+      }
+      stmatrix_x4_trans(buf + lane * 16, r[0], r[1], r[2], r[3]);
+      __syncwarp();
+      store16(8 * j + lane, wg_col + wq * 8, buf_ptr + lane * 16);
+      __syncwarp();  // read before the next group overwrites it
+    }
+  } else {
+    // Per m64 block b: warp wq holds columns 16 wq + [0, 16) (gated: gate in block 0, up in block 1, one column
+    // block); two 8-row groups (j, j + 1) x two 8-column halves h are the four matrices, stored as 16 rows of 32
+    // bytes (matrix 2 jj + h at rows 8 jj.., bytes 16 h..); lane t reads row t / 2, half t % 2.
+    static_assert(kAcc % 8 == 0, "two 8-row groups at a time");
+    constexpr int kOut = kGated ? 1 : kBlocks;
+    constexpr bool relu2 = kMode == Mode::relu2;
+    const uint32_t addr = buf + ((lane >> 4) * 8 + (lane & 7)) * 32 + ((lane >> 3) & 1) * 16;
+#pragma unroll
+    for (int b = 0; b < kOut; ++b) {
+#pragma unroll
+      for (int j = 0; j < kAcc / 4; j += 2) {
+        if (8 * j >= mma_n) continue;  // CTA-uniform
+        uint32_t r[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int i0 = 4 * (j + (m >> 1)) + 2 * (m & 1);
+          float v0, v1;
+          if constexpr (kGated) {
+            v0 = gated_act<true>(acc[0][i0], acc[1][i0], args);
+            v1 = gated_act<true>(acc[0][i0 + 1], acc[1][i0 + 1], args);
+          } else {
+            v0 = relu2 ? act::relu2(acc[b][i0]) : acc[b][i0];
+            v1 = relu2 ? act::relu2(acc[b][i0 + 1]) : acc[b][i0 + 1];
+          }
+          r[m] = pack2<T>(v0, v1);
+        }
+        stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
+        __syncwarp();
+        store16(8 * j + (lane >> 1), wg_col + b * 64 + wq * 16 + (lane & 1) * 8, buf_ptr + lane * 16);
+        __syncwarp();  // read before the next group overwrites it
+      }
+    }
+  }
+}
+
 }  // namespace ws
 
 #endif
 
 // kMxfp4: args.w0/w1 hold MXFP4 codes [E, N, K/2] and args.s0/s1 their E8M0 scales [E, N, K/32] (the tensor maps
 // are unused); the producer decodes them into the weight stages (the file comment, "MXFP4").
-template <class T, Mode kMode, bool kMxfp4 = false>
-__global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
+template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
     grouped_wgmma_ws_kernel(const __grid_constant__ CUtensorMap map_w0, const __grid_constant__ CUtensorMap map_w1,
                             const KernelArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = WgmmaWsCfg;
   constexpr int kStages = kMxfp4 ? Cfg::kStagesMxfp4 : Cfg::kStages;
   constexpr int kThreads = Cfg::kThreads;
   constexpr int kBK = Cfg::kBlockK;
@@ -339,6 +465,7 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
   __shared__ int s_scan[kThreads / 32];
   __shared__ int s_src[2 * Cfg::kBlockM];                    // the producer's source-row tables (two tiles)
   __shared__ volatile int s_consumer_step[Cfg::kConsumers];  // each consumer's last step (for the timeout report)
+  __shared__ alignas(16) unsigned char s_epilogue[Cfg::kConsumerWarps][512];  // each consumer warp's transpose
 
   pdl_wait();
   if (args.trigger_dependents) pdl_trigger();
@@ -398,7 +525,8 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
   __syncthreads();  // the prefix and the barrier inits
 
   const int n_tiles = args.n_tiles;
-  const int num_tiles = s_prefix[num_experts] * n_tiles;
+  // The tile count: read from shared memory by each role after its setmaxnreg (a value live across it was spilled).
+  auto tile_count_of_cta = [&]() { return *reinterpret_cast<volatile const int*>(s_prefix + num_experts) * n_tiles; };
   const int n = args.n;
   const int k = args.k;
   const int num_k_steps = (k + kBK - 1) / kBK;
@@ -406,11 +534,16 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
   if (warp < 4) {
     // ---------------------------------------------------------------- producer
     ws::setmaxnreg_dec<Cfg::producer_regs(kMxfp4)>();
+    const int num_tiles = tile_count_of_cta();
     constexpr int kChunks = kBK / 8;                           // 16-byte chunks per 128-byte row
     constexpr int kRowStep = Cfg::kProducerThreads / kChunks;  // 16: rows between one thread's copies
-    constexpr int kXIters = Cfg::kBlockM / kRowStep;           // 8
+    constexpr int kXIters = Cfg::kBlockM / kRowStep;           // 8 or 16
     static_assert(kRowStep % 8 == 0, "a thread's rows must share their swizzle phase");
-    static_assert(Cfg::kProducerThreads == Cfg::kBlockM, "one producer thread per tile row fills the source table");
+    static_assert(Cfg::kBlockM % Cfg::kProducerThreads == 0, "the producer threads fill the source table evenly");
+    // TMA boxes per stage (lanes 0.. of warp 0 issue one each) and their weight rows.
+    constexpr int kBoxRows = Cfg::box_rows(kGated);
+    constexpr int kBoxes = Cfg::kWeightRows / kBoxRows;  // 4, 2 or 16
+    static_assert(kBoxes <= 32 && Cfg::kWeightRows % kBoxRows == 0, "one lane of warp 0 per box");
     const int chunk = tid % kChunks;
     const int row0 = tid / kChunks;
     const uint32_t copy_offset = row0 * Cfg::kRowBytes + ((chunk ^ (row0 & 7)) << 4);
@@ -420,15 +553,15 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
       if (tid == 0) {
         ws::prefetch_tensor_map(&map_w0);
         if constexpr (kGated) ws::prefetch_tensor_map(&map_w1);
-        policy = evict_first_policy();
       }
+      if (warp == 0) policy = evict_first_policy();  // the lanes that issue the TMA loads
     }
 
     // MXFP4: unit u = tid + i * kProducerThreads of a step is scale group u % 2 (32 k) of tile row u / 2, whose
     // 16 code bytes and the aligned 4-byte word holding its scale byte this thread copies (cp.async) into raw slot
     // step % kRawStages, kRawStages - 1 steps ahead, and decodes itself: no other thread reads its raw units.
     constexpr int kRawAhead = Cfg::kRawStages - 1;
-    constexpr int kRawPerThread = Cfg::kRawUnits / Cfg::kProducerThreads;  // 4
+    constexpr int kRawPerThread = Cfg::kRawUnits / Cfg::kProducerThreads;  // 4 (wide) or 2 (tall)
     static_assert(Cfg::kRawUnits % Cfg::kProducerThreads == 0, "the scale groups must divide over the producer");
     const uint32_t raw_base = ring + kStages * Cfg::kStageBytes;  // codes [slot][unit][16], then words [slot][unit][4]
     const unsigned char* const raw_ptr = ring_ptr + kStages * Cfg::kStageBytes;
@@ -498,7 +631,8 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
     ws::Tile raw_t{};
     auto advance_raw = [&]() {
       if (raw_tile < num_tiles) {
-        if (raw_kt == 0) raw_t = ws::find_ws_tile(s_prefix, args.expert_offsets, num_experts, n_tiles, raw_tile);
+        if (raw_kt == 0)
+          raw_t = ws::find_ws_tile<Cfg::kBlockM>(s_prefix, args.expert_offsets, num_experts, n_tiles, raw_tile);
         copy_raw(raw_step, raw_t.expert, raw_t.nt, raw_kt);
         if (++raw_kt == num_k_steps) {
           raw_kt = 0;
@@ -512,23 +646,54 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
       for (int i = 0; i < kRawAhead; ++i) advance_raw();
     }
 
+    // Tile look-ahead: while tile i's k-steps are issued, the pair indices of tile i + 1 (this thread's
+    // kBlockM / 128 rows, loaded raw: nothing waits for them before tile i + 1) and the expert offsets of tile
+    // i + 2 (TileRef) are in flight, so the tile boundary waits on no global load.
+    constexpr int kSrcPerThread = Cfg::kBlockM / Cfg::kProducerThreads;
+    const int grid = gridDim.x;
+    auto lookup = [&](int tile) {
+      return ws::lookup_ws_tile<Cfg::kBlockM>(s_prefix, args.expert_offsets, num_experts, n_tiles, tile);
+    };
+    int pair_next[kSrcPerThread];  // sorted_pairs entries (or rows, without sorted_pairs) of next's rows; -1 past
+    auto load_pairs = [&](const ws::Tile& tt) {
+#pragma unroll
+      for (int i = 0; i < kSrcPerThread; ++i) {
+        const int r = tid + i * Cfg::kProducerThreads;
+        pair_next[i] = r < tt.rows ? (args.sorted_pairs != nullptr ? __ldg(args.sorted_pairs + tt.row_begin + r)
+                                                                   : tt.row_begin + r)
+                                   : -1;
+      }
+    };
+    ws::Tile next{};
+    ws::TileRef ref{};
+    if (static_cast<int>(blockIdx.x) < num_tiles) {
+      next = ws::resolve_ws_tile<Cfg::kBlockM>(lookup(blockIdx.x));
+      load_pairs(next);
+      if (static_cast<int>(blockIdx.x) + grid < num_tiles) ref = lookup(blockIdx.x + grid);
+    }
+
     int step = 0;
     int tile_count = 0;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
-      const ws::Tile t = ws::find_ws_tile(s_prefix, args.expert_offsets, num_experts, n_tiles, tile);
+    for (int tile = blockIdx.x; tile < num_tiles; tile += grid, ++tile_count) {
+      const ws::Tile t = next;
       const int mma_n = (t.rows + 7) & ~7;
-      // The source row of each tile row (-1: past the tile's rows, zero-filled up to mma_n), one per producer
-      // thread, double-buffered by tile: the named barrier publishes this tile's table to the producer warpgroup,
-      // and a thread that passes it has finished reading the table of two tiles back (its k-loop precedes).
+      // The source row of each tile row (-1: past the tile's rows, zero-filled up to mma_n), kBlockM / 128 per
+      // producer thread, double-buffered by tile: the named barrier publishes this tile's table to the producer
+      // warpgroup, and a thread that passes it has finished reading the table of two tiles back (its k-loop precedes).
       int* const src = s_src + (tile_count & 1) * Cfg::kBlockM;
-      src[tid] = tid < t.rows
-                     ? (args.sorted_pairs != nullptr ? __ldg(args.sorted_pairs + t.row_begin + tid) / args.top_k
-                                                     : t.row_begin + tid)
-                     : -1;
+#pragma unroll
+      for (int i = 0; i < kSrcPerThread; ++i) {
+        const int x = pair_next[i];
+        src[tid + i * Cfg::kProducerThreads] = x >= 0 && args.sorted_pairs != nullptr ? x / args.top_k : x;
+      }
       asm volatile("bar.sync 1, %0;\n" ::"n"(Cfg::kProducerThreads) : "memory");
-      // The tensor maps' row coordinate of the tile's first weight row (rows past the expert's n read the
-      // next expert's, or zeros past the last: never stored).
-      const int w_row = t.expert * n + t.nt * kOutPerTile;
+      if (tile + grid < num_tiles) {
+        next = ws::resolve_ws_tile<Cfg::kBlockM>(ref);  // its offsets were loaded during the tile before
+        load_pairs(next);
+        if (tile + 2 * grid < num_tiles) ref = lookup(tile + 2 * grid);
+      }
+      // The tensor maps' row coordinates: t.expert * n + the box's first column (rows past the expert's n read
+      // the next expert's, or zeros past the last: never stored).
       for (int kt = 0; kt < num_k_steps; ++kt, ++step) {
         const int s = step % kStages;
         const uint32_t phase = static_cast<uint32_t>(step / kStages) & 1u;
@@ -536,15 +701,16 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
         ws::producer_wait(smem_u32(&empty_bar[s]), phase ^ 1u, s, step, s_consumer_step);
         const uint32_t stage = ring + s * Cfg::kStageBytes;
         if constexpr (!kMxfp4) {
-          if (tid == 0) {
-            ws::mbar_arrive_expect_tx(full, Cfg::kWeightBytes);
-#pragma unroll
-            for (int b = 0; b < Cfg::kBoxes; ++b) {
-              // Gated: box 2c gate rows, box 2c + 1 the up rows of the same 64 columns (consumer c's blocks 0, 1).
-              // Otherwise: 64 consecutive weight rows per box.
-              const bool up = kGated && (b & 1);
-              const int row = kGated ? w_row + (b >> 1) * 64 : w_row + b * 64;
-              ws::tma_load_2d(stage + b * Cfg::kBoxBytes, up ? &map_w1 : &map_w0, kt * kBK, row, full, policy);
+          if (warp == 0) {
+            // Lane 0 announces the stage's weight bytes, then lane b loads box b (tile rows [b kBoxRows, ..), the
+            // rows weight_row gives: gate or up rows of the same columns, or consecutive rows).
+            if (lane == 0) ws::mbar_arrive_expect_tx(full, Cfg::kWeightBytes);
+            __syncwarp();
+            if (lane < kBoxes) {
+              bool up;
+              const int col = weight_row(t.nt, lane * kBoxRows, &up);
+              ws::tma_load_2d(stage + lane * kBoxRows * Cfg::kRowBytes, up ? &map_w1 : &map_w0, kt * kBK,
+                              t.expert * n + col, full, policy);
             }
           }
         }
@@ -585,6 +751,7 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
   } else {
     // ---------------------------------------------------------------- consumers
     ws::setmaxnreg_inc<Cfg::consumer_regs(kMxfp4)>();
+    const int num_tiles = tile_count_of_cta();
     const int c = warp / 4 - 1;  // consumer 0 or 1
     const int wq = warp & 3;     // warp in the warpgroup: rows 16 wq.. of each m64 block
     constexpr int kBlocks = Cfg::kBlocksPerWg;
@@ -596,16 +763,26 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
       for (int i = 0; i < Cfg::kAcc; ++i) acc[b][i] = 0.0f;
     }
     int step = 0;
+    // Tile look-ahead: the next tile's expert offsets load during this tile's k-loop (TileRef).
+    ws::TileRef ref{};
+    if (static_cast<int>(blockIdx.x) < num_tiles) {
+      ref = ws::lookup_ws_tile<Cfg::kBlockM>(s_prefix, args.expert_offsets, num_experts, n_tiles, blockIdx.x);
+    }
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const ws::Tile t = ws::find_ws_tile(s_prefix, args.expert_offsets, num_experts, n_tiles, tile);
+      const ws::Tile t = ws::resolve_ws_tile<Cfg::kBlockM>(ref);
+      if (tile + static_cast<int>(gridDim.x) < num_tiles) {
+        ref = ws::lookup_ws_tile<Cfg::kBlockM>(s_prefix, args.expert_offsets, num_experts, n_tiles, tile + gridDim.x);
+      }
       const int mma_n = (t.rows + 7) & ~7;
       // N is an operand of the instruction: one k-loop per N (the switch outside the loop: a switch among the
       // wgmmas after each barrier wait made ptxas serialize them, C7520).
       switch (mma_n >> 3) {
-#define LATENTMOE_WGMMA_WS_CASE(N)                                                                                    \
-  case N / 8:                                                                                                         \
-    ws::consume_tile<T, N, kStages>(acc, ring, smem_u32(&full_bar[0]), smem_u32(&empty_bar[0]), step, num_k_steps, c, \
-                                    lane, s_consumer_step);                                                           \
+#define LATENTMOE_WGMMA_WS_CASE(N)                                                                           \
+  case N / 8:                                                                                                \
+    if constexpr (N <= Cfg::kBlockM) {                                                                       \
+      ws::consume_tile<T, Cfg, N, kStages>(acc, ring, smem_u32(&full_bar[0]), smem_u32(&empty_bar[0]), step, \
+                                           num_k_steps, c, lane, s_consumer_step);                           \
+    }                                                                                                        \
     break;
         LATENTMOE_WGMMA_WS_CASE(8)
         LATENTMOE_WGMMA_WS_CASE(16)
@@ -623,15 +800,37 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
         LATENTMOE_WGMMA_WS_CASE(112)
         LATENTMOE_WGMMA_WS_CASE(120)
         LATENTMOE_WGMMA_WS_CASE(128)
+        LATENTMOE_WGMMA_WS_CASE(136)
+        LATENTMOE_WGMMA_WS_CASE(144)
+        LATENTMOE_WGMMA_WS_CASE(152)
+        LATENTMOE_WGMMA_WS_CASE(160)
+        LATENTMOE_WGMMA_WS_CASE(168)
+        LATENTMOE_WGMMA_WS_CASE(176)
+        LATENTMOE_WGMMA_WS_CASE(184)
+        LATENTMOE_WGMMA_WS_CASE(192)
+        LATENTMOE_WGMMA_WS_CASE(200)
+        LATENTMOE_WGMMA_WS_CASE(208)
+        LATENTMOE_WGMMA_WS_CASE(216)
+        LATENTMOE_WGMMA_WS_CASE(224)
+        LATENTMOE_WGMMA_WS_CASE(232)
+        LATENTMOE_WGMMA_WS_CASE(240)
+        LATENTMOE_WGMMA_WS_CASE(248)
+        LATENTMOE_WGMMA_WS_CASE(256)
 #undef LATENTMOE_WGMMA_WS_CASE
         default:
           break;
       }
-      static_assert(Cfg::kBlockM == 128, "the dispatch above covers N = 8 .. 128");
+      static_assert(kWgmmaMaxN == 256 && Cfg::kBlockM <= kWgmmaMaxN, "the dispatch above covers N = 8 .. 256");
       fence_accumulators(acc);
       if (t.nt * kOutPerTile + c * kOutPerWg < n) {
-        wgmma_store_tile<T, kMode>(acc, args, out, t.row_begin, t.rows, mma_n, t.nt * kOutPerTile + c * kOutPerWg, wq,
-                                   lane);
+        const int wg_col = t.nt * kOutPerTile + c * kOutPerWg;
+        if (args.ws_register_epilogue) {
+          wgmma_store_tile<T, kMode>(acc, args, out, t.row_begin, t.rows, mma_n, wg_col, wq, lane);
+        } else {
+          unsigned char* const buf = s_epilogue[warp - 4];
+          ws::store_tile_smem<T, kMode>(acc, args, out, t.row_begin, t.rows, mma_n, wg_col, wq, lane, smem_u32(buf),
+                                        buf);
+        }
       }
     }
   }
@@ -640,15 +839,14 @@ __global__ void __launch_bounds__(WgmmaWsCfg::kThreads, 1)
 
 // --- Host side (grouped_gemm_wgmma_ws.cu, grouped_gemm_wgmma_ws_mxfp4.cu).
 
-// A 2-D TMA map over the stacked bf16/f16 weights [rows = E * N][k], boxes of 64 k x 64 rows in the 128B swizzle
-// (grouped_gemm_wgmma_ws.cu). Throws latentmoe::Error when the driver refuses it.
-CUtensorMap wgmma_ws_weight_map(DType dtype, const void* weights, int64_t rows, int64_t k);
+// A 2-D TMA map over the stacked bf16/f16 weights [rows = E * N][k], boxes of 64 k x box_rows rows in the 128B
+// swizzle (grouped_gemm_wgmma_ws.cu). Throws latentmoe::Error when the driver refuses it.
+CUtensorMap wgmma_ws_weight_map(DType dtype, const void* weights, int64_t rows, int64_t k, int box_rows);
 
-template <class T, Mode kMode, bool kMxfp4>
+template <class T, class Cfg, Mode kMode, bool kMxfp4>
 void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
-  using Cfg = WgmmaWsCfg;
   static std::atomic<uint64_t> done_mask{0};
-  auto kernel = grouped_wgmma_ws_kernel<T, kMode, kMxfp4>;
+  auto kernel = grouped_wgmma_ws_kernel<T, Cfg, kMode, kMxfp4>;
   ensure_smem_limit(reinterpret_cast<const void*>(kernel), Cfg::smem_bytes(kMxfp4, Cfg::kMaxExperts), &done_mask);
   const int out_per_tile = kMode == Mode::gated ? Cfg::kWeightRows / 2 : Cfg::kWeightRows;
   args.n_tiles = (args.n + out_per_tile - 1) / out_per_tile;
@@ -656,13 +854,15 @@ void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch,
   args.n_groups = args.n_tiles;
   args.trigger_dependents = launch.trigger;
   args.wait_before_tile = true;  // the kernel waits before it reads anything
+  args.ws_register_epilogue = launch.variant_option == 1 ? 1 : 0;
   const int64_t stacked_rows = static_cast<int64_t>(args.num_experts) * args.n;
   LATENTMOE_CHECK(stacked_rows + Cfg::kWeightRows < (int64_t{1} << 31), "grouped GEMM (wgmma_ws): ", args.num_experts,
                   " experts x ", args.n, " weight rows exceed the kernel's 32-bit row coordinates");
   CUtensorMap map0{}, map1{};  // MXFP4: unused (the producer copies and decodes the codes)
   if constexpr (!kMxfp4) {
-    map0 = wgmma_ws_weight_map(dtype, args.w0, stacked_rows, args.k);
-    map1 = kMode == Mode::gated ? wgmma_ws_weight_map(dtype, args.w1, stacked_rows, args.k) : map0;
+    constexpr int kBoxRows = Cfg::box_rows(kMode == Mode::gated);
+    map0 = wgmma_ws_weight_map(dtype, args.w0, stacked_rows, args.k, kBoxRows);
+    map1 = kMode == Mode::gated ? wgmma_ws_weight_map(dtype, args.w1, stacked_rows, args.k, kBoxRows) : map0;
   }
   // Tiles: at most the host bound on row tiles times the n-tiles; one CTA per SM, fewer when the bound is smaller,
   // or when launch.n_tiles_per_cta asks for at least that many tiles per CTA (the tests' many-tiles-per-CTA case).
@@ -677,21 +877,24 @@ void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch,
                 dim3(Cfg::kThreads), Cfg::smem_bytes(kMxfp4, args.num_experts), stream, map0, map1, args);
 }
 
-template <class T, bool kMxfp4>
+template <class T, class Cfg, bool kMxfp4>
 void launch_wgmma_ws_typed(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
                            cudaStream_t stream) {
   switch (mode) {
     case Mode::gated:
-      return launch_wgmma_ws_mode<T, Mode::gated, kMxfp4>(dtype, args, launch, stream);
+      return launch_wgmma_ws_mode<T, Cfg, Mode::gated, kMxfp4>(dtype, args, launch, stream);
     case Mode::relu2:
-      return launch_wgmma_ws_mode<T, Mode::relu2, kMxfp4>(dtype, args, launch, stream);
+      return launch_wgmma_ws_mode<T, Cfg, Mode::relu2, kMxfp4>(dtype, args, launch, stream);
     case Mode::plain:
-      return launch_wgmma_ws_mode<T, Mode::plain, kMxfp4>(dtype, args, launch, stream);
+      return launch_wgmma_ws_mode<T, Cfg, Mode::plain, kMxfp4>(dtype, args, launch, stream);
   }
 }
 
-// MXFP4 weights (grouped_gemm_wgmma_ws_mxfp4.cu): dtype bf16 or f16, checked by launch_wgmma_ws.
-void launch_wgmma_ws_mxfp4(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
+// Per tile shape (the arguments checked by launch_wgmma_ws): bf16/f16 weights in grouped_gemm_wgmma_ws.cu (wide)
+// and grouped_gemm_wgmma_ws_tall.cu (tall); MXFP4 weights in grouped_gemm_wgmma_ws_mxfp4.cu (both shapes).
+void launch_wgmma_ws_wide(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream);
+void launch_wgmma_ws_tall(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch, cudaStream_t stream);
+void launch_wgmma_ws_mxfp4(DType dtype, WgmmaWsShape shape, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
                            cudaStream_t stream);
 
 }  // namespace latentmoe::cuda::gg
