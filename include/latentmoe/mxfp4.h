@@ -7,6 +7,7 @@
 // 6 * 2^127, beyond float and bf16) fits a double without rounding.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 
@@ -38,5 +39,25 @@ void mxfp4_decode_row(const uint8_t* packed_row, const uint8_t* scale_row, int64
 // matrix is a slice of).
 void check_e8m0_scales(const uint8_t* scales, int64_t rows, int64_t groups, int64_t row_stride, std::string_view what,
                        int64_t row_offset = 0, int64_t group_offset = 0);
+
+// The order of the bits of the packed codes, per little-endian 32-bit word (8 codes: 8 consecutive columns from
+// a multiple of 8). `canonical` is the checkpoint's layout above, the one every host tensor and the CPU backend
+// use. `kernel` is the order the CUDA kernels read (issue 31, docs/MXFP4.md "The kernel order"): a fixed
+// permutation of the 32 bits of every word that lets a kernel decode a word in 9 integer instructions instead of
+// ~15. A Runner converts the MXFP4 expert codes it copies to a GPU itself; codes already on the GPU (device
+// LayerWeightViews) must be converted once by their owner (mxfp4_to_kernel_order in latentmoe/runner.h) and
+// declared so (LayerWeightViews::expert_code_order). Scales are never permuted.
+enum class Mxfp4CodeOrder { canonical, kernel };
+std::string_view to_string(Mxfp4CodeOrder order);
+
+// One word of codes from the canonical order to the kernel order, and back (a bijection on the 32 bits).
+uint32_t mxfp4_word_to_kernel_order(uint32_t word);
+uint32_t mxfp4_word_from_kernel_order(uint32_t word);
+
+// Converts `bytes` bytes of packed codes in place, word by word (little-endian 32-bit words, any alignment).
+// Throws Error unless `bytes` is a multiple of 4: a code row is cols/2 bytes with cols a multiple of 32, so whole
+// rows always are, and a length that is not cannot be whole words of codes.
+void mxfp4_codes_to_kernel_order(uint8_t* codes, size_t bytes);
+void mxfp4_codes_from_kernel_order(uint8_t* codes, size_t bytes);
 
 }  // namespace latentmoe

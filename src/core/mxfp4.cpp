@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/mxfp4_kernel_order.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe {
@@ -14,7 +15,33 @@ namespace {
 constexpr double kE2m1Values[16] = {0.0,  0.5,  1.0,  1.5,  2.0,  3.0,  4.0,  6.0,
                                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0};
 
+template <uint32_t (*kConvert)(uint32_t)>
+void convert_words(uint8_t* codes, size_t bytes, const char* what) {
+  LATENTMOE_CHECK(bytes % 4 == 0, what, ": ", bytes,
+                  " bytes of MXFP4 codes is not a whole number of 32-bit words (8 codes each); a code row of "
+                  "cols/2 bytes with cols a multiple of 32 always is");
+  LATENTMOE_CHECK(codes != nullptr || bytes == 0, what, ": no codes");
+  for (size_t i = 0; i < bytes; i += 4) {
+    uint8_t* b = codes + i;  // a little-endian word, as the GPU reads it
+    const uint32_t word = kConvert(uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24);
+    for (int j = 0; j < 4; ++j) b[j] = static_cast<uint8_t>(word >> (8 * j));
+  }
+}
+
 }  // namespace
+
+std::string_view to_string(Mxfp4CodeOrder order) { return order == Mxfp4CodeOrder::kernel ? "kernel" : "canonical"; }
+
+uint32_t mxfp4_word_to_kernel_order(uint32_t word) { return detail::mxfp4_to_kernel_order(word); }
+uint32_t mxfp4_word_from_kernel_order(uint32_t word) { return detail::mxfp4_from_kernel_order(word); }
+
+void mxfp4_codes_to_kernel_order(uint8_t* codes, size_t bytes) {
+  convert_words<detail::mxfp4_to_kernel_order>(codes, bytes, "mxfp4_codes_to_kernel_order");
+}
+
+void mxfp4_codes_from_kernel_order(uint8_t* codes, size_t bytes) {
+  convert_words<detail::mxfp4_from_kernel_order>(codes, bytes, "mxfp4_codes_from_kernel_order");
+}
 
 double e2m1_value(uint8_t code) { return kE2m1Values[code & 0x0F]; }
 
