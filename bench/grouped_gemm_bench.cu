@@ -30,6 +30,7 @@
 
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/kernels/fill.h"
+#include "cuda/kernels/mxfp4_order.h"
 #include "harness/cublas_handle.h"
 #include "harness/timing.h"
 #include "latentmoe/error.h"
@@ -393,6 +394,11 @@ int run(int argc, char** argv) {
       fill_weights(up, 2.0f / std::sqrt(float(l)), 12);
       fill_weights(down, 1.0f / std::sqrt(float(ir)), 13);
       if (mxfp4) {
+        // The codes in the order the kernels read (random bits either way: the timing does not depend on it).
+        for (const DeviceMemory* codes : {&gate, &up, &down}) {
+          if (codes->get() != nullptr)
+            latentmoe::cuda::mxfp4_codes_to_kernel_order(codes->get(), codes->bytes(), stream);
+        }
         for (DeviceMemory* s : {&gate_scales, &up_scales, &down_scales}) {
           if (s == &gate_scales && !gated) continue;
           *s = DeviceMemory(mat / 32);

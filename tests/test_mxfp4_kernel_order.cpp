@@ -1,7 +1,8 @@
 // The kernel order of MXFP4 codes (issue 31, core/mxfp4_kernel_order.h, docs/MXFP4.md "The kernel order"): the
 // permutation is a bijection with its inverse, the decode the GPU kernels run (the same host/device functions,
 // compiled here for the host) gives every code's exact bf16 and f16 bits at every position of a word, the public
-// buffer conversion refuses lengths that are not whole words.
+// buffer conversion refuses lengths that are not whole words, and the runner refuses host codes declared in the
+// kernel order (the CUDA side, device views declared canonical, is in tests/cuda/test_cuda_runner.cpp).
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -13,8 +14,14 @@
 
 #include "core/mxfp4_kernel_order.h"
 #include "error_test_util.h"
+#include "latentmoe/config.h"
+#include "latentmoe/in_process_group.h"
 #include "latentmoe/mxfp4.h"
+#include "latentmoe/presets.h"
 #include "latentmoe/random.h"
+#include "latentmoe/runner.h"
+#include "latentmoe/weights.h"
+#include "layer_test_util.h"
 
 namespace latentmoe {
 namespace {
@@ -166,6 +173,42 @@ TEST(Mxfp4KernelOrder, a_buffer_that_is_not_whole_words_is_refused) {
   EXPECT_EQ(bytes, std::vector<uint8_t>(18, 0x5A));  // nothing converted before the refusal
   mxfp4_codes_to_kernel_order(bytes.data(), 0);      // no words: nothing to do
   mxfp4_codes_to_kernel_order(bytes.data(), 16);
+}
+
+LayerConfig kimi_mxfp4_config() {
+  LayerConfig config = resized(kimi_k3_config(), {40, 64, 6, 3, 256, 40});
+  config.experts_format = ExpertWeightFormat::mxfp4;
+  config.validate();
+  return config;
+}
+
+TEST(Mxfp4KernelOrder, host_codes_declared_in_the_kernel_order_are_refused) {
+  const LayerConfig config = kimi_mxfp4_config();
+  const LayerWeights weights = make_random_layer_weights(config, DType::bf16, 35);
+  LayerWeightViews views = views_of(weights);
+  EXPECT_EQ(views.expert_code_order, Mxfp4CodeOrder::canonical);  // the default: what host codes are
+  views.expert_code_order = Mxfp4CodeOrder::kernel;
+  expect_error([&] { validate_layer_weights(views, config, 1); },
+               {"expert_gate is on the host but expert_code_order is kernel", "canonical order"});
+  auto group = make_in_process_group(1);
+  expect_error([&] { Runner(config, {1, 0}, views, *group[0]); }, {"on the host but expert_code_order is kernel"});
+  views.expert_code_order = Mxfp4CodeOrder::canonical;
+  Runner runner(config, {1, 0}, views, *group[0]);  // canonical host codes: the CPU reference's own
+}
+
+TEST(Mxfp4KernelOrder, dense_experts_have_no_code_order) {
+  const LayerConfig config = resized(kimi_k3_config(), {40, 64, 6, 3, 256, 40});
+  const LayerWeights weights = make_random_layer_weights(config, DType::f32, 36);
+  LayerWeightViews views = views_of(weights);
+  views.expert_code_order = Mxfp4CodeOrder::kernel;
+  expect_error([&] { validate_layer_weights(views, config, 1); },
+               {"expert_code_order is kernel but the experts are dense"});
+}
+
+TEST(Mxfp4KernelOrder, the_cpu_backend_has_nothing_to_convert_on_a_device) {
+  std::vector<uint8_t> codes(16);
+  // Host tensors are refused by the device conversion (and, without CUDA, so is everything).
+  expect_error([&] { mxfp4_to_kernel_order(TensorView(codes.data(), DType::u8, {16})); }, {"mxfp4_to_kernel_order"});
 }
 
 }  // namespace

@@ -181,6 +181,10 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     up_scale = bytes({num_experts, inter, l / kMxfp4GroupSize}, 0x79);
     expert_down = bytes({num_experts, l, inter / 2}, 0x3A);
     down_scale = bytes({num_experts, l, inter / kMxfp4GroupSize}, 0x79);
+    // Device codes are used in place: into the kernel order the runner expects of them (latentmoe/weights.h).
+    for (const DeviceTensor* codes : {&expert_gate, &expert_up, &expert_down}) {
+      if (codes->view.defined()) mxfp4_to_kernel_order(codes->view, stream);
+    }
   } else {
     if (gated) expert_gate = matrix({num_experts, inter, l}, l, 5);
     expert_up = matrix({num_experts, inter, l}, l, 6);
@@ -201,6 +205,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   LayerWeightViews views;
   views.dtype = dtype;
   views.experts_format = config.experts_format;
+  if (mxfp4) views.expert_code_order = Mxfp4CodeOrder::kernel;
   views.score_bias = bias.view;  // no gate: the router logits are given
   views.down_proj = down_proj.view;
   views.latent_norm = gamma.view;

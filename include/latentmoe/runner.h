@@ -53,6 +53,17 @@ struct ForwardOutputs {
   TensorView topk_weights;  // [T, k] f32; optional
 };
 
+// Converts MXFP4 expert codes that an engine keeps on a GPU (device LayerWeightViews, which a Runner uses in place)
+// from the canonical order to the kernel order its CUDA kernels read (latentmoe/mxfp4.h, Mxfp4CodeOrder), in place:
+// `codes` is a contiguous U8 tensor in CUDA device memory (expert_gate, expert_up or expert_down). Runs on the
+// device that holds the codes, enqueued on `stream` (a cudaStream_t of that device; nullptr: the legacy default
+// stream); the codes are converted when the stream reaches it. Convert each tensor once (twice is a different
+// permutation), then set LayerWeightViews::expert_code_order = Mxfp4CodeOrder::kernel. Host codes stay canonical
+// (a Runner converts what it copies; mxfp4_codes_to_kernel_order in latentmoe/mxfp4.h converts a host buffer).
+// Throws Error naming the problem: not U8, not contiguous, not device memory, a byte count that is not a multiple
+// of 4 (whole rows of codes always are), or a build without CUDA.
+void mxfp4_to_kernel_order(const TensorView& codes, StreamHandle stream = nullptr);
+
 class Runner {
  public:
   // `weights` must be this rank's shard (see shard_layer_weights / load_layer_weights) in the

@@ -7,6 +7,7 @@
 
 #include "latentmoe/checkpoint.h"
 #include "latentmoe/config.h"
+#include "latentmoe/mxfp4.h"
 #include "latentmoe/parallel.h"
 #include "latentmoe/safetensors.h"
 #include "latentmoe/tensor.h"
@@ -41,9 +42,16 @@ struct LayerWeights {
 // already on the device the runner will use. A Runner copies host views to its device and uses
 // device views in place: an engine that loaded its weights itself keeps them alive and unchanged
 // for the runner's lifetime, and the runner holds no second copy.
+// MXFP4 expert codes (expert_gate/up/down with experts_format mxfp4): the CUDA kernels read them in the kernel
+// order (latentmoe/mxfp4.h, Mxfp4CodeOrder). Host views are always canonical (the checkpoint's order): a runner
+// converts the codes it copies to a GPU itself. Device views are used in place, so they must already be in the
+// kernel order: convert each code tensor once with mxfp4_to_kernel_order (latentmoe/runner.h) and set
+// expert_code_order to kernel; a CUDA runner refuses device codes declared canonical, and any runner refuses
+// host codes declared kernel. Scales are never permuted.
 struct LayerWeightViews {
   DType dtype = DType::f32;
   ExpertWeightFormat experts_format = ExpertWeightFormat::dense;
+  Mxfp4CodeOrder expert_code_order = Mxfp4CodeOrder::canonical;  // of expert_gate/up/down; MXFP4 only
   TensorView gate, score_bias, down_proj, latent_norm, up_proj;
   TensorView expert_gate, expert_up, expert_down;
   TensorView expert_gate_scale, expert_up_scale, expert_down_scale;  // MXFP4 only

@@ -7,6 +7,7 @@
 
 #include "latentmoe/device.h"
 #include "latentmoe/error.h"
+#include "latentmoe/runner.h"
 
 namespace latentmoe::detail {
 
@@ -93,6 +94,10 @@ TierSupport Backend::tier_support(const LayerConfig& config, DType dtype, int tp
   return support;
 }
 
+void Backend::mxfp4_codes_to_kernel_order(const TensorView&) {
+  throw_error("this backend reads MXFP4 codes in the canonical order: it has no kernel order to convert them to");
+}
+
 void Backend::run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) {
   main();
   aux();
@@ -109,6 +114,12 @@ std::unique_ptr<Backend> make_cuda_backend(int) {
 }  // namespace latentmoe::detail
 
 #ifndef LATENTMOE_WITH_CUDA
+namespace latentmoe {  // latentmoe/runner.h's device conversion without CUDA
+void mxfp4_to_kernel_order(const TensorView&, StreamHandle) {
+  detail::throw_error("mxfp4_to_kernel_order: latentmoe was built without CUDA (host codes stay canonical)");
+}
+}  // namespace latentmoe
+
 namespace latentmoe {  // latentmoe/device.h without CUDA: no device
 int cuda_device_count() noexcept { return 0; }
 CudaDeviceProperties cuda_device_properties(int) {

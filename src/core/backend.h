@@ -15,6 +15,7 @@
 
 #include "latentmoe/communicator.h"
 #include "latentmoe/config.h"
+#include "latentmoe/mxfp4.h"
 #include "latentmoe/tensor.h"
 #include "latentmoe/tier.h"
 
@@ -132,6 +133,13 @@ class Backend {
     synchronize();
     return true;
   }
+  // The order in which this backend's kernels read MXFP4 codes (latentmoe/mxfp4.h): the CPU reference reads the
+  // canonical order, the CUDA kernels the kernel order.
+  virtual Mxfp4CodeOrder mxfp4_code_order() const { return Mxfp4CodeOrder::canonical; }
+  // Converts MXFP4 codes on this backend's device (U8, contiguous) from the canonical order to
+  // mxfp4_code_order(), in place, in stream order: the runner runs it on the codes it has copied to the device.
+  // Throws Error on a backend whose order is canonical (nothing to convert).
+  virtual void mxfp4_codes_to_kernel_order(const TensorView& codes);
   // Called by the runner at construction, before any weight is placed: a backend refuses a layer it
   // cannot run (its kernel limits, a weight format it has no kernels for) before the weights cost
   // device memory.

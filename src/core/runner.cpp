@@ -32,6 +32,21 @@ DeviceTensor place(Backend& backend, const TensorView& weight, const char* name)
   return placed;
 }
 
+DeviceTensor place_mxfp4_codes(Backend& backend, const TensorView& codes, Mxfp4CodeOrder order, const char* name) {
+  if (!codes.defined()) return {};
+  const bool in_place = codes.device() == backend.device() && backend.device() != Device::cpu;
+  const Mxfp4CodeOrder wanted = backend.mxfp4_code_order();
+  // Host codes are canonical (validate_layer_weights refuses host views declared kernel).
+  LATENTMOE_CHECK(!in_place || order == wanted, "layer weights: ", name, " holds MXFP4 codes on the GPU in the ",
+                  to_string(order), " order but the CUDA kernels read the ", to_string(wanted),
+                  " order; convert the tensor once in place with mxfp4_to_kernel_order (latentmoe/runner.h; C: "
+                  "lmoe_mxfp4_to_kernel_order, Python: latentmoe.mxfp4_to_kernel_order) and set "
+                  "LayerWeightViews::expert_code_order to kernel, or pass host codes (copied and converted)");
+  DeviceTensor placed = place(backend, codes, name);
+  if (!in_place && wanted != Mxfp4CodeOrder::canonical) backend.mxfp4_codes_to_kernel_order(placed.view);
+  return placed;
+}
+
 void check_tensor(const TensorView& tensor, const char* name, DType dtype, std::initializer_list<int64_t> shape,
                   Device device) {
   LATENTMOE_CHECK(tensor.defined(), name, " is missing");
@@ -116,9 +131,17 @@ void Runner::construct(RankContext& context, const LayerConfig& config, const Pa
   state.down_proj = detail::place(backend, weights.down_proj, "down_proj");
   state.latent_norm = detail::place(backend, weights.latent_norm, "latent_norm");
   state.up_proj = detail::place(backend, weights.up_proj, "up_proj");
-  state.expert_gate = detail::place(backend, weights.expert_gate, "expert_gate");
-  state.expert_up = detail::place(backend, weights.expert_up, "expert_up");
-  state.expert_down = detail::place(backend, weights.expert_down, "expert_down");
+  if (config.has_mxfp4_experts()) {
+    // The codes in the order the backend's kernels read: copies converted on the device, views checked.
+    const Mxfp4CodeOrder order = weights.expert_code_order;
+    state.expert_gate = detail::place_mxfp4_codes(backend, weights.expert_gate, order, "expert_gate");
+    state.expert_up = detail::place_mxfp4_codes(backend, weights.expert_up, order, "expert_up");
+    state.expert_down = detail::place_mxfp4_codes(backend, weights.expert_down, order, "expert_down");
+  } else {
+    state.expert_gate = detail::place(backend, weights.expert_gate, "expert_gate");
+    state.expert_up = detail::place(backend, weights.expert_up, "expert_up");
+    state.expert_down = detail::place(backend, weights.expert_down, "expert_down");
+  }
   state.expert_gate_scale = detail::place(backend, weights.expert_gate_scale, "expert_gate_scale");
   state.expert_up_scale = detail::place(backend, weights.expert_up_scale, "expert_up_scale");
   state.expert_down_scale = detail::place(backend, weights.expert_down_scale, "expert_down_scale");

@@ -128,6 +128,10 @@ struct RunnerAccess {
 // used in place; undefined views stay undefined. `name` names it in the error for a GPU view on a CPU
 // backend. (Runner and Tail construction.)
 DeviceTensor place(Backend& backend, const TensorView& weight, const char* name);
+// place() for MXFP4 expert codes declared in `order`: device views must be in the backend's order
+// (Backend::mxfp4_code_order; Error naming the tensor and the conversion otherwise); host codes (canonical)
+// copied to a backend whose kernels read the kernel order are converted there after the copy.
+DeviceTensor place_mxfp4_codes(Backend& backend, const TensorView& codes, Mxfp4CodeOrder order, const char* name);
 
 // Throws Error unless `tensor` is defined, of `shape` and `dtype`, contiguous, on `device` and has data
 // (`name` names it). Allocates nothing on success (forward validates every call).

@@ -349,6 +349,18 @@ void validate_layer_weights(const LayerWeightViews& weights, const LayerConfig& 
   LATENTMOE_CHECK(weights.experts_format == config.experts_format, "layer weights: the experts are ",
                   to_string(weights.experts_format), " but the config declares ", to_string(config.experts_format),
                   " experts (quantization_config)");
+  LATENTMOE_CHECK(weights.expert_code_order == Mxfp4CodeOrder::canonical || config.has_mxfp4_experts(),
+                  "layer weights: expert_code_order is kernel but the experts are dense (the order is of MXFP4 codes)");
+  if (config.has_mxfp4_experts() && weights.expert_code_order == Mxfp4CodeOrder::kernel) {
+    // Host codes are the checkpoint's: a runner converts what it copies to the GPU (latentmoe/weights.h).
+    for (const auto& [name, codes] : {std::pair<const char*, const TensorView&>{"expert_gate", weights.expert_gate},
+                                      {"expert_up", weights.expert_up},
+                                      {"expert_down", weights.expert_down}}) {
+      LATENTMOE_CHECK(!codes.defined() || codes.device() != Device::cpu, "layer weights: ", name,
+                      " is on the host but expert_code_order is kernel; MXFP4 codes on the host must be in the "
+                      "canonical order (the runner converts the codes it copies to the GPU)");
+    }
+  }
   if (config.has_mxfp4_experts()) {
     LATENTMOE_CHECK(l % kMxfp4GroupSize == 0 && rank_i % kMxfp4GroupSize == 0, "layer weights: MXFP4 experts need ",
                     "moe_latent_size (", l, ") and moe_intermediate_size / tp (", rank_i, ") to be multiples of ",

@@ -30,8 +30,8 @@ struct LayerOutputs {
   HostTensor output, ids, weights;
 };
 
-LayerOutputs run_layer(BackendKind kind, const LayerConfig& config, const LayerWeights& weights, const HostTensor& x,
-                       const HostTensor* logits) {
+LayerOutputs run_layer(BackendKind kind, const LayerConfig& config, const LayerWeightViews& weights,
+                       const HostTensor& x, const HostTensor* logits) {
   auto group = make_in_process_group(1);
   RunnerOptions options;
   options.backend = kind;
@@ -46,6 +46,11 @@ LayerOutputs run_layer(BackendKind kind, const LayerConfig& config, const LayerW
   if (logits != nullptr) inputs.router_logits = logits->view();
   runner.forward_host(inputs, ForwardOutputs{out.output.view(), out.ids.view(), out.weights.view()});
   return out;
+}
+
+LayerOutputs run_layer(BackendKind kind, const LayerConfig& config, const LayerWeights& weights, const HostTensor& x,
+                       const HostTensor* logits) {
+  return run_layer(kind, config, views_of(weights), x, logits);
 }
 
 // The layer on `tp` simulated GPU ranks against the CPU runner on the same rank weights: within the
@@ -125,6 +130,48 @@ class ScopedVariable {
  private:
   const char* name_;
 };
+
+// Issue 31: MXFP4 codes an engine keeps on the GPU (device views, used in place) must be in the kernel order. In
+// the canonical order the runner refuses them, naming the tensor and the conversion; converted by the public
+// mxfp4_to_kernel_order they give bit for bit the output of the same codes passed from the host (which the runner
+// copies and converts itself): the decode kernels (bf16, f16 on the tensor cores, f32 on the CUDA cores) and the
+// grouped GEMMs (64 tokens).
+TEST(CudaRunner, mxfp4_device_codes_converted_in_place_match_host_codes) {
+  LATENTMOE_REQUIRE_GPU();
+  LayerConfig config = resized(kimi_k3_config(), {40, 64, 6, 3, 256, 40});
+  config.experts_format = ExpertWeightFormat::mxfp4;
+  uint64_t seed = 310;
+  for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
+    const LayerWeights weights = make_random_layer_weights(config, dtype, ++seed);
+    auto staging = ::latentmoe::detail::make_cuda_backend(0);
+    LayerWeightViews views = views_of(weights);
+    std::vector<DeviceTensor> codes;
+    for (TensorView* field : {&views.expert_gate, &views.expert_up, &views.expert_down}) {
+      codes.push_back(upload(*staging, to_host_tensor(*field, DType::u8)));
+      *field = codes.back().view;
+    }
+    staging->synchronize();
+    const HostTensor x = random_tensor(dtype, {64, config.hidden_size}, static_cast<uint32_t>(++seed));
+    latentmoe::testing::expect_error([&] { run_layer(BackendKind::cuda, config, views, x, nullptr); },
+                                     {"expert_gate holds MXFP4 codes on the GPU in the canonical order",
+                                      "mxfp4_to_kernel_order", "expert_code_order"});
+    for (const DeviceTensor& tensor : codes)
+      ::latentmoe::mxfp4_to_kernel_order(tensor.view);  // the legacy default stream
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    views.expert_code_order = Mxfp4CodeOrder::kernel;
+    for (int64_t tokens : {3, 64}) {
+      const HostTensor xt = to_host_tensor(x.view().slice_rows(0, tokens), dtype);
+      const LayerOutputs from_host = run_layer(BackendKind::cuda, config, weights, xt, nullptr);
+      const LayerOutputs from_device = run_layer(BackendKind::cuda, config, views, xt, nullptr);
+      EXPECT_TRUE(bitwise_equal(from_device.output.view(), from_host.output.view())) << name_of(dtype) << " " << tokens;
+      EXPECT_TRUE(bitwise_equal(from_device.ids.view(), from_host.ids.view())) << name_of(dtype) << " " << tokens;
+      // And both are the layer (the CPU reference reads the canonical host codes).
+      const LayerOutputs reference = run_layer(BackendKind::cpu, config, weights, xt, nullptr);
+      EXPECT_LT(relative_error(from_host.output, reference.output), tolerance(dtype))
+          << name_of(dtype) << " " << tokens;
+    }
+  }
+}
 
 // The MXFP4 tensor-core gate/up kernel with 1 and 2 warps per tile along K (the test above runs the
 // automatic choice, which its small layers make 8): forced through LATENTMOE_MXFP4_GATE_UP_SPLIT, which

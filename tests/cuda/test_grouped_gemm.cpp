@@ -198,7 +198,9 @@ class Problem {
                              m.values.data() + r * cols);
           }
         }
-        host.values = std::move(m.values);
+        host.values = std::move(m.values);  // the reference's: decoded from the canonical codes
+        // The kernels read the codes in the kernel order (latentmoe/mxfp4.h), as the runner puts them on the GPU.
+        mxfp4_codes_to_kernel_order(m.codes.data(), m.codes.size());
         host.bytes = std::move(m.codes);
         d_scales = std::make_unique<DeviceMem>(m.scales.size());
         cudaMemcpy(d_scales->get(), m.scales.data(), m.scales.size(), cudaMemcpyHostToDevice);

@@ -13,6 +13,7 @@
 #include "cuda/gemm/dense_push_gemm.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/kernels/moe_layout.h"
+#include "cuda/kernels/mxfp4_order.h"
 #include "cuda/kernels/routing.h"
 
 namespace latentmoe::cuda {
@@ -149,6 +150,15 @@ DeviceBuffer CudaBackend::allocate(size_t bytes) {
   // Zeroed, as the CPU backend's memory is (stream-ordered before any later use).
   if (bytes > 0) LATENTMOE_CUDA_CHECK(cudaMemsetAsync(buffer.get(), 0, bytes, s.main_stream));
   return buffer;
+}
+
+void CudaBackend::mxfp4_codes_to_kernel_order(const TensorView& codes) {
+  State& s = *state_;
+  DeviceGuard guard(s.ordinal);
+  LATENTMOE_CHECK(
+      codes.defined() && codes.dtype() == DType::u8 && codes.device() == Device::cuda && codes.is_contiguous(),
+      "MXFP4 codes to the kernel order: a contiguous U8 tensor on the GPU, not ", codes.shape_string());
+  cuda::mxfp4_codes_to_kernel_order(codes.data(), static_cast<size_t>(codes.numel()), s.current);
 }
 
 void CudaBackend::copy(const TensorView& src, const TensorView& dst) {

@@ -62,6 +62,9 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   void bind_stream(StreamHandle stream) override;
   void synchronize() override;
   bool synchronize_for(std::chrono::milliseconds limit) override;
+  // The MXFP4 kernels read the kernel order (latentmoe/mxfp4.h); the conversion runs on the current stream.
+  Mxfp4CodeOrder mxfp4_code_order() const override { return Mxfp4CodeOrder::kernel; }
+  void mxfp4_codes_to_kernel_order(const TensorView& codes) override;
 
   // Refuses what the kernels cannot run (top_k and E beyond their limits; MXFP4 experts run at any shape
   // the loader accepts).

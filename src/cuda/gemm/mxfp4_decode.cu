@@ -2,10 +2,10 @@
 // to the tensor-core kernels (mxfp4_decode_mma.cu) and run the rest (f32 activations, rows not 16-byte
 // aligned) on the CUDA-core kernels below.
 //
-// CUDA-core kernels. Layout read: the checkpoint's own. A row of an [rows, cols] matrix is cols/2
-// packed bytes (column 2b in the low nibble of byte b, 2b + 1 in the high one) and cols/32 scale
-// bytes; one scale group of 32 columns is exactly 16 packed bytes, so a lane moves one group with one
-// 16-byte load and one byte of scale.
+// CUDA-core kernels. Layout read: a row of an [rows, cols] matrix is cols/2 packed bytes, each 32-bit word the
+// 8 codes of 8 consecutive columns in the kernel order (mxfp4_device.cuh), and cols/32 scale bytes; one scale
+// group of 32 columns is exactly 16 packed bytes, so a lane moves one group with one 16-byte load and one byte of
+// scale.
 //
 // gate/up: one CTA per (pair, block of kRowsPerCta rows); the CTA stages z_t in shared memory as
 // fp32; each warp takes rows of the block, its lanes take the row's groups in turn (lane q: groups q,
@@ -35,31 +35,22 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerCta = 32;      // 4 rows per warp
 constexpr int kGroup = kMxfp4Group;  // columns per scale
 
-// The 16 E2M1 values (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), staged in shared memory.
-__device__ __forceinline__ void fill_e2m1_table(float* table) {
-  if (threadIdx.x < 16) {
-    constexpr float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    const float magnitude = kMagnitudes[threadIdx.x & 7];
-    table[threadIdx.x] = (threadIdx.x & 8) ? -magnitude : magnitude;
-  }
-}
-
 // The dot product of group q of a packed row with x[32 q .. 32 q + 31]: X is float (the gate/up
 // kernel's staged latent row, in shared memory) or the storage type (the down kernel's act row, read
-// through L1), widened to fp32 per element.
+// through L1), widened to fp32 per element; the products are added in column order.
 template <class X>
-__device__ __forceinline__ float group_dot(const uint8_t* packed_row, const uint8_t* scale_row, int64_t q, const X* x,
-                                           const float* table) {
+__device__ __forceinline__ float group_dot(const uint8_t* packed_row, const uint8_t* scale_row, int64_t q, const X* x) {
   const uint4 raw = *reinterpret_cast<const uint4*>(packed_row + q * (kGroup / 2));
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
   const X* xs = x + q * kGroup;
   float partial = 0.0f;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
+    const float2 p0 = e2m1_pair_float<0>(words[w]), p1 = e2m1_pair_float<1>(words[w]);
+    const float2 p2 = e2m1_pair_float<2>(words[w]), p3 = e2m1_pair_float<3>(words[w]);
+    const float values[8] = {p0.x, p1.x, p2.x, p3.x, p0.y, p1.y, p2.y, p3.y};  // columns 8w .. 8w + 7
 #pragma unroll
-    for (int nibble = 0; nibble < 8; ++nibble) {
-      partial = fmaf(table[(words[w] >> (4 * nibble)) & 0xF], to_float(xs[w * 8 + nibble]), partial);
-    }
+    for (int c = 0; c < 8; ++c) partial = fmaf(values[c], to_float(xs[w * 8 + c]), partial);
   }
   return partial * e8m0_scale(scale_row[q]);
 }
@@ -73,13 +64,11 @@ __device__ __forceinline__ float warp_sum(float value) {
 template <class T>
 __global__ void __launch_bounds__(kThreads) mxfp4_gate_up_kernel(Mxfp4GateUpCall p) {
   extern __shared__ float z_row[];  // [l]
-  __shared__ float table[16];
   const int64_t pair = blockIdx.x;
   const int expert = p.ids[pair];
   if (expert < 0 || expert >= p.num_experts) return;  // a zero expert, or a pad: no row
   const int64_t token = pair / p.top_k;
   const int64_t intermediate = p.up.rows, latent = p.up.cols, groups = latent / kGroup;
-  fill_e2m1_table(table);
   const T* z = static_cast<const T*>(p.z) + token * p.ld_z;
   for (int64_t c = threadIdx.x; c < latent; c += kThreads) z_row[c] = to_float(z[c]);
   __syncthreads();
@@ -93,10 +82,9 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gate_up_kernel(Mxfp4GateUpCall
     const uint8_t* up_scales = p.up.scales + matrix_row * groups;
     float up = 0.0f, gate = 0.0f;
     for (int64_t q = lane; q < groups; q += 32) {
-      up += group_dot(up_packed, up_scales, q, z_row, table);
+      up += group_dot(up_packed, up_scales, q, z_row);
       if (gated) {
-        gate +=
-            group_dot(p.gate.packed + matrix_row * (latent / 2), p.gate.scales + matrix_row * groups, q, z_row, table);
+        gate += group_dot(p.gate.packed + matrix_row * (latent / 2), p.gate.scales + matrix_row * groups, q, z_row);
       }
     }
     up = warp_sum(up);
@@ -116,9 +104,6 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gate_up_kernel(Mxfp4GateUpCall
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) mxfp4_down_kernel(Mxfp4DownCall p) {
-  __shared__ float table[16];
-  fill_e2m1_table(table);
-  __syncthreads();
   const int64_t token = blockIdx.x;
   const int64_t latent = p.down.rows, intermediate = p.down.cols, groups = intermediate / kGroup;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -135,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_down_kernel(Mxfp4DownCall p) {
       const uint8_t* scales = p.down.scales + matrix_row * groups;
       const T* act_row = static_cast<const T*>(p.act) + pair * intermediate;
       float dot = 0.0f;
-      for (int64_t q = lane; q < groups; q += 32) dot += group_dot(packed, scales, q, act_row, table);
+      for (int64_t q = lane; q < groups; q += 32) dot += group_dot(packed, scales, q, act_row);
       total = fmaf(p.weights[pair], warp_sum(dot), total);
     }
     if (lane == 0) static_cast<T*>(p.out)[token * p.ld_out + row] = from_float<T>(total);

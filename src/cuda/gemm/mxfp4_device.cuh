@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "core/mxfp4_kernel_order.h"
 #include "latentmoe/mxfp4.h"
 
 namespace latentmoe::cuda {
@@ -22,29 +23,26 @@ __device__ __forceinline__ float e8m0_scale(uint32_t s) {
   return fmaxf(__uint_as_float(s << 23), __uint_as_float(0x00400000u));
 }
 
-template <int kShift>
-__device__ __forceinline__ uint32_t shift_left(uint32_t w) {
-  if constexpr (kShift >= 0) {
-    return w << kShift;
-  } else {
-    return w >> -kShift;
-  }
-}
+// Every helper below that reads codes takes whole 32-bit words of codes in the *kernel order*
+// (core/mxfp4_kernel_order.h, docs/MXFP4.md "The kernel order"): the runner permutes the bits of every word once,
+// when the codes are put on the device. A word is 8 consecutive columns from a multiple of 8; "value i" is the
+// code of column i of the word (nibble i of the canonical word).
 
-// Nibbles i and i + 4 of `w` placed as the bits of a 2-element register of T (nibble i in the low half)
-// whose values are E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (f16), exactly: the magnitude bits become the low
-// exponent bits and the top mantissa bit, the sign the sign.
+// Values i and i + 4 of the kernel-order word `w` placed as the bits of a 2-element register of T (value i in the
+// low half) whose values are E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (f16), exactly: the magnitude bits become the
+// low exponent bits and the top mantissa bit, the sign the sign. bf16: one rotate and one mask per pair (pair 0:
+// the mask only, pair 3: two of each), 9 integer instructions a word; f16: 2 more per pair.
 template <class T, int kI>
 __device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t w) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return (shift_left<6 - 4 * kI>(w) & 0x01C001C0u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
+    return ::latentmoe::detail::mxfp4_pair_bits_bf16<kI>(w);
   } else {
-    return (shift_left<9 - 4 * kI>(w) & 0x0E000E00u) | (shift_left<12 - 4 * kI>(w) & 0x80008000u);
+    return ::latentmoe::detail::mxfp4_pair_bits_f16<kI>(w);
   }
 }
 
-// Nibbles i and i + 4 of `w` (E2M1: bit 3 the sign, bits 2..0 the magnitude) as a 2-element register
-// of T (nibble i in the low half), exact: e2m1_pair_bits, then one multiply by 2^126 (bf16) or 2^14 (f16).
+// Values i and i + 4 of the kernel-order word `w` (E2M1: a sign and a magnitude index) as a 2-element register
+// of T (value i in the low half), exact: e2m1_pair_bits, then one multiply by 2^126 (bf16) or 2^14 (f16).
 template <class T, int kI>
 __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -60,8 +58,8 @@ __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
   }
 }
 
-// Nibbles i and i + 4 of `w` times 2^(s - 127) for the scale byte s of `factor`, a bf16 pair of 2^(s - 1)
-// (scale_factor_bf16): exact for every s <= 128 (E2M1 * 2^-126 times 2^(s - 1); the smallest product, 2^-128,
+// Values i and i + 4 of the kernel-order word `w` times 2^(s - 127) for the scale byte s of `factor`, a bf16 pair of
+// 2^(s - 1) (scale_factor_bf16): exact for every s <= 128 (E2M1 * 2^-126 times 2^(s - 1); the smallest product, 2^-128,
 // is a bf16 subnormal).
 template <int kI>
 __device__ __forceinline__ uint32_t e2m1_pair_scaled_bf16(uint32_t w, uint32_t factor) {
@@ -78,12 +76,20 @@ __device__ __forceinline__ uint32_t scale_factor_bf16(uint32_t scales_plus_126) 
   return __byte_perm(scales_plus_126, 0u, 0x4040u | (kQ << 8) | kQ) << 7;
 }
 
+// Values i and i + 4 of the kernel-order word `w` as floats, exactly (the bf16 bits widened, times 2^126; the
+// smallest, 2^-127, is a float subnormal, which no flag flushes here).
+template <int kI>
+__device__ __forceinline__ float2 e2m1_pair_float(uint32_t w) {
+  const uint32_t bits = e2m1_pair_bits<__nv_bfloat16, kI>(w);
+  return make_float2(__uint_as_float(bits << 16) * 0x1p126f, __uint_as_float(bits & 0xFFFF0000u) * 0x1p126f);
+}
+
 // Whether any of the four scale bytes of `w` exceeds 128 (2^(s - 1) then leaves bf16's range).
 __device__ __forceinline__ bool any_scale_above_128(uint32_t w) {
   return ((w & 0x80808080u) & ((w & 0x7F7F7F7Fu) + 0x7F7F7F7Fu)) != 0u;
 }
 
-// The 8 consecutive values of one code word (value i in nibble i, the even column low) times the group's
+// The 8 consecutive values of one kernel-order code word (value i the word's column i) times the group's
 // scale 2^(s - 127), as 8 elements of T in column order (16 bytes). bf16: the product is exact where it
 // is a bf16 (every scale byte but 254 and 253 with the largest codes, which overflow to infinity); f16:
 // exact for products inside f16's range, smaller ones round to f16 subnormals or zero, larger ones
