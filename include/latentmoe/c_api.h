@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a function, struct or code below changes incompatibly. */
-#define LMOE_ABI_VERSION 1
+#define LMOE_ABI_VERSION 2
 
 /* Status codes. */
 #define LMOE_OK 0
@@ -64,6 +64,10 @@ extern "C" {
 #define LMOE_TIER_TAIL_FUSION 1
 #define LMOE_TIER_ALLREDUCE_OVERLAP 2
 #define LMOE_TIER_COLUMN_PARALLEL 3
+
+/* The order of MXFP4 expert codes (lmoe_layer_weights.expert_code_order; latentmoe::Mxfp4CodeOrder). */
+#define LMOE_MXFP4_ORDER_CANONICAL 0 /* the checkpoint's: every host tensor */
+#define LMOE_MXFP4_ORDER_KERNEL 1    /* what the CUDA kernels read: device codes after lmoe_mxfp4_to_kernel_order */
 
 /* Bytes of an ncclUniqueId. */
 #define LMOE_NCCL_UNIQUE_ID_BYTES 128
@@ -194,7 +198,9 @@ typedef struct lmoe_tier_policy {
  * [E, l, I/tp]; MXFP4 experts: U8 codes gate/up [E, I/tp, l/2], down [E, l, I/tp/2] and the *_scale
  * fields U8 [E, I/tp, l/32], [E, l, I/tp/32]; shared_gate/up [Is/tp, d], shared_down [d, Is/tp]. Matrices
  * in `dtype`. Host tensors are copied to the context's device; tensors already on it are used in place
- * and must stay alive and unchanged while the layer lives. */
+ * and must stay alive and unchanged while the layer lives. MXFP4 codes on the GPU must be in the kernel order
+ * (lmoe_mxfp4_to_kernel_order, once per tensor) with expert_code_order LMOE_MXFP4_ORDER_KERNEL; host codes are
+ * canonical (LMOE_MXFP4_ORDER_CANONICAL, which a zeroed struct holds) and converted by the layer after its copy. */
 typedef struct lmoe_layer_weights {
   uint32_t struct_size;
   int32_t dtype; /* the compute dtype: LMOE_DTYPE_F32, _BF16 or _F16 */
@@ -202,7 +208,14 @@ typedef struct lmoe_layer_weights {
   lmoe_tensor expert_gate, expert_up, expert_down;
   lmoe_tensor expert_gate_scale, expert_up_scale, expert_down_scale;
   lmoe_tensor shared_gate, shared_up, shared_down;
+  int32_t expert_code_order; /* MXFP4 codes: LMOE_MXFP4_ORDER_CANONICAL or _KERNEL (ABI version 2) */
 } lmoe_layer_weights;
+
+/* MXFP4 codes on a CUDA device (U8, contiguous: expert_gate, expert_up or expert_down of this rank) from the
+ * canonical order to the kernel order the CUDA kernels read, in place (latentmoe::mxfp4_to_kernel_order):
+ * enqueued on `stream` (0: the legacy default stream) of the device that holds them. Convert each tensor once,
+ * before the layer that uses it in place is created with expert_code_order LMOE_MXFP4_ORDER_KERNEL. */
+LMOE_API int lmoe_mxfp4_to_kernel_order(const lmoe_tensor* codes, void* stream);
 
 /* A layer from its config (JSON text) and this rank's shard. Build every layer and tail of a context
  * before its first forward (the context's buffers are sized then and never move after it). */

@@ -29,6 +29,7 @@ if not torch.cuda.is_initialized():
 from . import _lib  # noqa: E402  (after torch: its libnccl and cuBLAS are the process's)
 from . import _ops  # noqa: E402,F401  (registers torch.ops.latentmoe.*)
 from .context import RankContext, simulated_group  # noqa: E402
+from ._weights import mxfp4_to_kernel_order  # noqa: E402
 from .layer import LatentMoE, LatentTail  # noqa: E402
 
 __version__ = _lib.VERSION
@@ -55,5 +56,6 @@ __all__ = [
     "TIERS",
     "build_info",
     "normalize_config",
+    "mxfp4_to_kernel_order",
     "__version__",
 ]

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 OK = 0
 INVALID_ARGUMENT = 1
@@ -44,6 +44,10 @@ TIER_CODES = {"native": 0, "tail_fusion": 1, "allreduce_overlap": 2, "column_par
 TIER_NAMES = {code: name for name, code in TIER_CODES.items()}
 
 NCCL_UNIQUE_ID_BYTES = 128
+
+# lmoe_layer_weights.expert_code_order (latentmoe::Mxfp4CodeOrder).
+MXFP4_ORDER_CANONICAL = 0
+MXFP4_ORDER_KERNEL = 1
 
 
 class Tensor(ctypes.Structure):
@@ -119,9 +123,11 @@ WEIGHT_FIELDS = (
 
 
 class LayerWeights(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("dtype", ctypes.c_int32)] + [
-        (name, Tensor) for name in WEIGHT_FIELDS
-    ]
+    _fields_ = (
+        [("struct_size", ctypes.c_uint32), ("dtype", ctypes.c_int32)]
+        + [(name, Tensor) for name in WEIGHT_FIELDS]
+        + [("expert_code_order", ctypes.c_int32)]
+    )
 
 
 class LayerInfo(ctypes.Structure):
@@ -229,6 +235,7 @@ _signatures = {
         _c_int,
         [_ptr, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int32, ctypes.POINTER(TierPolicy), ctypes.POINTER(_ptr)],
     ),
+    "lmoe_mxfp4_to_kernel_order": (_c_int, [ctypes.POINTER(Tensor), _ptr]),
     "lmoe_layer_destroy": (_c_int, [_ptr]),
     "lmoe_layer_get_info": (_c_int, [_ptr, ctypes.POINTER(LayerInfo)]),
     "lmoe_layer_select_tier": (_c_int, [_ptr, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)]),

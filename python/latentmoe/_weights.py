@@ -6,14 +6,36 @@ What already fits is passed as it is, without a copy: a replicated matrix in the
 device, a row block of the shared expert (contiguous). What does not is made once: the routed experts
 stacked into [E, rows, cols] (each expert's rows of gate/up, its columns of down), a column block of the
 shared expert's down projection, a conversion to the compute dtype or to f32 (router, bias, norm), a copy
-to the device.
+to the device. MXFP4 codes stacked on a GPU are then converted there, in place, to the kernel order the CUDA
+kernels read (mxfp4_to_kernel_order); host codes stay in the checkpoint's (canonical) order.
 """
+
+import ctypes
 
 import torch
 
 from . import _lib
 
 MXFP4_GROUP = 32
+
+
+def mxfp4_to_kernel_order(codes):
+    """Converts MXFP4 codes (a contiguous torch.uint8 tensor on a CUDA device, e.g. the stacked expert codes an
+    engine keeps on the GPU) in place from the checkpoint's (canonical) order to the kernel order the CUDA kernels
+    read (latentmoe/mxfp4.h, docs/MXFP4.md), on torch's current stream of the tensor's device; returns `codes`.
+    Convert a tensor once. LatentMoE does this itself for the codes it stacks; it is for engines that hand the
+    library device codes through the C ABI (lmoe_layer_weights.expert_code_order = kernel)."""
+    if not isinstance(codes, torch.Tensor):
+        raise ValueError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
+    if codes.device.type != "cuda":
+        raise ValueError(
+            f"codes are on {codes.device}; only codes on a CUDA device are converted (host codes stay in the canonical "
+            "order: the layer converts the codes it copies to the GPU)"
+        )
+    desc = _lib.describe(codes, "codes")
+    stream = torch.cuda.current_stream(codes.device).cuda_stream
+    _lib.check(_lib.lib.lmoe_mxfp4_to_kernel_order(ctypes.byref(desc), stream))
+    return codes
 
 
 def _shape(shape):
@@ -90,7 +112,9 @@ def compute_dtype(weights, prefix, dtype):
 
 
 def shard(weights, config, tp, rank, dtype, device, prefix=""):
-    """This rank's shard as a dict of the C ABI's field names -> tensors (absent fields left out).
+    """This rank's shard as a dict of the C ABI's field names -> tensors (absent fields left out), and the
+    order of its MXFP4 expert codes (_lib.MXFP4_ORDER_*: kernel for the codes stacked on a GPU, which are
+    converted here; canonical otherwise).
 
     `config` is the library's normalised config (primary key names)."""
     source = _Source(weights, prefix)
@@ -163,6 +187,7 @@ def shard(weights, config, tp, rank, dtype, device, prefix=""):
             stacked[e].copy_(rows_of(tensor))
         return stacked
 
+    code_order = _lib.MXFP4_ORDER_CANONICAL
     if num_experts > 0:
         row_block = lambda t: t[i0:i1]  # noqa: E731  gate/up: this rank's rows of I
         if mxfp4:
@@ -173,6 +198,9 @@ def shard(weights, config, tp, rank, dtype, device, prefix=""):
                 codes, groups = (down_codes, down_scales) if field == "down" else (row_block, row_block)
                 out[f"expert_{field}"] = stack(experts[field], torch.uint8, codes)
                 out[f"expert_{field}_scale"] = stack(scales[field], torch.uint8, groups)
+                if device.type == "cuda":  # the stacked codes are ours: into the order the kernels read
+                    mxfp4_to_kernel_order(out[f"expert_{field}"])
+                    code_order = _lib.MXFP4_ORDER_KERNEL
         else:
             for field in experts:
                 block = (lambda t: t[:, i0:i1]) if field == "down" else row_block
@@ -182,4 +210,4 @@ def shard(weights, config, tp, rank, dtype, device, prefix=""):
             out["shared_gate"] = _place(found["shared_gate"][s0:s1], dtype, device)
         out["shared_up"] = _place(found["shared_up"][s0:s1], dtype, device)
         out["shared_down"] = _place(found["shared_down"][:, s0:s1], dtype, device)
-    return {name: tensor for name, tensor in out.items() if tensor is not None}
+    return {name: tensor for name, tensor in out.items() if tensor is not None}, code_order

@@ -102,9 +102,10 @@ class LatentMoE(_Module):
         normalized = _lib.normalize_config(config_text)
         check(lib.lmoe_config_check_parallel(config_text.encode(), ctx.tp))
         dtype = _weights.compute_dtype(weights, prefix, dtype)
-        shard = _weights.shard(weights, normalized, ctx.tp, ctx.rank, dtype, ctx.device, prefix)
+        shard, code_order = _weights.shard(weights, normalized, ctx.tp, ctx.rank, dtype, ctx.device, prefix)
         c_weights = _lib.sized(_lib.LayerWeights)
         c_weights.dtype = _lib.dtype_code(dtype, "dtype")
+        c_weights.expert_code_order = code_order
         for name, tensor in shard.items():
             _lib.describe(tensor, name, getattr(c_weights, name))
         handle = ctypes.c_void_p()

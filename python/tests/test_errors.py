@@ -147,6 +147,14 @@ def test_weight_errors(setup):
         latentmoe.LatentMoE(config, [1, 2], ctx)
 
 
+def test_mxfp4_to_kernel_order_errors():
+    # Only codes on a CUDA device are converted: host codes stay canonical (the layer converts what it copies).
+    with raises(ValueError, "codes are on cpu; only codes on a CUDA device are converted"):
+        latentmoe.mxfp4_to_kernel_order(torch.zeros(16, dtype=torch.uint8))
+    with raises(ValueError, "codes must be a torch.Tensor"):
+        latentmoe.mxfp4_to_kernel_order([0] * 16)
+
+
 def test_config_errors(setup):
     config, named, ctx, _ = setup
     missing = {k: v for k, v in config.items() if k != "moe_latent_size"}

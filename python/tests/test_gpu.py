@@ -25,6 +25,41 @@ def on_device(*tensors):
     return [None if t is None else t.to(DEVICE) for t in tensors]
 
 
+def kernel_order_word(w):
+    """The kernel order of one canonical 32-bit word, from docs/MXFP4.md's spec: pair k (values k, k + 4) at its bf16
+    target bits T = 0x81C081C0 rotated right by 6k for k < 3; pair 3's bits A = 0x80C080C0 by 2, B = 0x01000100 by 10."""
+
+    def rotr(x, r):
+        return ((x >> r) | (x << (32 - r))) & 0xFFFFFFFF if r else x
+
+    def pair_bits(k):  # nibble k's magnitude to bits 6..8, its sign to 15; nibble k + 4's to 22..24 and 31
+        bits = 0
+        for value, base in ((k, 0), (k + 4, 16)):
+            code = (w >> (4 * value)) & 0xF
+            bits |= ((code & 7) << (6 + base)) | ((code >> 3) << (15 + base))
+        return bits
+
+    p3 = pair_bits(3)
+    return pair_bits(0) | rotr(pair_bits(1), 6) | rotr(pair_bits(2), 12) | rotr(p3 & 0x80C080C0, 2) | rotr(p3 & 0x01000100, 10)
+
+
+def test_mxfp4_to_kernel_order_converts_a_cuda_tensor_in_place():
+    g = torch.Generator().manual_seed(31)
+    codes = torch.randint(0, 256, (48, 64), generator=g, dtype=torch.uint8)
+    device_codes = codes.to(DEVICE)
+    assert latentmoe.mxfp4_to_kernel_order(device_codes) is device_codes
+    got = device_codes.cpu().flatten().tolist()
+    raw = codes.flatten().tolist()
+    for i in range(0, len(raw), 4):
+        word = raw[i] | raw[i + 1] << 8 | raw[i + 2] << 16 | raw[i + 3] << 24
+        expected = kernel_order_word(word)
+        assert got[i : i + 4] == [(expected >> (8 * j)) & 0xFF for j in range(4)], f"word {i // 4}"
+    with pytest.raises(ValueError, match="not a whole number of 32-bit words"):
+        latentmoe.mxfp4_to_kernel_order(torch.zeros(6, dtype=torch.uint8, device=DEVICE))
+    with pytest.raises(ValueError, match="MXFP4 codes are U8"):
+        latentmoe.mxfp4_to_kernel_order(torch.zeros(8, dtype=torch.float16, device=DEVICE))
+
+
 def test_cuda_graph_capture_and_1000_replays_with_new_inputs():
     config = FAMILIES["kimi"]()
     dtype = torch.bfloat16

@@ -3,10 +3,12 @@
 // caller's input: LMOE_INVALID_ARGUMENT), then the work (anything failing there: LMOE_RUNTIME_ERROR).
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "capi_internal.h"
 #include "latentmoe/checkpoint.h"
 #include "latentmoe/config.h"
+#include "latentmoe/mxfp4.h"
 #include "latentmoe/weights.h"
 
 namespace latentmoe::capi {
@@ -40,6 +42,18 @@ LayerWeightViews weight_views(const lmoe_layer_weights& w, const Placement& plac
   // holds them against the config's quantization_config).
   views.experts_format = views.expert_up.defined() && views.expert_up.dtype() == DType::u8 ? ExpertWeightFormat::mxfp4
                                                                                            : ExpertWeightFormat::dense;
+  switch (w.expert_code_order) {
+    case LMOE_MXFP4_ORDER_CANONICAL:
+      views.expert_code_order = Mxfp4CodeOrder::canonical;
+      break;
+    case LMOE_MXFP4_ORDER_KERNEL:
+      views.expert_code_order = Mxfp4CodeOrder::kernel;
+      break;
+    default:
+      throw InvalidArgument("lmoe_layer_weights.expert_code_order: unknown code " +
+                            std::to_string(w.expert_code_order) +
+                            " (LMOE_MXFP4_ORDER_CANONICAL 0 or LMOE_MXFP4_ORDER_KERNEL 1)");
+  }
   return views;
 }
 
@@ -79,6 +93,18 @@ lmoe_layer* make_layer(const std::shared_ptr<ContextState>& state, const LayerCo
     validate_parallel(config, parallel);
     validate_layer_weights(views, config, parallel.tp_size);
   });
+  // The Runner refuses MXFP4 codes on the GPU in the canonical order too; here the refusal is the caller's input.
+  if (views.experts_format == ExpertWeightFormat::mxfp4 && views.expert_code_order == Mxfp4CodeOrder::canonical) {
+    for (const auto& [name, codes] : {std::pair<const char*, const TensorView&>{"expert_gate", views.expert_gate},
+                                      {"expert_up", views.expert_up},
+                                      {"expert_down", views.expert_down}}) {
+      if (!codes.defined() || codes.device() != Device::cuda) continue;
+      throw InvalidArgument(std::string("lmoe_layer_weights.") + name +
+                            ": MXFP4 codes on the GPU in the canonical order; the CUDA kernels read the kernel "
+                            "order: convert the tensor once with lmoe_mxfp4_to_kernel_order and set "
+                            "expert_code_order to LMOE_MXFP4_ORDER_KERNEL (or pass host codes)");
+    }
+  }
   const std::string device = state->policy_device();
   const TierPolicy tier_policy = as_invalid_argument([&] {
     return policy_for(policy, parallel.tp_size, views.dtype, config.hidden_size, config.latent_size, device);
@@ -157,6 +183,32 @@ int lmoe_layer_create(lmoe_context* context, const char* config_json, const lmoe
     const LayerConfig config = parse_config(config_json);
     const LayerWeightViews views = weight_views(*weights, context->state->placement);
     *out = make_layer(context->state, config, views, policy);
+  });
+}
+
+int lmoe_mxfp4_to_kernel_order(const lmoe_tensor* codes, void* stream) {
+  return guarded([&] {
+    require(codes, "codes");
+    const TensorView view = as_invalid_argument([&] {
+      const Placement placement{Device::cuda, codes->device_index};
+      const TensorView v = view_of(codes, "codes", placement, true);
+      if (!v.defined()) throw InvalidArgument("lmoe_mxfp4_to_kernel_order: codes has no dimensions (ndim 0)");
+      if (v.dtype() != DType::u8) {
+        throw InvalidArgument(std::string("lmoe_mxfp4_to_kernel_order: MXFP4 codes are U8, not ") +
+                              std::string(dtype_name(v.dtype())));
+      }
+      if (v.device() != Device::cuda) {
+        throw InvalidArgument(
+            "lmoe_mxfp4_to_kernel_order: the codes are on the host; host codes stay in the canonical order (a "
+            "layer converts the codes it copies to the GPU)");
+      }
+      if (v.numel() % 4 != 0) {
+        throw InvalidArgument("lmoe_mxfp4_to_kernel_order: " + std::to_string(v.numel()) +
+                              " bytes of codes is not a whole number of 32-bit words (8 codes each)");
+      }
+      return v;
+    });
+    mxfp4_to_kernel_order(view, stream);
   });
 }
 
