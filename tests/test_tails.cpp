@@ -3,8 +3,10 @@
 // DESIGN section 1; forced tiers that cannot run are errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "latentmoe/compare.h"
 #include "latentmoe/error.h"
@@ -306,6 +308,29 @@ TEST_F(RunnerInputs, bad_inputs_are_clear_errors) {
   HostTensor bad_ids(DType::f32, {4, config.top_k});
   expect_error({x.view(), logits.view(), {}, {}}, {out.view(), bad_ids.view(), {}}, "topk_ids has dtype");
   expect_error({x.view(), logits.view(), {}, TailTier::tail_fusion}, outputs, "tail_fusion");
+  expect_error({x.view(), logits.view(), {}, {}}, {x.view(), {}, {}}, "output shares memory with hidden_states");
+}
+
+TEST_F(RunnerInputs, output_may_not_overlap_an_input_but_may_sit_beside_it) {
+  // Rows [0, 4) the hidden states, [4, 8) the output: one buffer, no shared byte.
+  HostTensor both(DType::f32, {8, config.hidden_size});
+  std::vector<float> values(static_cast<size_t>(4 * config.hidden_size));
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i % 7) * 0.25f - 0.75f;
+  std::copy(values.begin(), values.end(), static_cast<float*>(both.view().data()));
+  const TensorView hidden = both.view().slice_rows(0, 4), beside = both.view().slice_rows(4, 8);
+  runner->forward({hidden, logits.view(), {}, {}}, {beside, {}, {}});
+  HostTensor expected(DType::f32, {4, config.hidden_size});
+  runner->forward({hidden, logits.view(), {}, {}}, {expected.view(), {}, {}});
+  const float* got = static_cast<const float*>(beside.data());
+  const float* want = static_cast<const float*>(expected.view().data());
+  for (int64_t i = 0; i < 4 * config.hidden_size; ++i) ASSERT_EQ(got[i], want[i]) << i;
+  // Rows [2, 6) as the output overlaps the hidden states' rows 2 and 3.
+  expect_error({hidden, logits.view(), {}, {}}, {both.view().slice_rows(2, 6), {}, {}},
+               "output shares memory with hidden_states");
+  HostTensor latent_and_out(DType::f32, {4, config.hidden_size});
+  const TensorView latent_view(latent_and_out.view().data(), DType::f32, {4, config.latent_size}, Device::cpu);
+  expect_error({x.view(), logits.view(), latent_view, {}}, {latent_and_out.view(), {}, {}},
+               "output shares memory with latent_states");
 }
 
 TEST(RunnerConstruction, mismatched_weights_and_communicator_are_errors) {

@@ -297,9 +297,10 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
             [&] { backend.rms_norm(latent, state.latent_norm.view, eps, normed); });
     }
     const TensorView up_in = config.use_latent_norm ? normed : latent;
-    phase("up_proj", (d * l + t * l + t * d) * element, 2 * t * d * l,
-          [&] { backend.linear(up_in, state.up_proj.view, out, false); });
-    if (shared) phase("add", 3 * t * d * element, 0, [&] { backend.add(out, shared_out, out); });
+    // One rank with a shared expert: the shared expert writes `out` and the up-projection adds into it
+    // (core/tails.cpp, native on one rank), so there is no separate add.
+    phase("up_proj", (d * l + t * l + (shared ? 2 : 1) * t * d) * element, 2 * t * d * l,
+          [&] { backend.linear(up_in, state.up_proj.view, out, /*accumulate=*/shared); });
 
     PhaseResult total{"total", 0, 0, 0, 0};
     for (const auto& p : phases) {

@@ -24,7 +24,7 @@ TailTensors tail_tensors(RunnerState& state, TailTier tier, const TensorView& ou
   const TailScratch scratch{state.latent_partial.view, state.latent_reduced.view,
                             state.config.has_shared_expert() ? state.shared_partial.view : TensorView(),
                             state.hidden_shard.view};
-  return tail_tensors(scratch, tier, out, num_tokens);
+  return tail_tensors(scratch, tier, state.parallel.tp_size, out, num_tokens);
 }
 
 void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOutputs& outputs, TailTier tier,

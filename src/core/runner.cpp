@@ -47,6 +47,14 @@ DeviceTensor place_mxfp4_codes(Backend& backend, const TensorView& codes, Mxfp4C
   return placed;
 }
 
+bool tensors_overlap(const TensorView& a, const TensorView& b) {
+  if (!a.defined() || !b.defined() || a.device() != b.device()) return false;
+  const auto bytes = [](const TensorView& t) { return static_cast<uintptr_t>(t.numel()) * dtype_size(t.dtype()); };
+  if (bytes(a) == 0 || bytes(b) == 0) return false;
+  const auto begin_a = reinterpret_cast<uintptr_t>(a.data()), begin_b = reinterpret_cast<uintptr_t>(b.data());
+  return begin_a < begin_b + bytes(b) && begin_b < begin_a + bytes(a);
+}
+
 void check_tensor(const TensorView& tensor, const char* name, DType dtype, std::initializer_list<int64_t> shape,
                   Device device) {
   LATENTMOE_CHECK(tensor.defined(), name, " is missing");
@@ -223,6 +231,15 @@ TailTier Runner::check_forward(const ForwardInputs& inputs, const ForwardOutputs
   if (outputs.topk_ids.defined()) check_tensor(outputs.topk_ids, "topk_ids", DType::i32, {num_tokens, k}, device);
   if (outputs.topk_weights.defined()) {
     check_tensor(outputs.topk_weights, "topk_weights", DType::f32, {num_tokens, k}, device);
+  }
+
+  // The output is written while the inputs are still read (the shared expert writes it beside the routed
+  // experts in the column_parallel tier and on one rank), so it may not share memory with any of them.
+  for (const auto& [name, input] : {std::pair<const char*, const TensorView&>{"hidden_states", inputs.hidden_states},
+                                    {"router_logits", inputs.router_logits},
+                                    {"latent_states", inputs.latent_states}}) {
+    LATENTMOE_CHECK(!detail::tensors_overlap(outputs.output, input), "output shares memory with ", name,
+                    "; the layer cannot run in place (give output a buffer of its own)");
   }
 
   // A forced tier and the policy's choice meet the same check: the policy stays inside the support,

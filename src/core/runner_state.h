@@ -133,6 +133,9 @@ DeviceTensor place(Backend& backend, const TensorView& weight, const char* name)
 // copied to a backend whose kernels read the kernel order are converted there after the copy.
 DeviceTensor place_mxfp4_codes(Backend& backend, const TensorView& codes, Mxfp4CodeOrder order, const char* name);
 
+// Whether two tensors (contiguous, as check_tensor requires) share any byte of memory on one device.
+bool tensors_overlap(const TensorView& a, const TensorView& b);
+
 // Throws Error unless `tensor` is defined, of `shape` and `dtype`, contiguous, on `device` and has data
 // (`name` names it). Allocates nothing on success (forward validates every call).
 void check_tensor(const TensorView& tensor, const char* name, DType dtype, std::initializer_list<int64_t> shape,

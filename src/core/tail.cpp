@@ -48,10 +48,11 @@ struct TailState {
             static_cast<float>(config.rms_norm_eps)};
   }
 
-  // The tensors as the layer's forward takes them (core/tails.h): column_parallel's shared partial is `out`.
+  // The tensors as the layer's forward takes them (core/tails.h): column_parallel's shared partial is `out`, and
+  // native's on one rank.
   TailTensors tensors(TailTier tier, const TensorView& out, int64_t num_tokens) const {
-    return tail_tensors(TailScratch{latent_partial, latent_reduced, shared_partial, hidden_shard}, tier, out,
-                        num_tokens);
+    return tail_tensors(TailScratch{latent_partial, latent_reduced, shared_partial, hidden_shard}, tier,
+                        parallel.tp_size, out, num_tokens);
   }
 };
 
@@ -202,8 +203,8 @@ TailTier Tail::forward(const TensorView& shared_partial, const TensorView& laten
   backend.bind_stream(stream);
 
   // The tiers reduce their partials in place (the native and overlapped all-reduces, and column_parallel
-  // accumulates its up-projection shard into S_r held in `out`), so the caller's partials are copied first,
-  // on the stream, where a layer's forward would have written them.
+  // and one rank's native accumulate their up-projection into S_r held in `out`), so the caller's partials are copied
+  // first, on the stream, where a layer's forward would have written them.
   const detail::TailTensors t = state.tensors(chosen, out, num_tokens);
   backend.copy(latent_partial, t.latent_partial);
   backend.copy(shared_partial, t.shared_partial);

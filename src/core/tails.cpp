@@ -2,6 +2,7 @@
 // un-reduced partials L_r = its routed experts' latent output and S_r = its shared-expert shard's
 // output; the tail of the chosen tier turns them into the same `out` on every rank:
 //   native            L = AR(L_r); out = norm(L) W_up^T; S = AR(S_r); out += S
+//                     (one rank: out = S_r, then out += norm(L_r) W_up^T in the up-projection's epilogue)
 //   tail_fusion       Lhat = norm(AR(L_r)), Sh_r = RS(S_r)   (one collective step)
 //                     out_r = Lhat W_up[shard_r]^T + Sh_r;  out = AG(out_r)
 //   allreduce_overlap Lhat = AR+norm(L_r); out = Lhat W_up^T  ||  S = AR(S_r) on the aux stream;
@@ -23,6 +24,11 @@ void native_tail(const TailOperands& o, const TailTensors& t) {
   if (o.latent_norm.defined()) {
     backend.rms_norm(t.latent_partial, o.latent_norm, o.eps, t.latent_reduced);
     latent = t.latent_reduced;
+  }
+  if (t.shared_partial.defined() && shared_partial_is_out(TailTier::native, o.parallel.tp_size)) {
+    // One rank: the shared partial is `out` itself (tail_tensors), so the up-projection adds into it.
+    backend.linear(latent, o.up_proj, t.out, /*accumulate=*/true);
+    return;
   }
   backend.linear(latent, o.up_proj, t.out, /*accumulate=*/false);
   if (t.shared_partial.defined()) {
@@ -63,13 +69,18 @@ void column_parallel_tail(const TailOperands& o, const TailTensors& t) {
 
 }  // namespace
 
-TailTensors tail_tensors(const TailScratch& scratch, TailTier tier, const TensorView& out, int64_t num_tokens) {
+bool shared_partial_is_out(TailTier tier, int tp_size) {
+  return tier == TailTier::column_parallel || (tier == TailTier::native && tp_size == 1);
+}
+
+TailTensors tail_tensors(const TailScratch& scratch, TailTier tier, int tp_size, const TensorView& out,
+                         int64_t num_tokens) {
   TailTensors t;
   t.latent_partial = scratch.latent_partial.slice_rows(0, num_tokens);
   t.latent_reduced = scratch.latent_reduced.slice_rows(0, num_tokens);
   t.hidden_shard = scratch.hidden_shard.slice_rows(0, num_tokens);
   if (scratch.shared_partial.defined()) {
-    t.shared_partial = tier == TailTier::column_parallel ? out : scratch.shared_partial.slice_rows(0, num_tokens);
+    t.shared_partial = shared_partial_is_out(tier, tp_size) ? out : scratch.shared_partial.slice_rows(0, num_tokens);
   }
   t.out = out;
   return t;

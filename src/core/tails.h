@@ -29,7 +29,8 @@ struct TailOperands {
 struct TailTensors {
   TensorView latent_partial;  // L_r [T, l]
   TensorView shared_partial;  // S_r [T, d]; undefined without a shared expert (native only).
-                              // column_parallel: `out` itself, which its tail accumulates into.
+                              // column_parallel, and native on one rank: `out` itself, which its tail
+                              // accumulates into.
   TensorView latent_reduced;  // [T, l] workspace for Lhat
   TensorView hidden_shard;    // [T, d/tp] workspace (tail_fusion)
   TensorView out;             // [T, d]
@@ -43,10 +44,14 @@ struct TailScratch {
   TensorView hidden_shard;    // [max_T, d/tp]
 };
 
-// The tail's tensors for `num_tokens` tokens: the first rows of `scratch` and `out` (column_parallel: the
-// shared partial is `out` itself, which its tail accumulates into). The layer's forward and the Tail both
-// take them from here.
-TailTensors tail_tensors(const TailScratch& scratch, TailTier tier, const TensorView& out, int64_t num_tokens);
+// The tail's tensors for `num_tokens` tokens: the first rows of `scratch` and `out` (column_parallel, and
+// native on a group of one rank: the shared partial is `out` itself, which its tail accumulates into, so no
+// separate add runs). The layer's forward and the Tail both take them from here.
+TailTensors tail_tensors(const TailScratch& scratch, TailTier tier, int tp_size, const TensorView& out,
+                         int64_t num_tokens);
+
+// Whether the tail of `tier` on a group of `tp_size` ranks takes `out` as the shared partial (tail_tensors).
+bool shared_partial_is_out(TailTier tier, int tp_size);
 
 // The tail of `tier` (DESIGN steps 5 and 8) on the backend's current stream. Nothing here checks the tier
 // against what the rank supports (the callers do).
