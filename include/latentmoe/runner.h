@@ -101,7 +101,8 @@ class Runner {
   // returns the tier forward() would run. Allocates nothing. (A binding tells bad arguments from failures
   // while running by calling it first: latentmoe/c_api.h.)
   TailTier check_forward(const ForwardInputs& inputs, const ForwardOutputs& outputs) const;
-  // Runs the layer. Inputs and outputs live on device() (host tensors for the CPU backend).
+  // Runs the layer. Inputs and outputs live on device() (host tensors for the CPU backend). The output may not
+  // share memory with any input (parts of it are written while the inputs are still read): an Error.
   // Returns the tier it ran. Throws Error on bad shapes or dtypes, a forced tier that tier_support()
   // does not allow for these tokens (naming why), or more than max_tokens tokens.
   // CUDA: every kernel is enqueued on `stream` (a cudaStream_t; nullptr: the runner's own stream),
