@@ -38,10 +38,12 @@ DeviceTensor place_mxfp4_codes(Backend& backend, const TensorView& codes, Mxfp4C
   const Mxfp4CodeOrder wanted = backend.mxfp4_code_order();
   // Host codes are canonical (validate_layer_weights refuses host views declared kernel).
   LATENTMOE_CHECK(!in_place || order == wanted, "layer weights: ", name, " holds MXFP4 codes on the GPU in the ",
-                  to_string(order), " order but the CUDA kernels read the ", to_string(wanted),
-                  " order; convert the tensor once in place with mxfp4_to_kernel_order (latentmoe/runner.h; C: "
-                  "lmoe_mxfp4_to_kernel_order, Python: latentmoe.mxfp4_to_kernel_order) and set "
-                  "LayerWeightViews::expert_code_order to kernel, or pass host codes (copied and converted)");
+                  to_string(order), " order but the CUDA kernels read the ", to_string(wanted), " order; ",
+                  // Separate parts: an error message cuts each part at 200 characters (latentmoe/error.h).
+                  "convert the tensor once in place with mxfp4_to_kernel_order (latentmoe/runner.h; C: ",
+                  "lmoe_mxfp4_to_kernel_order, Python: latentmoe.mxfp4_to_kernel_order) ",
+                  "and set LayerWeightViews::expert_code_order to kernel, ",
+                  "or pass host codes (copied and converted)");
   DeviceTensor placed = place(backend, codes, name);
   if (!in_place && wanted != Mxfp4CodeOrder::canonical) backend.mxfp4_codes_to_kernel_order(placed.view);
   return placed;
