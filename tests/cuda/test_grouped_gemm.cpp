@@ -501,14 +501,17 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
   // The automatic MXFP4 shape follows the rows per touched expert (kimi-k3 tp-shard 8: E 896, k 16).
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 9, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 256, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);
-  // Above 16 rows per expert: the narrow wgmma tiles on Hopper (at least 384 output columns), else mma.sync.
+  // 1024 tokens: 18 rows per expert, the last count the rows kernel takes (kMxfp4RowsMaxMeanRows).
+  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, true, false, 1024, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);
+  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 1024, 16, 896, 336, 3584), GemmVariant::mxfp4_rows);
+  // Above 18 rows per expert: the narrow wgmma tiles on Hopper (at least 384 output columns), else mma.sync.
   const bool hopper = detail::wgmma_available();
-  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, true, false, 1024, 16, 896, 384, 3584),
+  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, true, false, 2048, 16, 896, 384, 3584),
             hopper ? GemmVariant::wgmma_narrow : GemmVariant::mma_m);
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 4096, 16, 896, 384, 3584),
             hopper ? GemmVariant::wgmma_narrow : GemmVariant::mma_l4);
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 4096, 16, 896, 336, 3584), GemmVariant::mma_l4);
-  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 1024, 16, 896, 336, 3584), GemmVariant::mma_m);
+  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 2048, 16, 896, 336, 3584), GemmVariant::mma_m);
   EXPECT_FALSE(grouped_mxfp4_supported(DType::f32, 192, 1024));
   EXPECT_FALSE(grouped_mxfp4_supported(DType::bf16, 200, 1024));  // I_r not a multiple of 32
 }

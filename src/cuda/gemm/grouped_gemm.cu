@@ -186,7 +186,8 @@ GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num
   // By rows per touched expert, measured on an H200 (grouped_gemm_bench --weights mxfp4 --variants all,
   // docs/MXFP4.md; kimi-k3 tp-shard 8 and 1, 256-4096 tokens): up to kMxfp4RowsMaxMeanRows rows the rows
   // kernel (replaced mma_s_wide, 0.35-0.38 of the byte floor at 8-256 tokens; on an H100 at da0f97a 0.58-0.66 at
-  // 16-256 tokens, mxfp4_rows_h100_da0f97a.json; at 1024 tokens, 18 rows, wgmma_narrow was 10% ahead); above, on
+  // 16-256 tokens, mxfp4_rows_h100_da0f97a.json; at 1024 tokens, 18 rows, wgmma_narrow was 10% ahead on the H200
+  // before the rows kernel's cursor walk, and 1.21x behind it on an H100 at 2b0f8f2, hence 18); above, on
   // Hopper, the wgmma kernel where bf16 takes it (at least 384 output columns), 6-18% faster than the best mma.sync
   // shape at 1024 and 4096 tokens, in its narrow shape (128 weight rows, two CTAs per SM): 3-8% faster than the 256-row
   // one at 256-4096 tokens, both presets (140c3c2, grouped_gemm_mxfp4_narrow_h200_140c3c2.json); else mma_m up to 48
