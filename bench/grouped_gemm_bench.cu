@@ -13,7 +13,7 @@
 //                      [--weights bf16|mxfp4] [--json FILE] [--commit SHA]
 // --weights mxfp4: the experts' weights as MXFP4 codes (random bytes) and E8M0 scales (2^-6), the
 // activations bf16; their bytes counted at 17/32 byte per weight; "all" then sweeps the tile shapes
-// that have MXFP4 instances (mxfp4_rows and mxfp4_rows_s3, three mma.sync shapes, and on Hopper wgmma, wgmma_tall,
+// that have MXFP4 instances (mxfp4_rows, three mma.sync shapes, and on Hopper wgmma, wgmma_tall,
 // wgmma_narrow, wgmma_ws and wgmma_ws_tall). (Up to 8 tokens the layer runs MXFP4 on the decode kernels instead:
 // latentmoe bench layer --experts mxfp4 measures both.) Timing, the repro line and the JSON go through the
 // benchmark harness (bench/harness/timing.h).
@@ -238,7 +238,8 @@ nlohmann::json json_row(const Row& r) {
 }
 
 // "mma_l", "mma_l:ng4" (4 n-tiles per CTA), "mma_s:ks2" (2 split-K CTAs per tile), "mma_s:ng1:ks1";
-// "wgmma_ws_tall:op1" (GemmChoice::option 1: the register epilogue); "automatic".
+// "wgmma_ws_tall:op1" (GemmChoice::option 1: the register epilogue), "mxfp4_rows:op1" (its code copies without
+// an L2 prefetch; op2 128 bytes, op3 256 bytes); "automatic".
 GemmChoice parse_choice(const std::string& spec) {
   const size_t colon = spec.find(':');
   const std::string name = spec.substr(0, colon);
@@ -305,7 +306,7 @@ int run(int argc, char** argv) {
   // Variants swept: "automatic" (the library's choice), "all" (every tensor-core variant), or a list.
   std::vector<GemmChoice> variants;
   if (variants_arg == "all" && mxfp4) {
-    for (GemmVariant v : {GemmVariant::mxfp4_rows, GemmVariant::mxfp4_rows_s3, GemmVariant::mma_s_wide,
+    for (GemmVariant v : {GemmVariant::mxfp4_rows, GemmVariant::mma_s_wide,
                           GemmVariant::mma_m, GemmVariant::mma_l4})
       variants.emplace_back(v);
     if (latentmoe::cuda::detail::wgmma_available()) {

@@ -469,8 +469,10 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
         GemmChoice(GemmVariant::mxfp4_rows, 1),
         // mxfp4_rows with the reduction split (the sums of 2, 3 and every k-step's CTA added by the last).
         GemmChoice(GemmVariant::mxfp4_rows, 0, 2), GemmChoice(GemmVariant::mxfp4_rows, 1, 3),
-        GemmChoice(GemmVariant::mxfp4_rows, 0, 64), GemmChoice(GemmVariant::mxfp4_rows_s3),
-        GemmChoice(GemmVariant::mxfp4_rows_s3, 0, 3)};
+        GemmChoice(GemmVariant::mxfp4_rows, 0, 64),
+        // Its code copies without an L2 prefetch, with 128 and with 256 bytes (GemmChoice::option 1-3).
+        GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 1), GemmChoice(GemmVariant::mxfp4_rows, 0, 3, 2),
+        GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 3)};
     if (detail::wgmma_available()) {  // the Hopper kernels decode into their swizzled weight tiles
       // wgmma_ws and wgmma_ws_tall: their producer warpgroup decodes; one CTA per SM, at least 3 tiles per CTA,
       // and one CTA walking every tile (its raw-copy cursor running ahead across the tiles).
@@ -487,6 +489,10 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mma_l), nullptr), Error) << c.name;
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::simt), nullptr), Error) << c.name;  // never reads codes as bf16
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mxfp4_rows, 2), nullptr), Error) << c.name;  // one CTA shape
+    // Options a variant does not have: refused, never ignored.
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 4), nullptr), Error) << c.name;
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mxfp4_rows, 0, 0, -1), nullptr), Error) << c.name;
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mma_m, 0, 0, 1), nullptr), Error) << c.name;
   }
   // mxfp4_rows with scale bytes past 128 among those its bf16 path folds into the operands (whole 128-column
   // steps: the aligned scale words): the steps that hold one take the fp32 scale path; with and without
@@ -496,7 +502,7 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
     Problem problem(c, 7u + static_cast<uint32_t>(every), /*mxfp4=*/true, every);
     check_choices(problem, c.name + " every " + std::to_string(every),
                   {GemmChoice(GemmVariant::mxfp4_rows, 1), GemmChoice(GemmVariant::mxfp4_rows, 0, 3),
-                   GemmChoice(GemmVariant::mxfp4_rows_s3)});
+                   GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 1)});
   }
   // The automatic MXFP4 shape follows the rows per touched expert (kimi-k3 tp-shard 8: E 896, k 16).
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 9, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);
@@ -570,8 +576,8 @@ TEST(Cuda_GroupedGemm, mxfp4_rows_graph_replay_with_new_layout) {
       problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::mxfp4_rows, 0, 3), stream); },
       "mxfp4_rows split-K graph replay");
   check_graph_replays(
-      problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::mxfp4_rows_s3, 0, 2), stream); },
-      "mxfp4_rows_s3 split-K graph replay");
+      problem, [&](cudaStream_t stream) { problem.run(GemmChoice(GemmVariant::mxfp4_rows, 0, 2, 1), stream); },
+      "mxfp4_rows split-K graph replay, no L2 prefetch");
 }
 
 // The persistent warp-specialised kernel (wgmma_ws, and its tall shape wgmma_ws_tall) walks a static tile schedule

@@ -115,8 +115,6 @@ std::string to_string(GemmVariant variant) {
       return "wgmma_ws_tall";
     case GemmVariant::mxfp4_rows:
       return "mxfp4_rows";
-    case GemmVariant::mxfp4_rows_s3:
-      return "mxfp4_rows_s3";
   }
   return "unknown";
 }
@@ -125,11 +123,11 @@ std::vector<GemmVariant> all_variants() {
   return {GemmVariant::simt,     GemmVariant::mma_s,         GemmVariant::mma_s_wide, GemmVariant::mma_s_k128,
           GemmVariant::mma_m32,  GemmVariant::mma_m,         GemmVariant::mma_l4,     GemmVariant::mma_l,
           GemmVariant::mma_xl,   GemmVariant::wgmma,         GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow,
-          GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall, GemmVariant::mxfp4_rows, GemmVariant::mxfp4_rows_s3};
+          GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall, GemmVariant::mxfp4_rows};
 }
 
 bool is_mxfp4_only(GemmVariant variant) {
-  return variant == GemmVariant::mxfp4_rows || variant == GemmVariant::mxfp4_rows_s3;
+  return variant == GemmVariant::mxfp4_rows;
 }
 
 bool is_wgmma(GemmVariant variant) {
@@ -235,6 +233,12 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   }
   LATENTMOE_CHECK(!is_mxfp4_only(variant) || mxfp4, "grouped GEMM: the ", to_string(variant),
                   " variant takes MXFP4 weights only");
+  // GemmChoice::option: mxfp4_rows 0-3 (its L2 prefetch size), wgmma_ws and wgmma_ws_tall 0-1 (the epilogue).
+  const int max_option = variant == GemmVariant::mxfp4_rows                                           ? 3
+                         : variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall ? 1
+                                                                                                      : 0;
+  LATENTMOE_CHECK(choice.option >= 0 && choice.option <= max_option, "grouped GEMM: the ", to_string(variant),
+                  " variant takes options 0 to ", max_option, ", not ", choice.option);
   const bool tensor_core_ok = dtype != DType::f32 && current_compute_capability() >= 80 && args.n % 8 == 0 &&
                               args.k % 8 == 0 && aligned16(args.a) && aligned16(args.w0) &&
                               (args.w1 == nullptr || aligned16(args.w1)) && aligned16(args.out);
@@ -269,8 +273,7 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   launch.k_splits = choice.k_splits;
   gg::attach_split_k(launch, workspace, workspace_bytes, gg::kSplitKCounters, gg::kSplitKPartialBytes, "grouped GEMM");
   if (is_mxfp4_only(variant)) {
-    const int stages = variant == GemmVariant::mxfp4_rows_s3 ? 3 : 4;
-    gg::launch_mxfp4_rows(dtype, mode, args, choice.n_tiles_per_cta, stages, launch, hopper, stream);
+    gg::launch_mxfp4_rows(dtype, mode, args, choice.n_tiles_per_cta, launch, hopper, stream);
     return;
   }
   const bool wgmma = detail::is_wgmma(variant);

@@ -97,10 +97,10 @@ enum class GemmVariant {
   mxfp4_rows,     // MXFP4 weights only (bf16, f16): codes decoded straight into mma.sync fragments, a cp.async
                   // ring per CTA, each expert's weights read once per 16 of its rows (grouped_gemm_mxfp4_rows.cu);
                   // GemmChoice::n_tiles_per_cta: 0 or 1 (one 64-row block a CTA, 4 warps; a ring of 4 stages,
-                  // 3 CTAs per SM)
-  mxfp4_rows_s3,  // mxfp4_rows with a ring of 3 stages and 4 CTAs per SM
+                  // 3 CTAs per SM); GemmChoice::option: the L2 prefetch size of its code copies (0 the default,
+                  // 1 none, 2 128 bytes, 3 256 bytes), for comparison
 };
-// True for the variants that take MXFP4 weights only (mxfp4_rows, mxfp4_rows_s3).
+// True for the variants that take MXFP4 weights only (mxfp4_rows).
 bool is_mxfp4_only(GemmVariant variant);
 // True for the variants that run the wgmma kernel (sm_90a only).
 bool is_wgmma(GemmVariant variant);
@@ -109,7 +109,7 @@ bool is_wgmma(GemmVariant variant);
 // reduction of one output tile (0: chosen from the shape; 1: no split-K; more needs a workspace large
 // enough, else the call throws). Split-K runs one n-tile per CTA. `option`: a variant's own switch, 0 its
 // default; wgmma_ws and wgmma_ws_tall: 1 stores the outputs from registers (4 bytes a thread) instead of
-// through shared memory (16 bytes a thread), for comparison.
+// through shared memory (16 bytes a thread), for comparison; mxfp4_rows: the L2 prefetch size (above).
 struct GemmChoice {
   GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0, int splits = 0, int opt = 0)
       : variant(v), n_tiles_per_cta(tiles_per_cta), k_splits(splits), option(opt) {}

@@ -44,12 +44,12 @@ void launch_mma_mxfp4(DType dtype, detail::GemmVariant variant, Mode mode, Kerne
                       cudaStream_t stream);
 
 // The mxfp4_rows variant (grouped_gemm_mxfp4_rows.cu): MXFP4 weights, dtype bf16 or f16, any K that is a
-// multiple of 32; cta_blocks: 0 or 1 (one 64-row weight block at a time, 4 warps); stages: 4 (3 CTAs per SM)
-// or 3 (4 CTAs per SM);
+// multiple of 32; cta_blocks: 0 or 1 (one 64-row weight block at a time, 4 warps);
 // launch: max_rows, sm_count, the split-K request (k_splits: 0 its choice, 1 none, more forced) and
-// workspace; programmatic: launched as a programmatic dependent (it waits before reading anything).
-void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, int stages,
-                       const MmaLaunch& launch, bool programmatic, cudaStream_t stream);
+// workspace, variant_option (the L2 prefetch size of the code copies: 0 default, 1 none, 2 128 bytes,
+// 3 256 bytes); programmatic: launched as a programmatic dependent (it waits before reading anything).
+void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, const MmaLaunch& launch,
+                       bool programmatic, cudaStream_t stream);
 
 // n-tiles per CTA (1 or 2), from the shape and the expected number of m-tiles.
 int choose_tiles_per_cta(int n_tiles, int num_k_tiles, int stages, int block_m, const MmaLaunch& launch,

@@ -58,11 +58,16 @@ constexpr int kStepGroups = 4;  // scale groups per pipeline step
 
 // Pipeline steps over a reduction of k (a multiple of the scale group).
 __host__ __device__ constexpr int k_steps_of(int k) { return (k / kMxfp4Group + kStepGroups - 1) / kStepGroups; }
-// Ring depths: 4 stages and 3 CTAs per SM (mxfp4_rows), or 3 stages and 4 CTAs per SM (mxfp4_rows_s3: a third
-// more warps to hide latency, registers capped at 128; ncu at 64 tokens saw the 4-stage form issue on 65% of
-// cycles with 2.9 warps per scheduler, 1.15 of them eligible).
-template <int kStages>
-constexpr int kCtasPerSm = kStages == 4 ? 3 : 4;
+// Ring depth 4 and 3 CTAs per SM. A 3-stage ring with 4 CTAs per SM (16 warps, registers capped at 128) measured
+// 0-8% slower at 1-2048 tokens on two H100 runs (2b0f8f2, a1e373f; docs/MXFP4.md) and was removed.
+constexpr int kStages = 4;
+constexpr int kCtasPerSm = 3;
+// How far past a code copy's 16 bytes the L2 fetches from DRAM on a miss (cp.async's prefetch size): a step
+// reads 64 bytes of each of its rows, rows K/2 bytes apart, so without a hint DRAM sees short scattered reads;
+// 128 or 256 bytes bring the next one or three steps of the row into L2 with the first. GemmChoice::option of
+// mxfp4_rows: 0 the default (kDefaultFetch), 1 none, 2 128 bytes, 3 256 bytes.
+enum class L2Fetch { none, b128, b256 };
+constexpr L2Fetch kDefaultFetch = L2Fetch::b256;
 constexpr int kPassRows = 16;  // expert rows per pass: two n8 tiles
 constexpr int kRowsWarps = 4;  // warps a CTA: 64 weight rows (kept a parameter of the templates below)
 // Shared-memory row strides, padded so that the fragment reads are free of bank conflicts: a code row
@@ -113,10 +118,24 @@ struct Cursor {
   }
 };
 
-// One thread's share of every step's copies, with the source offsets of the current block and pass kept in
-// registers: per step a copy costs an add and the cp.async (the pass's activation rows are looked up in
-// sorted_pairs once per pass, the weight rows' offsets once per block).
-template <class T, Mode kMode, int kWarps, bool kAligned>
+// A 16-byte code copy with the L2 prefetch size kFetch (zero-filled when !valid).
+template <L2Fetch kFetch>
+__device__ __forceinline__ void cp_async_code(uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  if constexpr (kFetch == L2Fetch::b256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  } else if constexpr (kFetch == L2Fetch::b128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  } else {
+    cp_async_16(dst, src, valid);
+  }
+}
+
+// One thread's share of every step's copies, with the sources of the current block's rows and the pass's
+// activation rows kept as pointers: per step a copy costs one 64-bit add (the step's offset, shared by all
+// copies) and the cp.async (the pass's activation rows are looked up in sorted_pairs once per pass, the weight
+// rows' addresses computed once per block).
+template <class T, Mode kMode, int kWarps, bool kAligned, L2Fetch kFetch>
 struct Loader {
   using S = Stage<kMode, kWarps, kAligned>;
   static constexpr int kThreads = 32 * kWarps;
@@ -124,10 +143,9 @@ struct Loader {
   static constexpr int kActCopies = (kPassRows * 16 + kThreads - 1) / kThreads;
   static_assert(S::kRows * kStepGroups % kThreads == 0 && kThreads % 16 == 0, "whole copy rounds");
 
-  const uint8_t* codes[2];     // the expert's codes and scales, per matrix
-  const uint8_t* scales[2];    //
-  int code_off[kCodeCopies];   // (row of the block, clamped) * K/2 + part * 16
-  int scale_off[kCodeCopies];  // (row of the block, clamped) * groups
+  const uint8_t* scales[2];                       // the expert's scales, per matrix (compute_step's addresses)
+  const uint8_t* code_row[kMats<kMode>][kCodeCopies];   // copy j's (row of the block, clamped) codes + part * 16
+  const uint8_t* scale_row[kMats<kMode>][kCodeCopies];  // that row's scale bytes
   const T* act_src[kActCopies];
   bool act_ok[kActCopies];
   Cursor at;  // the next step to load
@@ -137,8 +155,13 @@ struct Loader {
 #pragma unroll
     for (int j = 0; j < kCodeCopies; ++j) {
       const int row = min(at.block * S::kRows + (threadIdx.x + j * kThreads) / kStepGroups, a.n - 1);  // clamped
-      code_off[j] = row * (a.k / 2) + (threadIdx.x % kStepGroups) * 16;
-      scale_off[j] = row * w.groups;
+#pragma unroll
+      for (int m = 0; m < kMats<kMode>; ++m) {
+        const uint8_t* codes = static_cast<const uint8_t*>(m == 0 ? a.w0 : a.w1) +
+                               static_cast<int64_t>(w.expert) * a.n * (a.k / 2);
+        code_row[m][j] = codes + static_cast<int64_t>(row) * (a.k / 2) + (threadIdx.x % kStepGroups) * 16;
+        scale_row[m][j] = scales[m] + static_cast<int64_t>(row) * w.groups;
+      }
     }
   }
   // A thread's activation copy j: pass row u / 16, 16-byte part u % 16 of the row's step (u = tid + j * kThreads).
@@ -154,9 +177,6 @@ struct Loader {
     }
   }
   __device__ void start(const KernelArgs& a, const Walk& w) {
-    codes[0] = static_cast<const uint8_t*>(a.w0) + static_cast<int64_t>(w.expert) * a.n * (a.k / 2);
-    codes[1] = kMats<kMode> == 2 ? static_cast<const uint8_t*>(a.w1) + static_cast<int64_t>(w.expert) * a.n * (a.k / 2)
-                                 : codes[0];
     scales[0] = a.s0 + static_cast<int64_t>(w.expert) * a.n * w.groups;
     scales[1] = kMats<kMode> == 2 ? a.s1 + static_cast<int64_t>(w.expert) * a.n * w.groups : scales[0];
     at = Cursor{0, w.first_block, w.ks_begin};
@@ -170,20 +190,21 @@ struct Loader {
     const int q = at.ks * kStepGroups + part;
     // Groups past K (a partial last step) are zero-filled; with whole steps (kAligned) there are none.
     const bool valid = kAligned || q < w.groups;
+    const int code_step = valid ? at.ks * kStepGroups * 16 : -part * 16;  // an invalid copy points at its row's start
 #pragma unroll
     for (int m = 0; m < kMats<kMode>; ++m) {
 #pragma unroll
       for (int j = 0; j < kCodeCopies; ++j) {
         const int row = (tid + j * kThreads) / kStepGroups;
-        cp_async_16(smem_u32(&stage.codes[m][row * kCodeStride + part * 16]),
-                    codes[m] + code_off[j] + (valid ? at.ks * kStepGroups * 16 : -part * 16), valid);
+        cp_async_code<kFetch>(smem_u32(&stage.codes[m][row * kCodeStride + part * 16]), code_row[m][j] + code_step,
+                              valid);
         if constexpr (kAligned) {
           if (part == 0) {  // the row's four scale bytes of the step, one aligned word (K has whole steps)
-            cp_async_4(smem_u32(&stage.scale_words[m][row]), scales[m] + scale_off[j] + at.ks * kStepGroups, true);
+            cp_async_4(smem_u32(&stage.scale_words[m][row]), scale_row[m][j] + at.ks * kStepGroups, true);
           }
         } else {
           // The aligned word by absolute address (a scale tensor may start anywhere).
-          const uint8_t* scale = scales[m] + scale_off[j] + (valid ? q : 0);
+          const uint8_t* scale = scale_row[m][j] + (valid ? q : 0);
           cp_async_4(smem_u32(&stage.scale_words[m][row * kStepGroups + part]),
                      reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(scale) & ~uintptr_t{3}), valid);
         }
@@ -423,9 +444,9 @@ __device__ __forceinline__ void gather_partials(const KernelArgs& a, const Walk&
 }
 
 // Grid (x_count * k_splits, E): blockIdx.x = x * k_splits + split, x the CTA's group of weight blocks.
-// CTAs per SM: what the shared memory allows (3 with 4 stages: up to 170 registers; 4 with 3: 128).
-template <class T, Mode kMode, int kWarps, bool kAligned, int kStages>
-__global__ void __launch_bounds__(32 * kWarps, kCtasPerSm<kStages>)
+// CTAs per SM: what the shared memory allows (3: up to 170 registers).
+template <class T, Mode kMode, int kWarps, bool kAligned, L2Fetch kFetch>
+__global__ void __launch_bounds__(32 * kWarps, kCtasPerSm)
     mxfp4_rows_kernel(KernelArgs a, int blocks_per_cta) {
   using S = Stage<kMode, kWarps, kAligned>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -451,7 +472,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtasPerSm<kStages>)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   float acc[2][2][4] = {};
-  Loader<T, kMode, kWarps, kAligned> loader;
+  Loader<T, kMode, kWarps, kAligned, kFetch> loader;
   loader.start(a, w);
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
@@ -578,14 +599,14 @@ RowsPlan plan_rows(const KernelArgs& args, int block_rows, int smem_bytes, int m
   return plan;
 }
 
-template <class T, Mode kMode, int kWarps, bool kAligned, int kStages>
+template <class T, Mode kMode, int kWarps, bool kAligned, L2Fetch kFetch>
 void launch_rows(KernelArgs args, const MmaLaunch& launch, bool programmatic, cudaStream_t stream) {
   using S = Stage<kMode, kWarps, kAligned>;
   static std::atomic<uint64_t> smem_done{0};
   constexpr int kSmem = kStages * static_cast<int>(sizeof(S));
-  auto kernel = mxfp4_rows_kernel<T, kMode, kWarps, kAligned, kStages>;
+  auto kernel = mxfp4_rows_kernel<T, kMode, kWarps, kAligned, kFetch>;
   ensure_smem_limit(reinterpret_cast<const void*>(kernel), kSmem, &smem_done);
-  const RowsPlan plan = plan_rows(args, S::kRows, kSmem, kCtasPerSm<kStages>, kMats<kMode>, launch);
+  const RowsPlan plan = plan_rows(args, S::kRows, kSmem, kCtasPerSm, kMats<kMode>, launch);
   args.k_splits = plan.k_splits;
   args.k_tiles_per_split = plan.steps_per_split;
   args.partials = launch.partials;
@@ -597,30 +618,38 @@ void launch_rows(KernelArgs args, const MmaLaunch& launch, bool programmatic, cu
                 plan.blocks_per_cta);
 }
 
-template <class T, Mode kMode>
-void launch_shape(const KernelArgs& args, bool aligned, int stages, const MmaLaunch& launch, bool programmatic,
+template <class T, Mode kMode, bool kAligned>
+void launch_fetch(const KernelArgs& args, L2Fetch fetch, const MmaLaunch& launch, bool programmatic,
                   cudaStream_t stream) {
-  if (stages == 3) {
-    aligned ? launch_rows<T, kMode, kRowsWarps, true, 3>(args, launch, programmatic, stream)
-            : launch_rows<T, kMode, kRowsWarps, false, 3>(args, launch, programmatic, stream);
-  } else {
-    aligned ? launch_rows<T, kMode, kRowsWarps, true, 4>(args, launch, programmatic, stream)
-            : launch_rows<T, kMode, kRowsWarps, false, 4>(args, launch, programmatic, stream);
+  switch (fetch) {
+    case L2Fetch::none:
+      return launch_rows<T, kMode, kRowsWarps, kAligned, L2Fetch::none>(args, launch, programmatic, stream);
+    case L2Fetch::b128:
+      return launch_rows<T, kMode, kRowsWarps, kAligned, L2Fetch::b128>(args, launch, programmatic, stream);
+    case L2Fetch::b256:
+      return launch_rows<T, kMode, kRowsWarps, kAligned, L2Fetch::b256>(args, launch, programmatic, stream);
   }
 }
 
+template <class T, Mode kMode>
+void launch_shape(const KernelArgs& args, bool aligned, L2Fetch fetch, const MmaLaunch& launch, bool programmatic,
+                  cudaStream_t stream) {
+  aligned ? launch_fetch<T, kMode, true>(args, fetch, launch, programmatic, stream)
+          : launch_fetch<T, kMode, false>(args, fetch, launch, programmatic, stream);
+}
+
 template <class T>
-void launch_mode(Mode mode, const KernelArgs& args, bool aligned, int stages, const MmaLaunch& launch,
+void launch_mode(Mode mode, const KernelArgs& args, bool aligned, L2Fetch fetch, const MmaLaunch& launch,
                  bool programmatic, cudaStream_t stream) {
   switch (mode) {
     case Mode::gated:
-      launch_shape<T, Mode::gated>(args, aligned, stages, launch, programmatic, stream);
+      launch_shape<T, Mode::gated>(args, aligned, fetch, launch, programmatic, stream);
       return;
     case Mode::relu2:
-      launch_shape<T, Mode::relu2>(args, aligned, stages, launch, programmatic, stream);
+      launch_shape<T, Mode::relu2>(args, aligned, fetch, launch, programmatic, stream);
       return;
     case Mode::plain:
-      launch_shape<T, Mode::plain>(args, aligned, stages, launch, programmatic, stream);
+      launch_shape<T, Mode::plain>(args, aligned, fetch, launch, programmatic, stream);
       return;
   }
 }
@@ -629,8 +658,8 @@ bool aligned4(const void* p) { return p == nullptr || (reinterpret_cast<uintptr_
 
 }  // namespace
 
-void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, int stages,
-                       const MmaLaunch& launch, bool programmatic, cudaStream_t stream) {
+void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, const MmaLaunch& launch,
+                       bool programmatic, cudaStream_t stream) {
   LATENTMOE_CHECK(args.s0 != nullptr && (mode != Mode::gated || args.s1 != nullptr),
                   "grouped GEMM: the mxfp4_rows variant takes MXFP4 weights only");
   LATENTMOE_CHECK(dtype == DType::bf16 || dtype == DType::f16,
@@ -648,12 +677,13 @@ void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_b
   LATENTMOE_CHECK(cta_blocks == 0 || cta_blocks == 1,
                   "grouped GEMM: mxfp4_rows takes one block of 64 weight rows a CTA (n_tiles_per_cta 0 or 1), not ",
                   cta_blocks);
-  LATENTMOE_CHECK(stages == 3 || stages == 4, "grouped GEMM: mxfp4_rows has rings of 3 or 4 stages, not ", stages);
+  constexpr L2Fetch kByOption[] = {kDefaultFetch, L2Fetch::none, L2Fetch::b128, L2Fetch::b256};
+  const L2Fetch fetch = kByOption[launch.variant_option];  // 0-3: checked by grouped_gemm
   const bool aligned = args.k % (kStepGroups * kMxfp4Group) == 0 && aligned4(args.s0) && aligned4(args.s1);
   if (dtype == DType::bf16) {
-    launch_mode<__nv_bfloat16>(mode, args, aligned, stages, launch, programmatic, stream);
+    launch_mode<__nv_bfloat16>(mode, args, aligned, fetch, launch, programmatic, stream);
   } else {
-    launch_mode<__half>(mode, args, aligned, stages, launch, programmatic, stream);
+    launch_mode<__half>(mode, args, aligned, fetch, launch, programmatic, stream);
   }
 }
 
