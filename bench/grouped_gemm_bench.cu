@@ -306,8 +306,7 @@ int run(int argc, char** argv) {
   // Variants swept: "automatic" (the library's choice), "all" (every tensor-core variant), or a list.
   std::vector<GemmChoice> variants;
   if (variants_arg == "all" && mxfp4) {
-    for (GemmVariant v : {GemmVariant::mxfp4_rows, GemmVariant::mma_s_wide,
-                          GemmVariant::mma_m, GemmVariant::mma_l4})
+    for (GemmVariant v : {GemmVariant::mxfp4_rows, GemmVariant::mma_s_wide, GemmVariant::mma_m, GemmVariant::mma_l4})
       variants.emplace_back(v);
     if (latentmoe::cuda::detail::wgmma_available()) {
       for (GemmVariant v : {GemmVariant::wgmma, GemmVariant::wgmma_tall, GemmVariant::wgmma_narrow,

@@ -126,9 +126,7 @@ std::vector<GemmVariant> all_variants() {
           GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall, GemmVariant::mxfp4_rows};
 }
 
-bool is_mxfp4_only(GemmVariant variant) {
-  return variant == GemmVariant::mxfp4_rows;
-}
+bool is_mxfp4_only(GemmVariant variant) { return variant == GemmVariant::mxfp4_rows; }
 
 bool is_wgmma(GemmVariant variant) {
   return variant == GemmVariant::wgmma || variant == GemmVariant::wgmma_tall || variant == GemmVariant::wgmma_narrow ||
@@ -234,9 +232,9 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   LATENTMOE_CHECK(!is_mxfp4_only(variant) || mxfp4, "grouped GEMM: the ", to_string(variant),
                   " variant takes MXFP4 weights only");
   // GemmChoice::option: mxfp4_rows 0-3 (its L2 prefetch size), wgmma_ws and wgmma_ws_tall 0-1 (the epilogue).
-  const int max_option = variant == GemmVariant::mxfp4_rows                                           ? 3
+  const int max_option = variant == GemmVariant::mxfp4_rows                                          ? 3
                          : variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall ? 1
-                                                                                                      : 0;
+                                                                                                     : 0;
   LATENTMOE_CHECK(choice.option >= 0 && choice.option <= max_option, "grouped GEMM: the ", to_string(variant),
                   " variant takes options 0 to ", max_option, ", not ", choice.option);
   const bool tensor_core_ok = dtype != DType::f32 && current_compute_capability() >= 80 && args.n % 8 == 0 &&

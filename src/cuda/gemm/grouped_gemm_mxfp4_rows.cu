@@ -143,7 +143,7 @@ struct Loader {
   static constexpr int kActCopies = (kPassRows * 16 + kThreads - 1) / kThreads;
   static_assert(S::kRows * kStepGroups % kThreads == 0 && kThreads % 16 == 0, "whole copy rounds");
 
-  const uint8_t* scales[2];                       // the expert's scales, per matrix (compute_step's addresses)
+  const uint8_t* scales[2];                             // the expert's scales, per matrix (compute_step's addresses)
   const uint8_t* code_row[kMats<kMode>][kCodeCopies];   // copy j's (row of the block, clamped) codes + part * 16
   const uint8_t* scale_row[kMats<kMode>][kCodeCopies];  // that row's scale bytes
   const T* act_src[kActCopies];
@@ -157,8 +157,8 @@ struct Loader {
       const int row = min(at.block * S::kRows + (threadIdx.x + j * kThreads) / kStepGroups, a.n - 1);  // clamped
 #pragma unroll
       for (int m = 0; m < kMats<kMode>; ++m) {
-        const uint8_t* codes = static_cast<const uint8_t*>(m == 0 ? a.w0 : a.w1) +
-                               static_cast<int64_t>(w.expert) * a.n * (a.k / 2);
+        const uint8_t* codes =
+            static_cast<const uint8_t*>(m == 0 ? a.w0 : a.w1) + static_cast<int64_t>(w.expert) * a.n * (a.k / 2);
         code_row[m][j] = codes + static_cast<int64_t>(row) * (a.k / 2) + (threadIdx.x % kStepGroups) * 16;
         scale_row[m][j] = scales[m] + static_cast<int64_t>(row) * w.groups;
       }
@@ -446,8 +446,7 @@ __device__ __forceinline__ void gather_partials(const KernelArgs& a, const Walk&
 // Grid (x_count * k_splits, E): blockIdx.x = x * k_splits + split, x the CTA's group of weight blocks.
 // CTAs per SM: what the shared memory allows (3: up to 170 registers).
 template <class T, Mode kMode, int kWarps, bool kAligned, L2Fetch kFetch>
-__global__ void __launch_bounds__(32 * kWarps, kCtasPerSm)
-    mxfp4_rows_kernel(KernelArgs a, int blocks_per_cta) {
+__global__ void __launch_bounds__(32 * kWarps, kCtasPerSm) mxfp4_rows_kernel(KernelArgs a, int blocks_per_cta) {
   using S = Stage<kMode, kWarps, kAligned>;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ bool s_is_last;
