@@ -65,9 +65,14 @@ constexpr int kCtasPerSm = 3;
 // How far past a code copy's 16 bytes the L2 fetches from DRAM on a miss (cp.async's prefetch size): a step
 // reads 64 bytes of each of its rows, rows K/2 bytes apart, so without a hint DRAM sees short scattered reads;
 // 128 or 256 bytes bring the next one or three steps of the row into L2 with the first. GemmChoice::option of
-// mxfp4_rows: 0 the default (kDefaultFetch), 1 none, 2 128 bytes, 3 256 bytes.
+// mxfp4_rows: 0 the default (default_fetch), 1 none, 2 128 bytes, 3 256 bytes.
 enum class L2Fetch { none, b128, b256 };
-constexpr L2Fetch kDefaultFetch = L2Fetch::b256;
+// Measured on an H100 (5bb32e4, grouped_gemm_bench, kimi-k3 tp-shard 8, bench/results/issue31_h100_5bb32e4.json):
+// gate/up (K 3584, rows of 1792 bytes) 128 bytes 1.13-1.22x faster than none at 8-1024 tokens (380 against 449 µs at
+// 64), 256 bytes the same within 1%; down (K 384: a block's 64 rows are 12 KB in a row, read in 3 steps) none
+// the fastest or within 2% at 1-1024 tokens, 256 bytes up to 6% slower. So 128 bytes for long rows, none for short
+// ones; the boundary, K 1024, lies between the two measured shapes.
+L2Fetch default_fetch(int k) { return k >= 1024 ? L2Fetch::b128 : L2Fetch::none; }
 constexpr int kPassRows = 16;  // expert rows per pass: two n8 tiles
 constexpr int kRowsWarps = 4;  // warps a CTA: 64 weight rows (kept a parameter of the templates below)
 // Shared-memory row strides, padded so that the fragment reads are free of bank conflicts: a code row
@@ -676,8 +681,8 @@ void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_b
   LATENTMOE_CHECK(cta_blocks == 0 || cta_blocks == 1,
                   "grouped GEMM: mxfp4_rows takes one block of 64 weight rows a CTA (n_tiles_per_cta 0 or 1), not ",
                   cta_blocks);
-  constexpr L2Fetch kByOption[] = {kDefaultFetch, L2Fetch::none, L2Fetch::b128, L2Fetch::b256};
-  const L2Fetch fetch = kByOption[launch.variant_option];  // 0-3: checked by grouped_gemm
+  const L2Fetch by_option[] = {default_fetch(args.k), L2Fetch::none, L2Fetch::b128, L2Fetch::b256};
+  const L2Fetch fetch = by_option[launch.variant_option];  // 0-3: checked by grouped_gemm
   const bool aligned = args.k % (kStepGroups * kMxfp4Group) == 0 && aligned4(args.s0) && aligned4(args.s1);
   if (dtype == DType::bf16) {
     launch_mode<__nv_bfloat16>(mode, args, aligned, fetch, launch, programmatic, stream);
