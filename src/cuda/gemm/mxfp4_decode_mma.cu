@@ -77,18 +77,12 @@ struct GroupOperands {
 };
 
 // Through L1 (no-allocate would send each 32-byte sector's second half, the next group's bytes, back
-// to L2 for another request): a warp's consecutive groups of one row share sectors. kPrefetch: an L2 miss
-// fetches 128 bytes of the row from DRAM instead of one sector (gate/up: rows of l / 2 bytes, read 32
-// bytes a warp at a time; the rows kernel gained 13-22% from the same hint, grouped_gemm_mxfp4_rows.cu).
-template <bool kPrefetch>
+// to L2 for another request): a warp's consecutive groups of one row share sectors. A 128-byte L2
+// prefetch on the gate/up loads (which gained the rows kernel 13-22%) measured no change here (H100,
+// fc6ce31 against 5bb32e4, bench layer 1-8 tokens: the `split` warps of a tile already read 32 * split
+// consecutive bytes of each row together) and was taken out.
 __device__ __forceinline__ uint32_t load_u32(const uint8_t* address) {
-  if constexpr (kPrefetch) {
-    uint32_t value;
-    asm("ld.global.nc.L2::128B.u32 %0, [%1];\n" : "=r"(value) : "l"(address));
-    return value;
-  } else {
-    return __ldg(reinterpret_cast<const unsigned int*>(address));
-  }
+  return __ldg(reinterpret_cast<const unsigned int*>(address));
 }
 
 // The group's two MMAs on unscaled values, then the scale of each row, into acc (c0, c1: row g;
@@ -136,7 +130,6 @@ __device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int expert
 
 // Codes and scales of groups q0 .. q0 + kChunk - 1. A whole chunk (the rule: q0 is warp-uniform) loads
 // from immediate offsets with no test; the last, partial one reads its missing groups as zero codes.
-template <bool kPrefetch>
 __device__ __forceinline__ void load_chunk(GroupOperands (&op)[kChunk], const TileRows& r, int64_t q0, int64_t groups) {
   if (q0 + kChunk <= groups) {
     const uint8_t* code_lo = r.code_lo + q0 * (kGroup / 2);
@@ -145,8 +138,8 @@ __device__ __forceinline__ void load_chunk(GroupOperands (&op)[kChunk], const Ti
     const uint8_t* scale_hi = r.scale_hi + q0;
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      op[j].code_lo = load_u32<kPrefetch>(code_lo + j * (kGroup / 2));
-      op[j].code_hi = load_u32<kPrefetch>(code_hi + j * (kGroup / 2));
+      op[j].code_lo = load_u32(code_lo + j * (kGroup / 2));
+      op[j].code_hi = load_u32(code_hi + j * (kGroup / 2));
       op[j].scale_lo = __ldg(scale_lo + j);
       op[j].scale_hi = __ldg(scale_hi + j);
     }
@@ -155,8 +148,8 @@ __device__ __forceinline__ void load_chunk(GroupOperands (&op)[kChunk], const Ti
 #pragma unroll
   for (int j = 0; j < kChunk; ++j) {
     const bool valid = q0 + j < groups;
-    op[j].code_lo = valid ? load_u32<kPrefetch>(r.code_lo + (q0 + j) * (kGroup / 2)) : 0u;
-    op[j].code_hi = valid ? load_u32<kPrefetch>(r.code_hi + (q0 + j) * (kGroup / 2)) : 0u;
+    op[j].code_lo = valid ? load_u32(r.code_lo + (q0 + j) * (kGroup / 2)) : 0u;
+    op[j].code_hi = valid ? load_u32(r.code_hi + (q0 + j) * (kGroup / 2)) : 0u;
     op[j].scale_lo = valid ? __ldg(r.scale_lo + q0 + j) : 0u;
     op[j].scale_hi = valid ? __ldg(r.scale_hi + q0 + j) : 0u;
   }
@@ -171,12 +164,11 @@ __device__ __forceinline__ void advance(TileRows& r, int64_t groups) {
 }
 
 // Codes and scales of the kChunk groups `r` points at (all of them inside the matrix), from immediate offsets.
-template <bool kPrefetch>
 __device__ __forceinline__ void load_whole_chunk(GroupOperands (&op)[kChunk], const TileRows& r) {
 #pragma unroll
   for (int j = 0; j < kChunk; ++j) {
-    op[j].code_lo = load_u32<kPrefetch>(r.code_lo + j * (kGroup / 2));
-    op[j].code_hi = load_u32<kPrefetch>(r.code_hi + j * (kGroup / 2));
+    op[j].code_lo = load_u32(r.code_lo + j * (kGroup / 2));
+    op[j].code_hi = load_u32(r.code_hi + j * (kGroup / 2));
     op[j].scale_lo = __ldg(r.scale_lo + j);
     op[j].scale_hi = __ldg(r.scale_hi + j);
   }
@@ -253,8 +245,8 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
     }
   };
   for (int chunk = part; chunk < whole_chunks; chunk += kSplit) {
-    load_whole_chunk<true>(u, up_rows);
-    if constexpr (kGated) load_whole_chunk<true>(v, gate_rows);
+    load_whole_chunk(u, up_rows);
+    if constexpr (kGated) load_whole_chunk(v, gate_rows);
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       u[j].x = token_active ? *reinterpret_cast<const uint4*>(z_chunk + j * kGroup) : uint4{0, 0, 0, 0};
@@ -266,8 +258,8 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   }
   if (groups % kChunk != 0 && whole_chunks % kSplit == part) {  // the partial chunk: the pointers are there
     const int left = groups - whole_chunks * kChunk;
-    load_chunk<true>(u, up_rows, 0, left);
-    if constexpr (kGated) load_chunk<true>(v, gate_rows, 0, left);
+    load_chunk(u, up_rows, 0, left);
+    if constexpr (kGated) load_chunk(v, gate_rows, 0, left);
     load_x_chunk(u, z_chunk - 8 * t, token_active, 0, left, t);
     compute();
   }
@@ -395,14 +387,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel
     // Zeros for a token that does not name the expert: its weight is 0 there, and 0 * inf would be NaN.
     const bool active = act_row >= 0;
     if (chunk + 1 < chunks || groups % kChunk == 0) {  // a whole chunk, from the pointers' immediate offsets
-      load_whole_chunk<false>(op, rows);
+      load_whole_chunk(op, rows);
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
         op[j].x = active ? *reinterpret_cast<const uint4*>(act + j * kGroup) : uint4{0, 0, 0, 0};
       }
     } else {
       const int64_t left = groups - static_cast<int64_t>(chunk) * kChunk;
-      load_chunk<false>(op, rows, 0, left);
+      load_chunk(op, rows, 0, left);
       load_x_chunk(op, act - 8 * t, active, 0, left, t);
     }
     advance(rows, kChunk);
