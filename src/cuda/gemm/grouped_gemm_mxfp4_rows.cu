@@ -58,11 +58,11 @@ constexpr int kStepGroups = 4;  // scale groups per pipeline step
 
 // Pipeline steps over a reduction of k (a multiple of the scale group).
 __host__ __device__ constexpr int k_steps_of(int k) { return (k / kMxfp4Group + kStepGroups - 1) / kStepGroups; }
-// Ring depth 5 and 3 CTAs per SM: four steps in flight (the swizzled stage layout below fits five 12.5 KB
-// stages of gate/up in the shared memory of a third of an SM; the padded one fitted four). A 3-stage ring with 4
-// CTAs per SM (16 warps, registers capped at 128) measured 0-8% slower at 1-2048 tokens than 4 stages on two H100
-// runs (2b0f8f2, a1e373f; docs/MXFP4.md) and was removed.
-constexpr int kStages = 5;
+// Ring depth 4 and 3 CTAs per SM. A 3-stage ring with 4 CTAs per SM (16 warps, registers capped at 128) measured
+// 0-8% slower at 1-2048 tokens on two H100 runs (2b0f8f2, a1e373f; docs/MXFP4.md) and was removed. A 5-stage ring
+// (unpadded stage rows with swizzled chunks, to fit 3 CTAs per SM) measured gate/up 1-7% faster and down 3-8%
+// slower, the layer unchanged (H100, 801f95b against fc6ce31, issue31_h100_801f95b.json), and was reverted.
+constexpr int kStages = 4;
 constexpr int kCtasPerSm = 3;
 // How far past a code copy's 16 bytes the L2 fetches from DRAM on a miss (cp.async's prefetch size): a step
 // reads 64 bytes of each of its rows, rows K/2 bytes apart, so without a hint DRAM sees short scattered reads;
@@ -77,19 +77,11 @@ enum class L2Fetch { none, b128, b256 };
 L2Fetch default_fetch(int k) { return k >= 1024 ? L2Fetch::b128 : L2Fetch::none; }
 constexpr int kPassRows = 16;  // expert rows per pass: two n8 tiles
 constexpr int kRowsWarps = 4;  // warps a CTA: 64 weight rows (kept a parameter of the templates below)
-// Shared-memory rows of a step, unpadded, their 16-byte chunks swizzled so that the fragment reads are free of bank
-// conflicts: a code row is 64 bytes (4 chunks, one per scale group); chunk q of row r sits at chunk
-// q ^ ((r >> 1) & 3), so the 8 rows g of a warp's LDS.32 (rows 2 apart share banks) fall on 8 distinct 4-bank
-// sets. An activation row is 256 bytes (16 chunks); chunk c of row r sits at c ^ 4 (r & 1), so rows g and g + 1,
-// which share a phase of an LDS.128, use opposite halves of the banks.
-constexpr int kCodeRowBytes = kStepGroups * 16;
-constexpr int kActRowBytes = kStepGroups * 64;
-__host__ __device__ constexpr int code_offset(int row, int chunk) {
-  return row * kCodeRowBytes + ((chunk ^ ((row >> 1) & 3)) << 4);
-}
-__host__ __device__ constexpr int act_offset(int row, int chunk) {
-  return row * kActRowBytes + ((chunk ^ ((row & 1) << 2)) << 4);
-}
+// Shared-memory row strides, padded so that the fragment reads are free of bank conflicts: a code row
+// of a step is 64 bytes (+16: the 8 rows g of a warp's LDS.32 fall on 8 distinct 4-bank sets), an
+// activation row 256 bytes (+64: rows g and g + 1, which share a phase of an LDS.128, use opposite halves).
+constexpr int kCodeStride = kStepGroups * 16 + 16;
+constexpr int kActStride = kStepGroups * 64 + 64;
 
 template <Mode kMode>
 constexpr int kMats = kMode == Mode::gated ? 2 : 1;
@@ -101,9 +93,9 @@ template <Mode kMode, int kWarps, bool kAligned>
 struct Stage {
   static constexpr int kRows = 16 * kWarps;
   static constexpr int kWordsPerRow = kAligned ? 1 : kStepGroups;
-  uint8_t codes[kMats<kMode>][kRows * kCodeRowBytes];
+  uint8_t codes[kMats<kMode>][kRows * kCodeStride];
   uint32_t scale_words[kMats<kMode>][kRows * kWordsPerRow];
-  uint8_t acts[kPassRows * kActRowBytes];
+  uint8_t acts[kPassRows * kActStride];
 };
 
 __device__ __forceinline__ uint32_t lds_u32(const void* p) { return *static_cast<const uint32_t*>(p); }
@@ -211,7 +203,8 @@ struct Loader {
 #pragma unroll
       for (int j = 0; j < kCodeCopies; ++j) {
         const int row = (tid + j * kThreads) / kStepGroups;
-        cp_async_code<kFetch>(smem_u32(&stage.codes[m][code_offset(row, part)]), code_row[m][j] + code_step, valid);
+        cp_async_code<kFetch>(smem_u32(&stage.codes[m][row * kCodeStride + part * 16]), code_row[m][j] + code_step,
+                              valid);
         if constexpr (kAligned) {
           if (part == 0) {  // the row's four scale bytes of the step, one aligned word (K has whole steps)
             cp_async_4(smem_u32(&stage.scale_words[m][row]), scale_row[m][j] + at.ks * kStepGroups, true);
@@ -230,7 +223,7 @@ struct Loader {
       const int r = (tid + j * kThreads) / 16, part16 = tid % 16;
       if (r >= kPassRows) break;
       const bool ok = act_ok[j] && (kAligned || at.ks * kStepGroups + part16 / 4 < w.groups);
-      cp_async_16(smem_u32(&stage.acts[act_offset(r, part16)]),
+      cp_async_16(smem_u32(&stage.acts[r * kActStride + part16 * 16]),
                   ok ? act_src[j] + static_cast<int64_t>(at.ks) * kStepGroups * 32 : act_src[j], ok);
     }
     cp_async_commit();
@@ -253,8 +246,9 @@ struct Loader {
 struct BFragments {
   uint32_t b00, b01, b10, b11;
 };
+template <int kStride>
 __device__ __forceinline__ BFragments b_fragments(const uint8_t* acts, int c, int q, int g, int t) {
-  const uint4 x = *reinterpret_cast<const uint4*>(&acts[act_offset(c * 8 + g, q * 4 + t)]);
+  const uint4 x = *reinterpret_cast<const uint4*>(&acts[(c * 8 + g) * kStride + q * 64 + 16 * t]);
   return {__byte_perm(x.x, x.z, 0x5410), __byte_perm(x.x, x.z, 0x7632), __byte_perm(x.y, x.w, 0x5410),
           __byte_perm(x.y, x.w, 0x7632)};
 }
@@ -273,8 +267,8 @@ __device__ __forceinline__ void compute_step(const Stage<kMode, kWarps, kAligned
     float scale_lo[2], scale_hi[2];
 #pragma unroll
     for (int m = 0; m < kMats<kMode>; ++m) {
-      lo[m] = lds_u32(&stage.codes[m][code_offset(row_lo, q) + 4 * t]);
-      hi[m] = lds_u32(&stage.codes[m][code_offset(row_hi, q) + 4 * t]);
+      lo[m] = lds_u32(&stage.codes[m][row_lo * kCodeStride + q * 16 + 4 * t]);
+      hi[m] = lds_u32(&stage.codes[m][row_hi * kCodeStride + q * 16 + 4 * t]);
       if constexpr (kAligned) {
         scale_lo[m] = e8m0_scale((stage.scale_words[m][row_lo] >> (8 * q)) & 0xFFu);
         scale_hi[m] = e8m0_scale((stage.scale_words[m][row_hi] >> (8 * q)) & 0xFFu);
@@ -287,7 +281,7 @@ __device__ __forceinline__ void compute_step(const Stage<kMode, kWarps, kAligned
     }
 #pragma unroll
     for (int c = 0; c < kTiles; ++c) {
-      const BFragments b = b_fragments(stage.acts, c, q, g, t);
+      const BFragments b = b_fragments<kActStride>(stage.acts, c, q, g, t);
 #pragma unroll
       for (int m = 0; m < kMats<kMode>; ++m) {
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -315,8 +309,8 @@ __device__ __forceinline__ void compute_group_scaled(const Stage<kMode, kWarps, 
   uint32_t a[2][8];
 #pragma unroll
   for (int m = 0; m < kMats<kMode>; ++m) {
-    const uint32_t lo = lds_u32(&stage.codes[m][code_offset(row_lo, kQ) + 4 * t]);
-    const uint32_t hi = lds_u32(&stage.codes[m][code_offset(row_hi, kQ) + 4 * t]);
+    const uint32_t lo = lds_u32(&stage.codes[m][row_lo * kCodeStride + kQ * 16 + 4 * t]);
+    const uint32_t hi = lds_u32(&stage.codes[m][row_hi * kCodeStride + kQ * 16 + 4 * t]);
     const uint32_t f_lo = scale_factor_bf16<kQ>(scales_lo[m]), f_hi = scale_factor_bf16<kQ>(scales_hi[m]);
     a[m][0] = e2m1_pair_scaled_bf16<0>(lo, f_lo);
     a[m][1] = e2m1_pair_scaled_bf16<0>(hi, f_hi);
@@ -329,7 +323,7 @@ __device__ __forceinline__ void compute_group_scaled(const Stage<kMode, kWarps, 
   }
 #pragma unroll
   for (int c = 0; c < kTiles; ++c) {
-    const BFragments b = b_fragments(stage.acts, c, kQ, g, t);
+    const BFragments b = b_fragments<kActStride>(stage.acts, c, kQ, g, t);
 #pragma unroll
     for (int m = 0; m < kMats<kMode>; ++m) {
       mma_16x8x16<__nv_bfloat16>(acc[m][c], a[m][0], a[m][1], a[m][2], a[m][3], b.b00, b.b01);
@@ -616,8 +610,6 @@ void launch_rows(KernelArgs args, const MmaLaunch& launch, bool programmatic, cu
   using S = Stage<kMode, kWarps, kAligned>;
   static std::atomic<uint64_t> smem_done{0};
   constexpr int kSmem = kStages * static_cast<int>(sizeof(S));
-  // kCtasPerSm CTAs in an SM's 228 KB of shared memory (each also reserves 1 KB).
-  static_assert(kCtasPerSm * (kSmem + 1024) <= 228 * 1024, "the ring does not fit kCtasPerSm CTAs per SM");
   auto kernel = mxfp4_rows_kernel<T, kMode, kWarps, kAligned, kFetch>;
   ensure_smem_limit(reinterpret_cast<const void*>(kernel), kSmem, &smem_done);
   const RowsPlan plan = plan_rows(args, S::kRows, kSmem, kCtasPerSm, kMats<kMode>, launch);
