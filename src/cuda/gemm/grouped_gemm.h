@@ -137,7 +137,8 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
 // and mma_l4 above.
 // 18: Kimi-K3 at 1024 tokens (18 rows per expert) took the rows kernel 1.21x faster than wgmma_narrow (H100,
 // 2b0f8f2, kimi-k3 tp-shard 8 gate/up + down 1731 against 2098 µs; at 512 tokens 1047 against 2000;
-// bench/results/issue31_h100_2b0f8f2.json); above 18 rows it is not measured.
+// bench/results/issue31_h100_2b0f8f2.json); at 2048 tokens (36 rows) wgmma_narrow was 1.33x faster (H100, a1e373f,
+// 2243 against 2987 µs, issue31_h100_a1e373f.json); 19-35 rows are not measured.
 inline constexpr int64_t kMxfp4RowsMaxMeanRows = 18;
 GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                                  int64_t intermediate, int64_t latent);
