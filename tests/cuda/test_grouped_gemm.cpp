@@ -470,9 +470,11 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
         // mxfp4_rows with the reduction split (the sums of 2, 3 and every k-step's CTA added by the last).
         GemmChoice(GemmVariant::mxfp4_rows, 0, 2), GemmChoice(GemmVariant::mxfp4_rows, 1, 3),
         GemmChoice(GemmVariant::mxfp4_rows, 0, 64),
-        // Its code copies without an L2 prefetch, with 128 and with 256 bytes (GemmChoice::option 1-3).
+        // Its copies without an L2 prefetch, codes with 128 and with 256 bytes, codes and scales with 128
+        // (GemmChoice::option 1-4).
         GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 1), GemmChoice(GemmVariant::mxfp4_rows, 0, 3, 2),
-        GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 3)};
+        GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 3), GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 4),
+        GemmChoice(GemmVariant::mxfp4_rows, 0, 2, 4)};
     if (detail::wgmma_available()) {  // the Hopper kernels decode into their swizzled weight tiles
       // wgmma_ws and wgmma_ws_tall: their producer warpgroup decodes; one CTA per SM, at least 3 tiles per CTA,
       // and one CTA walking every tile (its raw-copy cursor running ahead across the tiles).
@@ -490,7 +492,7 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::simt), nullptr), Error) << c.name;  // never reads codes as bf16
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mxfp4_rows, 2), nullptr), Error) << c.name;  // one CTA shape
     // Options a variant does not have: refused, never ignored.
-    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 4), nullptr), Error) << c.name;
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 5), nullptr), Error) << c.name;
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mxfp4_rows, 0, 0, -1), nullptr), Error) << c.name;
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mma_m, 0, 0, 1), nullptr), Error) << c.name;
   }
@@ -502,7 +504,7 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
     Problem problem(c, 7u + static_cast<uint32_t>(every), /*mxfp4=*/true, every);
     check_choices(problem, c.name + " every " + std::to_string(every),
                   {GemmChoice(GemmVariant::mxfp4_rows, 1), GemmChoice(GemmVariant::mxfp4_rows, 0, 3),
-                   GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 1)});
+                   GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 1), GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 4)});
   }
   // The automatic MXFP4 shape follows the rows per touched expert (kimi-k3 tp-shard 8: E 896, k 16).
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 9, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);

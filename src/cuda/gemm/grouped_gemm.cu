@@ -231,8 +231,8 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   }
   LATENTMOE_CHECK(!is_mxfp4_only(variant) || mxfp4, "grouped GEMM: the ", to_string(variant),
                   " variant takes MXFP4 weights only");
-  // GemmChoice::option: mxfp4_rows 0-3 (its L2 prefetch size), wgmma_ws and wgmma_ws_tall 0-1 (the epilogue).
-  const int max_option = variant == GemmVariant::mxfp4_rows                                          ? 3
+  // GemmChoice::option: mxfp4_rows 0-4 (its L2 prefetch size), wgmma_ws and wgmma_ws_tall 0-1 (the epilogue).
+  const int max_option = variant == GemmVariant::mxfp4_rows                                          ? 4
                          : variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall ? 1
                                                                                                      : 0;
   LATENTMOE_CHECK(choice.option >= 0 && choice.option <= max_option, "grouped GEMM: the ", to_string(variant),

@@ -97,8 +97,8 @@ enum class GemmVariant {
   mxfp4_rows,     // MXFP4 weights only (bf16, f16): codes decoded straight into mma.sync fragments, a cp.async
                   // ring per CTA, each expert's weights read once per 16 of its rows (grouped_gemm_mxfp4_rows.cu);
                   // GemmChoice::n_tiles_per_cta: 0 or 1 (one 64-row block a CTA, 4 warps; a ring of 4 stages,
-                  // 3 CTAs per SM); GemmChoice::option: the L2 prefetch size of its code copies (0 the default,
-                  // 1 none, 2 128 bytes, 3 256 bytes), for comparison
+                  // 3 CTAs per SM); GemmChoice::option: the L2 prefetch size of its copies (0 the default,
+                  // 1 none, 2 128 bytes for codes, 3 256 bytes for codes, 4 128 bytes for codes and scales)
 };
 // True for the variants that take MXFP4 weights only (mxfp4_rows).
 bool is_mxfp4_only(GemmVariant variant);

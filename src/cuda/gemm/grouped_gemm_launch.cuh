@@ -46,8 +46,9 @@ void launch_mma_mxfp4(DType dtype, detail::GemmVariant variant, Mode mode, Kerne
 // The mxfp4_rows variant (grouped_gemm_mxfp4_rows.cu): MXFP4 weights, dtype bf16 or f16, any K that is a
 // multiple of 32; cta_blocks: 0 or 1 (one 64-row weight block at a time, 4 warps);
 // launch: max_rows, sm_count, the split-K request (k_splits: 0 its choice, 1 none, more forced) and
-// workspace, variant_option (the L2 prefetch size of the code copies: 0 default, 1 none, 2 128 bytes,
-// 3 256 bytes); programmatic: launched as a programmatic dependent (it waits before reading anything).
+// workspace, variant_option (the L2 prefetch size of the copies: 0 default, 1 none, 2 128 bytes for codes,
+// 3 256 bytes for codes, 4 128 bytes for codes and scales); programmatic: launched as a programmatic dependent (it
+// waits before reading anything).
 void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_blocks, const MmaLaunch& launch,
                        bool programmatic, cudaStream_t stream);
 

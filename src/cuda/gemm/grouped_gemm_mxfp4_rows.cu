@@ -64,11 +64,12 @@ __host__ __device__ constexpr int k_steps_of(int k) { return (k / kMxfp4Group + 
 // slower, the layer unchanged (H100, 801f95b against fc6ce31, issue31_h100_801f95b.json), and was reverted.
 constexpr int kStages = 4;
 constexpr int kCtasPerSm = 3;
-// How far past a code copy's 16 bytes the L2 fetches from DRAM on a miss (cp.async's prefetch size): a step
-// reads 64 bytes of each of its rows, rows K/2 bytes apart, so without a hint DRAM sees short scattered reads;
-// 128 or 256 bytes bring the next one or three steps of the row into L2 with the first. GemmChoice::option of
-// mxfp4_rows: 0 the default (default_fetch), 1 none, 2 128 bytes, 3 256 bytes.
-enum class L2Fetch { none, b128, b256 };
+// How far past a copy's bytes the L2 fetches from DRAM on a miss (cp.async's prefetch size): a step reads 64 code
+// bytes and 4 scale bytes of each of its rows, rows K/2 (K/32) bytes apart, so without a hint DRAM sees short
+// scattered reads; 128 or 256 bytes bring the row's next steps into L2 with the first. GemmChoice::option of
+// mxfp4_rows: 0 the default (default_fetch), 1 none, 2 128 bytes for the codes, 3 256 bytes for the codes, 4 128
+// bytes for the codes and the scale words.
+enum class L2Fetch { none, b128, b256, b128_scales };
 // Measured on an H100 (5bb32e4, grouped_gemm_bench, kimi-k3 tp-shard 8, bench/results/issue31_h100_5bb32e4.json):
 // gate/up (K 3584, rows of 1792 bytes) 128 bytes 1.13-1.22x faster than none at 8-1024 tokens (380 against 449 µs at
 // 64), 256 bytes the same within 1%; down (K 384: a block's 64 rows are 12 KB in a row, read in 3 steps) none
@@ -125,13 +126,25 @@ struct Cursor {
   }
 };
 
+// A 4-byte scale-word copy with the L2 prefetch size kFetch (zero-filled when !valid): a row's scale bytes
+// (K / 32 of them) are read 4 a step, so a fetched line serves the row's next steps too.
+template <L2Fetch kFetch>
+__device__ __forceinline__ void cp_async_scale(uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 4 : 0;
+  if constexpr (kFetch == L2Fetch::b128_scales) {
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  } else {
+    cp_async_4(dst, src, valid);
+  }
+}
+
 // A 16-byte code copy with the L2 prefetch size kFetch (zero-filled when !valid).
 template <L2Fetch kFetch>
 __device__ __forceinline__ void cp_async_code(uint32_t dst, const void* src, bool valid) {
   const int bytes = valid ? 16 : 0;
   if constexpr (kFetch == L2Fetch::b256) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-  } else if constexpr (kFetch == L2Fetch::b128) {
+  } else if constexpr (kFetch == L2Fetch::b128 || kFetch == L2Fetch::b128_scales) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
   } else {
     cp_async_16(dst, src, valid);
@@ -207,13 +220,14 @@ struct Loader {
                               valid);
         if constexpr (kAligned) {
           if (part == 0) {  // the row's four scale bytes of the step, one aligned word (K has whole steps)
-            cp_async_4(smem_u32(&stage.scale_words[m][row]), scale_row[m][j] + at.ks * kStepGroups, true);
+            cp_async_scale<kFetch>(smem_u32(&stage.scale_words[m][row]), scale_row[m][j] + at.ks * kStepGroups, true);
           }
         } else {
           // The aligned word by absolute address (a scale tensor may start anywhere).
           const uint8_t* scale = scale_row[m][j] + (valid ? q : 0);
-          cp_async_4(smem_u32(&stage.scale_words[m][row * kStepGroups + part]),
-                     reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(scale) & ~uintptr_t{3}), valid);
+          cp_async_scale<kFetch>(smem_u32(&stage.scale_words[m][row * kStepGroups + part]),
+                                 reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(scale) & ~uintptr_t{3}),
+                                 valid);
         }
       }
     }
@@ -634,6 +648,8 @@ void launch_fetch(const KernelArgs& args, L2Fetch fetch, const MmaLaunch& launch
       return launch_rows<T, kMode, kRowsWarps, kAligned, L2Fetch::b128>(args, launch, programmatic, stream);
     case L2Fetch::b256:
       return launch_rows<T, kMode, kRowsWarps, kAligned, L2Fetch::b256>(args, launch, programmatic, stream);
+    case L2Fetch::b128_scales:
+      return launch_rows<T, kMode, kRowsWarps, kAligned, L2Fetch::b128_scales>(args, launch, programmatic, stream);
   }
 }
 
@@ -683,8 +699,9 @@ void launch_mxfp4_rows(DType dtype, Mode mode, const KernelArgs& args, int cta_b
   LATENTMOE_CHECK(cta_blocks == 0 || cta_blocks == 1,
                   "grouped GEMM: mxfp4_rows takes one block of 64 weight rows a CTA (n_tiles_per_cta 0 or 1), not ",
                   cta_blocks);
-  const L2Fetch by_option[] = {default_fetch(args.k), L2Fetch::none, L2Fetch::b128, L2Fetch::b256};
-  const L2Fetch fetch = by_option[launch.variant_option];  // 0-3: checked by grouped_gemm
+  const L2Fetch by_option[] = {default_fetch(args.k), L2Fetch::none, L2Fetch::b128, L2Fetch::b256,
+                               L2Fetch::b128_scales};
+  const L2Fetch fetch = by_option[launch.variant_option];  // 0-4: checked by grouped_gemm
   const bool aligned = args.k % (kStepGroups * kMxfp4Group) == 0 && aligned4(args.s0) && aligned4(args.s1);
   if (dtype == DType::bf16) {
     launch_mode<__nv_bfloat16>(mode, args, aligned, fetch, launch, programmatic, stream);
