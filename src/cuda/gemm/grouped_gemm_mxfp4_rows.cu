@@ -74,7 +74,8 @@ enum class L2Fetch { none, b128, b256, b128_scales };
 // gate/up (K 3584, rows of 1792 bytes) 128 bytes 1.13-1.22x faster than none at 8-1024 tokens (380 against 449 µs at
 // 64), 256 bytes the same within 1%; down (K 384: a block's 64 rows are 12 KB in a row, read in 3 steps) none
 // the fastest or within 2% at 1-1024 tokens, 256 bytes up to 6% slower. So 128 bytes for long rows, none for short
-// ones; the boundary, K 1024, lies between the two measured shapes.
+// ones; the boundary, K 1024, lies between the two measured shapes. Prefetching the scale words too (option 4) stayed
+// within the run-to-run spread of option 2 at 16-1024 tokens, tp-shard 8 and 1 (d34d8e3, issue31_h100_d34d8e3.json).
 L2Fetch default_fetch(int k) { return k >= 1024 ? L2Fetch::b128 : L2Fetch::none; }
 constexpr int kPassRows = 16;  // expert rows per pass: two n8 tiles
 constexpr int kRowsWarps = 4;  // warps a CTA: 64 weight rows (kept a parameter of the templates below)
