@@ -91,6 +91,32 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool v
   const int bytes = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
+// The same copies with an L2 prefetch size: on an L2 miss the L2 fetches kL2Bytes (0: no hint, 128 or 256)
+// around the copied bytes from DRAM, so a warp reading a few bytes of many rows gets longer DRAM bursts.
+template <int kL2Bytes>
+__device__ __forceinline__ void cp_async_16_prefetch(uint32_t dst, const void* src, bool valid) {
+  static_assert(kL2Bytes == 0 || kL2Bytes == 128 || kL2Bytes == 256, "L2 prefetch sizes: 0, 128, 256");
+  const int bytes = valid ? 16 : 0;
+  if constexpr (kL2Bytes == 256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  } else if constexpr (kL2Bytes == 128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  } else {
+    cp_async_16(dst, src, valid);
+  }
+}
+template <int kL2Bytes>
+__device__ __forceinline__ void cp_async_4_prefetch(uint32_t dst, const void* src, bool valid) {
+  static_assert(kL2Bytes == 0 || kL2Bytes == 128 || kL2Bytes == 256, "L2 prefetch sizes: 0, 128, 256");
+  const int bytes = valid ? 4 : 0;
+  if constexpr (kL2Bytes == 256) {
+    asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  } else if constexpr (kL2Bytes == 128) {
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  } else {
+    cp_async_4(dst, src, valid);
+  }
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {

@@ -127,30 +127,11 @@ struct Cursor {
   }
 };
 
-// A 4-byte scale-word copy with the L2 prefetch size kFetch (zero-filled when !valid): a row's scale bytes
-// (K / 32 of them) are read 4 a step, so a fetched line serves the row's next steps too.
-template <L2Fetch kFetch>
-__device__ __forceinline__ void cp_async_scale(uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 4 : 0;
-  if constexpr (kFetch == L2Fetch::b128_scales) {
-    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-  } else {
-    cp_async_4(dst, src, valid);
-  }
+// The L2 prefetch sizes of L2Fetch for the code copies and the scale-word copies (cp_async_*_prefetch).
+constexpr int code_prefetch_bytes(L2Fetch fetch) {
+  return fetch == L2Fetch::none ? 0 : fetch == L2Fetch::b256 ? 256 : 128;
 }
-
-// A 16-byte code copy with the L2 prefetch size kFetch (zero-filled when !valid).
-template <L2Fetch kFetch>
-__device__ __forceinline__ void cp_async_code(uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;
-  if constexpr (kFetch == L2Fetch::b256) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-  } else if constexpr (kFetch == L2Fetch::b128 || kFetch == L2Fetch::b128_scales) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-  } else {
-    cp_async_16(dst, src, valid);
-  }
-}
+constexpr int scale_prefetch_bytes(L2Fetch fetch) { return fetch == L2Fetch::b128_scales ? 128 : 0; }
 
 // One thread's share of every step's copies, with the sources of the current block's rows and the pass's
 // activation rows kept as pointers: per step a copy costs one 64-bit add (the step's offset, shared by all
@@ -217,18 +198,19 @@ struct Loader {
 #pragma unroll
       for (int j = 0; j < kCodeCopies; ++j) {
         const int row = (tid + j * kThreads) / kStepGroups;
-        cp_async_code<kFetch>(smem_u32(&stage.codes[m][row * kCodeStride + part * 16]), code_row[m][j] + code_step,
-                              valid);
+        cp_async_16_prefetch<code_prefetch_bytes(kFetch)>(smem_u32(&stage.codes[m][row * kCodeStride + part * 16]),
+                                                          code_row[m][j] + code_step, valid);
         if constexpr (kAligned) {
           if (part == 0) {  // the row's four scale bytes of the step, one aligned word (K has whole steps)
-            cp_async_scale<kFetch>(smem_u32(&stage.scale_words[m][row]), scale_row[m][j] + at.ks * kStepGroups, true);
+            cp_async_4_prefetch<scale_prefetch_bytes(kFetch)>(smem_u32(&stage.scale_words[m][row]),
+                                                              scale_row[m][j] + at.ks * kStepGroups, true);
           }
         } else {
           // The aligned word by absolute address (a scale tensor may start anywhere).
           const uint8_t* scale = scale_row[m][j] + (valid ? q : 0);
-          cp_async_scale<kFetch>(smem_u32(&stage.scale_words[m][row * kStepGroups + part]),
-                                 reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(scale) & ~uintptr_t{3}),
-                                 valid);
+          cp_async_4_prefetch<scale_prefetch_bytes(kFetch)>(
+              smem_u32(&stage.scale_words[m][row * kStepGroups + part]),
+              reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(scale) & ~uintptr_t{3}), valid);
         }
       }
     }
