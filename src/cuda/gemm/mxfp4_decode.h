@@ -69,6 +69,10 @@ struct Mxfp4DownCall {
   void* out = nullptr;
   int64_t ld_out = 0;
 };
+// Ordering: call it on the stream right after mxfp4_routed_gate_up of the same call. On sm_90 the tensor-core
+// kernel is launched as a programmatic dependent of the kernel before it: it reads ids, weights and its weights
+// while that kernel finishes and waits for it before reading act or writing out (mxfp4_decode_mma.cu). So
+// nothing enqueued between the two calls may write ids or weights.
 void mxfp4_routed_down(const Mxfp4DownCall& call, cudaStream_t stream);
 
 }  // namespace latentmoe::cuda

@@ -27,6 +27,11 @@
 //   weighted by the routing weight of each token (summed over the pairs by which a token names the
 //   expert), and the cluster's partial sums are added in a fixed order through distributed shared
 //   memory.
+// Both kernels ask the L2 for their CTA's whole share of the weights when the CTA starts (prefetch_expert_rows),
+// and the down kernel is a programmatic dependent of gate/up (pdl.cuh): gate/up triggers at once, so down's CTAs
+// start in gate/up's last wave, build their expert list and prefetch their weights, and wait for gate/up only
+// before they read its act rows. So mxfp4_mma_down must follow the gate/up kernel of the same call on its stream
+// with nothing in between that writes the routing (mxfp4_decode.h).
 //
 // Speed (H200, docs/MXFP4.md): issue-bound, not memory-bound: decoding costs ~5 instructions per two
 // values, and the routed experts reach 23-48% of the MXFP4 byte floor (74de963).
@@ -41,6 +46,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
+#include "cuda/common/l2_prefetch.cuh"
 #include "cuda/common/matrix.h"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/pdl.cuh"
@@ -163,6 +169,19 @@ __device__ __forceinline__ void advance(TileRows& r, int64_t groups) {
   r.scale_hi += groups;
 }
 
+// Asks the L2 for rows [row_begin, row_end) of expert `expert`'s matrix, its codes and its scales (two ranges:
+// consecutive rows of one expert are consecutive bytes), spread over `lanes` threads (l2_prefetch.cuh). Each CTA
+// asks for its whole share when it starts, so its warps' loads, one chunk at a time, hit in L2 instead of each
+// waiting on DRAM (the warps alone keep ~1 KB each in flight, and a CTA's 2-7 chunks a warp are too few to
+// hide a DRAM round trip behind the next).
+__device__ __forceinline__ void prefetch_expert_rows(const Mxfp4Matrices& m, int expert, int64_t row_begin,
+                                                     int64_t row_end, int lane, int lanes) {
+  const int64_t row_bytes = m.cols / 2, groups = m.cols / kGroup;
+  const int64_t first = static_cast<int64_t>(expert) * m.rows + row_begin;
+  l2_prefetch(m.packed + first * row_bytes, static_cast<size_t>((row_end - row_begin) * row_bytes), lane, lanes);
+  l2_prefetch(m.scales + first * groups, static_cast<size_t>((row_end - row_begin) * groups), lanes - 1 - lane, lanes);
+}
+
 // Codes and scales of the kChunk groups `r` points at (all of them inside the matrix), from immediate offsets.
 __device__ __forceinline__ void load_whole_chunk(GroupOperands (&op)[kChunk], const TileRows& r) {
 #pragma unroll
@@ -200,6 +219,9 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   constexpr int kTilesPerCta = kWarps / kSplit;
   __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
+  // Never launched as a dependent (pdl.cuh, 3.): the down kernel after it may start as soon as every CTA of this
+  // one is running, and spends this kernel's last wave asking the L2 for its own weights.
+  pdl_trigger();
   const int pair = blockIdx.y;
   const int expert = p.ids[pair];
   if (expert < 0 || expert >= p.num_experts) return;  // a zero expert or a pad: no row
@@ -207,6 +229,13 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   // Only the first pair naming the expert computes it (for every token).
   const bool earlier = threadIdx.x < pair && p.ids[threadIdx.x] == expert;
   if (__syncthreads_or(earlier)) return;
+  {  // the CTA's consecutive tiles of the expert's up (and gate) rows
+    const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * kTilesPerCta * kTileRows;
+    const int64_t row_end = min(p.up.rows, row_begin + kTilesPerCta * kTileRows);
+    prefetch_expert_rows(p.up, expert, row_begin, row_end, threadIdx.x, kThreads);
+    if constexpr (kGated)
+      prefetch_expert_rows(p.gate, expert, row_begin, row_end, kThreads - 1 - threadIdx.x, kThreads);
+  }
   if (threadIdx.x < kMaxTokens) act_row[threadIdx.x] = INT_MAX;
   __syncthreads();
   if (threadIdx.x < pairs && p.ids[threadIdx.x] == expert) atomicMin(&act_row[threadIdx.x / p.top_k], threadIdx.x);
@@ -369,6 +398,19 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel
   const int warps_total = split * kWarps;
   const int per_warp = (items + warps_total - 1) / warps_total;
   const int begin = min(items, (rank * kWarps + warp) * per_warp), end = min(items, begin + per_warp);
+  {  // the tile's rows of every expert this CTA's items touch (the first and last may be a neighbour's too)
+    const int cta_begin = min(items, rank * kWarps * per_warp), cta_end = min(items, cta_begin + kWarps * per_warp);
+    const int64_t row_begin = tile * kTileRows, row_end = min(p.down.rows, row_begin + kTileRows);
+    if (cta_begin < cta_end) {
+      for (int s = cta_begin / chunks + warp; s <= (cta_end - 1) / chunks; s += kWarps) {
+        prefetch_expert_rows(p.down, list.expert[s], row_begin, row_end, lane, 32);
+      }
+    }
+  }
+  // Launched as a programmatic dependent of the gate/up kernel (mxfp4_mma_down): everything above read only the
+  // routing (written before gate/up started) and the weights; the act rows below are gate/up's.
+  pdl_wait();
+  pdl_trigger();
   int slot = chunks > 0 ? begin / chunks : 0, chunk = begin - slot * chunks;
   // The current expert's rows, activation row and weights, recomputed only when the slot changes.
   int rows_slot = -1, act_row = -1;
@@ -533,7 +575,7 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
   const size_t shared = static_cast<size_t>(call.num_experts) * sizeof(int);
   auto launch = [&](auto kernel) {
     open_shared(kernel, shared);
-    launch_kernel_clustered("mxfp4_mma_down_kernel", false, static_cast<unsigned>(split), kernel,
+    launch_kernel_clustered("mxfp4_mma_down_kernel", pdl_supported(), static_cast<unsigned>(split), kernel,
                             dim3(static_cast<unsigned>(tiles * split)), dim3(kThreads), shared, stream, call, split);
   };
   if (call.dtype == DType::bf16) {
