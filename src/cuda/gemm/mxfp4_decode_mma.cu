@@ -27,17 +27,17 @@
 //   weighted by the routing weight of each token (summed over the pairs by which a token names the
 //   expert), and the cluster's partial sums are added in a fixed order through distributed shared
 //   memory.
-// Both kernels ask the L2 for their CTA's whole share of the weights when the CTA starts (prefetch_expert_rows),
-// and the down kernel is a programmatic dependent of gate/up (pdl.cuh): gate/up triggers at once, so down's CTAs
-// start in gate/up's last wave, build their expert list and prefetch their weights, and wait for gate/up only
-// before they read its act rows. So mxfp4_mma_down must follow the gate/up kernel of the same call on its stream
-// with nothing in between that writes the routing (mxfp4_decode.h).
+// The down kernel is a programmatic dependent of gate/up (pdl.cuh): gate/up triggers at once, so down's CTAs start
+// in gate/up's last wave and build their expert list there, and wait for gate/up only before they read its act
+// rows. So mxfp4_mma_down must follow the gate/up kernel of the same call on its stream with nothing in between
+// that writes the routing (mxfp4_decode.h).
 //
 // Speed (H200, docs/MXFP4.md): issue-bound, not memory-bound: decoding costs ~5 instructions per two
 // values, and the routed experts reach 23-48% of the MXFP4 byte floor (74de963).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <climits>
 #include <type_traits>
 
@@ -46,7 +46,6 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
-#include "cuda/common/l2_prefetch.cuh"
 #include "cuda/common/matrix.h"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/pdl.cuh"
@@ -73,6 +72,10 @@ constexpr int kMinCtasPerSm = 3;
 // with ncu on nemotron3-super at 8 tokens (docs/MXFP4.md): at 70 registers (3 CTAs) it ran 23% slower than at
 // 62 (4 CTAs).
 constexpr int kMinCtasPerSmUngated = 4;
+// The down kernel: 4 CTAs per SM (at most 64 registers). With 3 (76 registers), Kimi-K3's 224 output tiles in
+// clusters of 2 made 448 CTAs, 1.13 waves on an H100: the last 52 CTAs ran alone, and down took 18 µs at one
+// token for an 11 MB read (ncu, session 17; mxfp4_mma_down sizes the clusters to one wave).
+constexpr int kMinCtasPerSmDown = 4;
 
 // One lane's share of one scale group: the code words of rows g and g + 8, their scale bytes, and the
 // 8 activation values of token g (zero for a token beyond the call's or one that does not take part).
@@ -169,19 +172,6 @@ __device__ __forceinline__ void advance(TileRows& r, int64_t groups) {
   r.scale_hi += groups;
 }
 
-// Asks the L2 for rows [row_begin, row_end) of expert `expert`'s matrix, its codes and its scales (two ranges:
-// consecutive rows of one expert are consecutive bytes), spread over `lanes` threads (l2_prefetch.cuh). Each CTA
-// asks for its whole share when it starts, so its warps' loads, one chunk at a time, hit in L2 instead of each
-// waiting on DRAM (the warps alone keep ~1 KB each in flight, and a CTA's 2-7 chunks a warp are too few to
-// hide a DRAM round trip behind the next).
-__device__ __forceinline__ void prefetch_expert_rows(const Mxfp4Matrices& m, int expert, int64_t row_begin,
-                                                     int64_t row_end, int lane, int lanes) {
-  const int64_t row_bytes = m.cols / 2, groups = m.cols / kGroup;
-  const int64_t first = static_cast<int64_t>(expert) * m.rows + row_begin;
-  l2_prefetch(m.packed + first * row_bytes, static_cast<size_t>((row_end - row_begin) * row_bytes), lane, lanes);
-  l2_prefetch(m.scales + first * groups, static_cast<size_t>((row_end - row_begin) * groups), lanes - 1 - lane, lanes);
-}
-
 // Codes and scales of the kChunk groups `r` points at (all of them inside the matrix), from immediate offsets.
 __device__ __forceinline__ void load_whole_chunk(GroupOperands (&op)[kChunk], const TileRows& r) {
 #pragma unroll
@@ -220,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
   // Never launched as a dependent (pdl.cuh, 3.): the down kernel after it may start as soon as every CTA of this
-  // one is running, and spends this kernel's last wave asking the L2 for its own weights.
+  // one is running, and build its expert lists in this kernel's last wave.
   pdl_trigger();
   const int pair = blockIdx.y;
   const int expert = p.ids[pair];
@@ -229,13 +219,6 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   // Only the first pair naming the expert computes it (for every token).
   const bool earlier = threadIdx.x < pair && p.ids[threadIdx.x] == expert;
   if (__syncthreads_or(earlier)) return;
-  {  // the CTA's consecutive tiles of the expert's up (and gate) rows
-    const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * kTilesPerCta * kTileRows;
-    const int64_t row_end = min(p.up.rows, row_begin + kTilesPerCta * kTileRows);
-    prefetch_expert_rows(p.up, expert, row_begin, row_end, threadIdx.x, kThreads);
-    if constexpr (kGated)
-      prefetch_expert_rows(p.gate, expert, row_begin, row_end, kThreads - 1 - threadIdx.x, kThreads);
-  }
   if (threadIdx.x < kMaxTokens) act_row[threadIdx.x] = INT_MAX;
   __syncthreads();
   if (threadIdx.x < pairs && p.ids[threadIdx.x] == expert) atomicMin(&act_row[threadIdx.x / p.top_k], threadIdx.x);
@@ -378,7 +361,7 @@ __device__ void build_expert_list(const Mxfp4DownCall& p, ExpertList& list, int*
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSmDown) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
   extern __shared__ int first_pair[];  // [num_experts]
   __shared__ ExpertList list;
   __shared__ int slot_of_pair[kMaxPairs];
@@ -398,17 +381,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel
   const int warps_total = split * kWarps;
   const int per_warp = (items + warps_total - 1) / warps_total;
   const int begin = min(items, (rank * kWarps + warp) * per_warp), end = min(items, begin + per_warp);
-  {  // the tile's rows of every expert this CTA's items touch (the first and last may be a neighbour's too)
-    const int cta_begin = min(items, rank * kWarps * per_warp), cta_end = min(items, cta_begin + kWarps * per_warp);
-    const int64_t row_begin = tile * kTileRows, row_end = min(p.down.rows, row_begin + kTileRows);
-    if (cta_begin < cta_end) {
-      for (int s = cta_begin / chunks + warp; s <= (cta_end - 1) / chunks; s += kWarps) {
-        prefetch_expert_rows(p.down, list.expert[s], row_begin, row_end, lane, 32);
-      }
-    }
-  }
   // Launched as a programmatic dependent of the gate/up kernel (mxfp4_mma_down): everything above read only the
-  // routing (written before gate/up started) and the weights; the act rows below are gate/up's.
+  // routing (written before gate/up started); the act rows below are gate/up's.
   pdl_wait();
   pdl_trigger();
   int slot = chunks > 0 ? begin / chunks : 0, chunk = begin - slot * chunks;
@@ -564,20 +538,23 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
   const int64_t tiles = (call.down.rows + kTileRows - 1) / kTileRows;
   LATENTMOE_CHECK((call.down.cols / kGroup + kChunk - 1) / kChunk <= INT_MAX / kMaxPairs,
                   "MXFP4 down: ", call.down.cols, " columns exceed the kernel's 32-bit work count");
-  // Enough CTAs for every SM twice over: clusters of up to 8 CTAs share a tile (sm_90 and later).
-  int split = 1;
-  if (current_compute_capability() >= 90) {
-    const int64_t target = 2 * static_cast<int64_t>(current_sm_count());
-    while (split < 8 && tiles * split < target) split *= 2;
-  }
-  LATENTMOE_CHECK(tiles * split <= INT_MAX, "MXFP4 down: ", call.down.rows, " rows exceed the grid");
-  check_expert_offsets(call.down, "down");
   const size_t shared = static_cast<size_t>(call.num_experts) * sizeof(int);
   auto launch = [&](auto kernel) {
     open_shared(kernel, shared);
+    // Clusters of up to 8 CTAs share a tile (sm_90 and later): the most that still run in one wave, so that no
+    // last partial wave runs alone (at 1.13 waves the down kernel took twice its one-wave time, session 17).
+    int split = 1;
+    if (current_compute_capability() >= 90) {
+      int per_sm = 0;
+      LATENTMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
+      const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * current_sm_count();
+      while (split < 8 && tiles * split * 2 <= resident) split *= 2;
+    }
+    LATENTMOE_CHECK(tiles * split <= INT_MAX, "MXFP4 down: ", call.down.rows, " rows exceed the grid");
     launch_kernel_clustered("mxfp4_mma_down_kernel", pdl_supported(), static_cast<unsigned>(split), kernel,
                             dim3(static_cast<unsigned>(tiles * split)), dim3(kThreads), shared, stream, call, split);
   };
+  check_expert_offsets(call.down, "down");
   if (call.dtype == DType::bf16) {
     launch(mxfp4_mma_down_kernel<__nv_bfloat16>);
   } else {
