@@ -49,6 +49,7 @@
 #include "cuda/common/matrix.h"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/pdl.cuh"
+#include "cuda/gemm/grouped_gemm_mma.cuh"  // cp.async copies
 #include "cuda/gemm/mxfp4_decode_mma.h"
 #include "cuda/gemm/mxfp4_device.cuh"
 #include "latentmoe/error.h"
@@ -198,16 +199,43 @@ __device__ __forceinline__ void load_x_chunk(GroupOperands (&op)[kChunk], const 
 
 // ---- gate/up -------------------------------------------------------------------------------------
 
+// The gate/up kernel's ring: each warp streams its tile's codes and scale words through kRingStages chunks of
+// shared memory (cp.async), so that it keeps ~4 KB of weights requested instead of the ~1 KB one chunk held in
+// registers (ncu on an H100 at one token, Kimi-K3 tp-shard 8: 46% of DRAM bandwidth, 0.85 eligible warps per
+// scheduler; registers capped the kernel at 3 CTAs per SM, so a register double buffer only halved the CTAs).
+constexpr int kRingStages = 4;
+// A row's kChunk * 16 code bytes of a chunk, padded by 16: the LDS.32 of rows g = 0..7 (stride 48 bytes) fall in
+// distinct banks.
+constexpr int kRingRowStride = kChunk * 16 + 16;
+template <bool kGated>
+struct GateUpStage {
+  static constexpr int kMats = kGated ? 2 : 1;  // [0] up, [1] gate
+  uint8_t codes[kMats][kTileRows * kRingRowStride];
+  uint32_t scale_words[kMats][kTileRows][kChunk];  // the aligned word holding each (row, group)'s scale byte
+};
+template <bool kGated>
+constexpr size_t gate_up_ring_bytes() {
+  return static_cast<size_t>(kWarps) * kRingStages * sizeof(GateUpStage<kGated>);
+}
+
 // kSplit: the warps that split one tile's K (8: the whole CTA on one tile, the groups of K spread over its
 // warps; 1: each warp one tile over all of K). A CTA covers kWarps / kSplit consecutive tiles. Fewer warps per
 // tile amortise each warp's pointer set-up and the CTA's routing prologue over more groups, where the call has
 // enough (tile, pair) units to fill the GPU without splitting K (choose_gate_up_split).
+// Warp `part` of a tile takes the chunks part, part + kSplit, ... (chunk c: groups kChunk c ..; the kSplit warps
+// of a tile read consecutive sectors of each row together); each chunk's codes and scale words come through the
+// warp's ring (kRingStages - 1 chunks ahead; lane l copies row l / 2's 16 code bytes and scale word of group
+// kChunk c + l % 2 for each matrix), its activations through registers one chunk ahead. Groups past K (a last,
+// partial chunk) are zero-filled codes, scale bytes and activations.
 template <class T, bool kGated, int kSplit>
 __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPerSmUngated)
     mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
   static_assert(kSplit >= 1 && kWarps % kSplit == 0);
   constexpr int kTilesPerCta = kWarps / kSplit;
-  __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
+  using Stage = GateUpStage<kGated>;
+  constexpr int kMats = Stage::kMats;
+  extern __shared__ __align__(16) uint8_t ring_bytes[];  // [kWarps][kRingStages] stages
+  __shared__ int act_row[kMaxTokens];                    // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
   // Never launched as a dependent (pdl.cuh, 3.): the down kernel after it may start as soon as every CTA of this
   // one is running, and build its expert lists in this kernel's last wave.
@@ -227,53 +255,104 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int part = warp % kSplit;  // this warp's share of K
   const int first_tile = static_cast<int>(blockIdx.x) * kTilesPerCta;
-  // A tile past the matrix (the last CTA's) reads clamped rows (tile_rows) and stores nothing.
-  const int row0 = (first_tile + warp / kSplit) * kTileRows + g;
-  const int groups = static_cast<int>(p.up.cols / kGroup);  // 32-bit: check_expert_offsets
+  const int tile_row0 = (first_tile + warp / kSplit) * kTileRows;
+  const int rows = static_cast<int>(p.up.rows), groups = static_cast<int>(p.up.cols / kGroup);  // 32-bit: host checks
+  const int row_bytes = groups * (kGroup / 2);
+  const int chunks = (groups + kChunk - 1) / kChunk;
+  const int my_chunks = part < chunks ? (chunks - part + kSplit - 1) / kSplit : 0;
+  Stage* ring = reinterpret_cast<Stage*>(ring_bytes) + warp * kRingStages;
+
+  // This lane's copies: row copy_row of the tile (clamped to the matrix: a tile past it stores nothing), group
+  // kChunk c + half of chunk c.
+  const int copy_row = lane / 2, half = lane % 2;
+  const uint8_t* code_src[kMats];
+  const uint8_t* scale_src[kMats];
+  const int64_t expert_row = static_cast<int64_t>(expert) * rows + min(tile_row0 + copy_row, rows - 1);
+#pragma unroll
+  for (int m = 0; m < kMats; ++m) {
+    const Mxfp4Matrices& mat = m == 0 ? p.up : p.gate;
+    code_src[m] = mat.packed + expert_row * row_bytes + half * 16;
+    scale_src[m] = mat.scales + expert_row * groups + half;
+  }
+  auto issue = [&](int chunk, Stage& stage) {
+    const int q = chunk * kChunk;  // the chunk's first group; this lane's is q + half
+    const bool valid = q + half < groups;
+#pragma unroll
+    for (int m = 0; m < kMats; ++m) {
+      gg::cp_async_16(gg::smem_u32(&stage.codes[m][copy_row * kRingRowStride + half * 16]),
+                      code_src[m] + (valid ? q * 16 : 0), valid);
+      const uintptr_t scale = reinterpret_cast<uintptr_t>(scale_src[m] + (valid ? q : 0));
+      gg::cp_async_4(gg::smem_u32(&stage.scale_words[m][copy_row][half]),
+                     reinterpret_cast<const void*>(scale & ~uintptr_t{3}), valid);
+    }
+    gg::cp_async_commit();
+  };
+
+  // The scale byte of (row, group q) sits at byte (address & 3) of its word; the rows' addresses mod 4 are fixed.
+  int scale_shift_base[2][kMats];
+#pragma unroll
+  for (int m = 0; m < kMats; ++m) {
+    const Mxfp4Matrices& mat = m == 0 ? p.up : p.gate;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = static_cast<int64_t>(expert) * rows + min(tile_row0 + g + 8 * h, rows - 1);
+      scale_shift_base[h][m] = static_cast<int>(reinterpret_cast<uintptr_t>(mat.scales + row * groups) & 3);
+    }
+  }
   // Only the tokens that name the expert read their activations (the others' MMA columns are zeros and
   // never stored): reading every token's row measured 6-7% slower on Nemotron's relu2 experts, whose
   // activation rows are as many bytes as the tile's codes.
   const bool token_active = g < p.tokens && act_row[g] != INT_MAX;
   const T* z_row = static_cast<const T*>(p.z) + (token_active ? g * p.ld_z : 0) + 8 * t;
-  TileRows up_rows = tile_rows(p.up, expert, row0, t, part * kChunk);
-  TileRows gate_rows = kGated ? tile_rows(p.gate, expert, row0, t, part * kChunk) : up_rows;
-  float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // Chunks of kChunk consecutive groups per warp (chunk c: groups kChunk c ..; the lanes of a row read
-  // whole sectors), one at a time: double-buffering them measured nothing (221b153) and its registers
-  // kept the kernel at 2 CTAs per SM (kMinCtasPerSm). The whole chunks walk pointers that advance by a
-  // constant (no 64-bit address arithmetic per load); a last, partial chunk is taken after the loop.
-  const int whole_chunks = groups / kChunk;
-  constexpr int kStrideGroups = kSplit * kChunk;
-  const T* z_chunk = z_row + part * kChunk * kGroup;
-  GroupOperands u[kChunk], v[kChunk];
-  auto compute = [&] {  // the chunk in u (and v), both matrices against u's activations
+  auto load_x = [&](int chunk, uint4(&x)[kChunk]) {
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      group_mma<T>(up, u[j], 1.0f, 1.0f);
-      if constexpr (kGated) {
-        v[j].x = u[j].x;
-        group_mma<T>(gate, v[j], 1.0f, 1.0f);
-      }
+      const int q = chunk * kChunk + j;
+      x[j] = token_active && q < groups ? *reinterpret_cast<const uint4*>(z_row + q * kGroup) : uint4{0, 0, 0, 0};
     }
   };
-  for (int chunk = part; chunk < whole_chunks; chunk += kSplit) {
-    load_whole_chunk(u, up_rows);
-    if constexpr (kGated) load_whole_chunk(v, gate_rows);
+
+  float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int s = 0; s < kRingStages - 1; ++s) {
+    if (s < my_chunks) {
+      issue(part + s * kSplit, ring[s]);
+    } else {
+      gg::cp_async_commit();  // an empty group: the wait below counts groups
+    }
+  }
+  uint4 x_next[kChunk];
+  if (my_chunks > 0) load_x(part, x_next);
+  for (int i = 0; i < my_chunks; ++i) {
+    const int chunk = part + i * kSplit;
+    // Stage (i + kRingStages - 1) % kRingStages was read in iteration i - 1 (the __syncwarp at its end).
+    if (i + kRingStages - 1 < my_chunks) {
+      issue(chunk + (kRingStages - 1) * kSplit, ring[(i + kRingStages - 1) % kRingStages]);
+    } else {
+      gg::cp_async_commit();
+    }
+    uint4 x[kChunk];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) x[j] = x_next[j];
+    if (i + 1 < my_chunks) load_x(chunk + kSplit, x_next);
+    gg::cp_async_wait<kRingStages - 1>();  // this lane's copies of chunk i have landed
+    __syncwarp();                          // and every lane's
+    const Stage& stage = ring[i % kRingStages];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      u[j].x = token_active ? *reinterpret_cast<const uint4*>(z_chunk + j * kGroup) : uint4{0, 0, 0, 0};
+      const int q = chunk * kChunk + j;
+      GroupOperands op;
+      op.x = x[j];
+#pragma unroll
+      for (int m = 0; m < kMats; ++m) {
+        op.code_lo = *reinterpret_cast<const uint32_t*>(&stage.codes[m][g * kRingRowStride + j * 16 + 4 * t]);
+        op.code_hi = *reinterpret_cast<const uint32_t*>(&stage.codes[m][(g + 8) * kRingRowStride + j * 16 + 4 * t]);
+        op.scale_lo = (stage.scale_words[m][g][j] >> (8 * ((scale_shift_base[0][m] + q) & 3))) & 0xffu;
+        op.scale_hi = (stage.scale_words[m][g + 8][j] >> (8 * ((scale_shift_base[1][m] + q) & 3))) & 0xffu;
+        group_mma<T>(m == 0 ? up : gate, op, 1.0f, 1.0f);
+      }
     }
-    compute();
-    advance(up_rows, kStrideGroups);
-    if constexpr (kGated) advance(gate_rows, kStrideGroups);
-    z_chunk += kStrideGroups * kGroup;
-  }
-  if (groups % kChunk != 0 && whole_chunks % kSplit == part) {  // the partial chunk: the pointers are there
-    const int left = groups - whole_chunks * kChunk;
-    load_chunk(u, up_rows, 0, left);
-    if constexpr (kGated) load_chunk(v, gate_rows, 0, left);
-    load_x_chunk(u, z_chunk - 8 * t, token_active, 0, left, t);
-    compute();
+    __syncwarp();  // every lane has read the stage before iteration i + 1 refills it
   }
   for (int i = 0; i < 4; ++i) {
     partial[warp][0][i][lane] = up[i];
@@ -310,19 +389,23 @@ struct ExpertList {
   int expert[kMaxPairs];
   int act_row[kMaxPairs][kMaxTokens];
   float weight[kMaxPairs][kMaxTokens];
+  int pair_id[kMaxPairs];        // the call's ids and weights, one load a thread: each token's pairs are then read
+  float pair_weight[kMaxPairs];  // from shared memory (a loop of top_k global loads took ~6 µs a CTA at one token)
 };
 
 // Built by every CTA from ids (one thread per pair); `first_pair` is shared scratch of num_experts ints.
 __device__ void build_expert_list(const Mxfp4DownCall& p, ExpertList& list, int* first_pair, int* slot_of_pair) {
   const int pairs = p.tokens * p.top_k;
+  const int pair = threadIdx.x;
+  const int expert = pair < pairs ? p.ids[pair] : -1;
+  list.pair_id[pair] = expert;
+  list.pair_weight[pair] = pair < pairs ? p.weights[pair] : 0.0f;
   for (int e = threadIdx.x; e < p.num_experts; e += kThreads) first_pair[e] = INT_MAX;
   for (int i = threadIdx.x; i < pairs * kMaxTokens; i += kThreads) {  // slots < count <= pairs
     list.act_row[i / kMaxTokens][i % kMaxTokens] = -1;
     list.weight[i / kMaxTokens][i % kMaxTokens] = 0.0f;
   }
   __syncthreads();
-  const int pair = threadIdx.x;
-  const int expert = pair < pairs ? p.ids[pair] : -1;
   const bool real = expert >= 0 && expert < p.num_experts;
   if (real) atomicMin(&first_pair[expert], pair);
   __syncthreads();
@@ -347,9 +430,9 @@ __device__ void build_expert_list(const Mxfp4DownCall& p, ExpertList& list, int*
     bool token_first = true;
     float weight = 0.0f;
     for (int jj = 0; jj < p.top_k; ++jj) {
-      if (p.ids[token * p.top_k + jj] != expert) continue;
+      if (list.pair_id[token * p.top_k + jj] != expert) continue;
       if (jj < j) token_first = false;
-      weight += p.weights[token * p.top_k + jj];
+      weight += list.pair_weight[token * p.top_k + jj];
     }
     if (token_first) {
       const int slot = slot_of_pair[first_pair[expert]];
@@ -511,12 +594,17 @@ void mxfp4_mma_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream) {
   const int split = choose_gate_up_split(call.warps_per_tile, tiles, pairs, call.up.cols / kGroup, gated);
   const int64_t tiles_per_cta = kWarps / split;
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_cta - 1) / tiles_per_cta), static_cast<unsigned>(pairs));
-  auto launch = [&](auto kernel) {
-    launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), 0, stream, call);
-  };
   auto launch_split = [&](auto type, auto gated_constant) {
     using T = decltype(type);
     constexpr bool kGated = decltype(gated_constant)::value;
+    auto launch = [&](auto kernel) {
+      constexpr size_t ring = gate_up_ring_bytes<kGated>();
+      if (ring > 48 * 1024) {
+        LATENTMOE_CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(ring)));
+      }
+      launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), ring, stream, call);
+    };
     if (split == 1) {
       launch(mxfp4_mma_gate_up_kernel<T, kGated, 1>);
     } else if (split == 2) {
