@@ -27,13 +27,17 @@
 //   weighted by the routing weight of each token (summed over the pairs by which a token names the
 //   expert), and the cluster's partial sums are added in a fixed order through distributed shared
 //   memory.
+// Copies: each warp streams its weights (codes and the aligned words holding their scale bytes) through its own
+//   cp.async ring of kRingStages chunks in shared memory, kRingStages - 1 chunks ahead of its MMAs (no barrier
+//   but __syncwarp: nobody reads another warp's stages); the activations come through registers one chunk ahead.
+//   Before the rings (session 17) each warp held one chunk in registers, ~1 KB in flight, and the kernels reached
+//   46% (gate/up) and 20-42% (down) of DRAM bandwidth (ncu, H100, Kimi-K3 tp-shard 8 at 1 and 8 tokens).
 // The down kernel is a programmatic dependent of gate/up (pdl.cuh): gate/up triggers at once, so down's CTAs start
-// in gate/up's last wave and build their expert list there, and wait for gate/up only before they read its act
-// rows. So mxfp4_mma_down must follow the gate/up kernel of the same call on its stream with nothing in between
-// that writes the routing (mxfp4_decode.h).
+// in gate/up's last wave, build their expert list and ask for their first weights there, and wait for gate/up only
+// before they read its act rows. So mxfp4_mma_down must follow the gate/up kernel of the same call on its stream
+// with nothing in between that writes the routing (mxfp4_decode.h).
 //
-// Speed (H200, docs/MXFP4.md): issue-bound, not memory-bound: decoding costs ~5 instructions per two
-// values, and the routed experts reach 23-48% of the MXFP4 byte floor (74de963).
+// Speed: docs/MXFP4.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -86,15 +90,6 @@ struct GroupOperands {
   uint4 x = {0, 0, 0, 0};
 };
 
-// Through L1 (no-allocate would send each 32-byte sector's second half, the next group's bytes, back
-// to L2 for another request): a warp's consecutive groups of one row share sectors. A 128-byte L2
-// prefetch on the gate/up loads (which gained the rows kernel 13-22%) measured no change here (H100,
-// fc6ce31 against 5bb32e4, bench layer 1-8 tokens: the `split` warps of a tile already read 32 * split
-// consecutive bytes of each row together) and was taken out.
-__device__ __forceinline__ uint32_t load_u32(const uint8_t* address) {
-  return __ldg(reinterpret_cast<const unsigned int*>(address));
-}
-
 // The group's two MMAs on unscaled values, then the scale of each row, into acc (c0, c1: row g;
 // c2, c3: row g + 8; columns 2t, 2t + 1). factor_even / factor_odd multiply columns 2t / 2t + 1.
 template <class T>
@@ -112,89 +107,6 @@ __device__ __forceinline__ void group_mma(float (&acc)[4], const GroupOperands& 
   acc[1] = fmaf(d[1], scale_lo * factor_odd, acc[1]);
   acc[2] = fmaf(d[2], scale_hi * factor_even, acc[2]);
   acc[3] = fmaf(d[3], scale_hi * factor_odd, acc[3]);
-}
-
-// One lane's rows of a 16-row tile of one MXFP4 matrix: rows g and g + 8 of the expert whose first row
-// is row expert * rows, each clamped to the matrix's last row (a row past it is read but never stored: the
-// kernels store only rows < rows), so every load is unconditional; their code bytes 4t .. 4t + 3 of
-// group 0 and their scale bytes of group 0.
-struct TileRows {
-  const uint8_t* code_lo;
-  const uint8_t* code_hi;
-  const uint8_t* scale_lo;
-  const uint8_t* scale_hi;
-};
-
-// Offsets inside one expert's matrix are 32-bit (the host checks rows * cols / 2 <= INT_MAX): the set-up
-// of the pointers before the loops is a few 32-bit products instead of ~130 instructions of 64-bit ones
-// (measured on nemotron3-super's two-chunk relu2 loop, docs/MXFP4.md). `first_group`: where the pointers start.
-__device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int expert, int row0, int t, int first_group) {
-  const int rows = static_cast<int>(m.rows), groups = static_cast<int>(m.cols / kGroup),
-            row_bytes = groups * (kGroup / 2);
-  const int lo = min(row0, rows - 1), hi = min(row0 + 8, rows - 1);
-  const int64_t expert_row = static_cast<int64_t>(expert) * rows;  // the one 64-bit product
-  const uint8_t* codes = m.packed + expert_row * row_bytes + first_group * (kGroup / 2) + 4 * t;
-  const uint8_t* scales = m.scales + expert_row * groups + first_group;
-  return TileRows{codes + lo * row_bytes, codes + hi * row_bytes, scales + lo * groups, scales + hi * groups};
-}
-
-// Codes and scales of groups q0 .. q0 + kChunk - 1. A whole chunk (the rule: q0 is warp-uniform) loads
-// from immediate offsets with no test; the last, partial one reads its missing groups as zero codes.
-__device__ __forceinline__ void load_chunk(GroupOperands (&op)[kChunk], const TileRows& r, int64_t q0, int64_t groups) {
-  if (q0 + kChunk <= groups) {
-    const uint8_t* code_lo = r.code_lo + q0 * (kGroup / 2);
-    const uint8_t* code_hi = r.code_hi + q0 * (kGroup / 2);
-    const uint8_t* scale_lo = r.scale_lo + q0;
-    const uint8_t* scale_hi = r.scale_hi + q0;
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      op[j].code_lo = load_u32(code_lo + j * (kGroup / 2));
-      op[j].code_hi = load_u32(code_hi + j * (kGroup / 2));
-      op[j].scale_lo = __ldg(scale_lo + j);
-      op[j].scale_hi = __ldg(scale_hi + j);
-    }
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < kChunk; ++j) {
-    const bool valid = q0 + j < groups;
-    op[j].code_lo = valid ? load_u32(r.code_lo + (q0 + j) * (kGroup / 2)) : 0u;
-    op[j].code_hi = valid ? load_u32(r.code_hi + (q0 + j) * (kGroup / 2)) : 0u;
-    op[j].scale_lo = valid ? __ldg(r.scale_lo + q0 + j) : 0u;
-    op[j].scale_hi = valid ? __ldg(r.scale_hi + q0 + j) : 0u;
-  }
-}
-
-// Moves every pointer of `r` on by `groups` scale groups.
-__device__ __forceinline__ void advance(TileRows& r, int64_t groups) {
-  r.code_lo += groups * (kGroup / 2);
-  r.code_hi += groups * (kGroup / 2);
-  r.scale_lo += groups;
-  r.scale_hi += groups;
-}
-
-// Codes and scales of the kChunk groups `r` points at (all of them inside the matrix), from immediate offsets.
-__device__ __forceinline__ void load_whole_chunk(GroupOperands (&op)[kChunk], const TileRows& r) {
-#pragma unroll
-  for (int j = 0; j < kChunk; ++j) {
-    op[j].code_lo = load_u32(r.code_lo + j * (kGroup / 2));
-    op[j].code_hi = load_u32(r.code_hi + j * (kGroup / 2));
-    op[j].scale_lo = __ldg(r.scale_lo + j);
-    op[j].scale_hi = __ldg(r.scale_hi + j);
-  }
-}
-
-// The activation values of chunk q0 for this lane's token (zero when it takes no part, and past the
-// groups).
-template <class T>
-__device__ __forceinline__ void load_x_chunk(GroupOperands (&op)[kChunk], const T* row, bool active, int64_t q0,
-                                             int64_t groups, int t) {
-  const bool whole = q0 + kChunk <= groups;
-#pragma unroll
-  for (int j = 0; j < kChunk; ++j) {
-    op[j].x = active && (whole || q0 + j < groups) ? *reinterpret_cast<const uint4*>(row + (q0 + j) * kGroup + 8 * t)
-                                                   : uint4{0, 0, 0, 0};
-  }
 }
 
 // ---- gate/up -------------------------------------------------------------------------------------
@@ -443,82 +355,142 @@ __device__ void build_expert_list(const Mxfp4DownCall& p, ExpertList& list, int*
   __syncthreads();
 }
 
+// The down kernel's ring: as gate/up's (kRingStages chunks of one expert's 16 tile rows a warp), one matrix.
+struct DownStage {
+  uint8_t codes[kTileRows * kRingRowStride];
+  uint32_t scale_words[kTileRows][kChunk];
+};
+constexpr size_t kDownRingBytes = static_cast<size_t>(kWarps) * kRingStages * sizeof(DownStage);
+
+// Work items (touched expert, chunk of kChunk consecutive groups) in expert-major order; each warp of the cluster
+// takes one contiguous range of them (so it walks an expert's chunks in order). Each item's codes and scale words
+// come through the warp's ring, kRingStages - 1 items ahead (lane l copies row l / 2's 16 code bytes and scale word
+// of group kChunk c + l % 2); the first kRingStages - 1 are asked for before the wait for gate/up (weights only).
+// The act rows come through registers one item ahead.
 template <class T>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSmDown) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
-  extern __shared__ int first_pair[];  // [num_experts]
+  extern __shared__ __align__(16) uint8_t dynamic_bytes[];  // the ring, then first_pair [num_experts]
+  DownStage* const rings = reinterpret_cast<DownStage*>(dynamic_bytes);
+  int* const first_pair = reinterpret_cast<int*>(dynamic_bytes + kDownRingBytes);
   __shared__ ExpertList list;
   __shared__ int slot_of_pair[kMaxPairs];
   __shared__ float partial[kWarps][4][32];
   build_expert_list(p, list, first_pair, slot_of_pair);
 
   const int rank = static_cast<int>(blockIdx.x) % split;
-  const int64_t tile = blockIdx.x / split;
+  const int tile = static_cast<int>(blockIdx.x) / split;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int row0 = static_cast<int>(tile) * kTileRows + g;
-  const int64_t groups = p.down.cols / kGroup;
-  // Work items (touched expert, chunk of kChunk consecutive groups) in expert-major order; each warp of
-  // the cluster takes one contiguous range of them (so it walks an expert's chunks in order, one division
-  // per warp), double-buffered (78 registers, within kMinCtasPerSm's budget).
-  const int chunks = static_cast<int>((groups + kChunk - 1) / kChunk);
+  const int tile_row0 = tile * kTileRows;
+  const int rows = static_cast<int>(p.down.rows), groups = static_cast<int>(p.down.cols / kGroup);  // host checks
+  const int row_bytes = groups * (kGroup / 2);
+  const int chunks = (groups + kChunk - 1) / kChunk;
   const int items = list.count * chunks;  // 32-bit: count <= 256 pairs, chunks <= INT_MAX / 256 (host check)
   const int warps_total = split * kWarps;
   const int per_warp = (items + warps_total - 1) / warps_total;
   const int begin = min(items, (rank * kWarps + warp) * per_warp), end = min(items, begin + per_warp);
+  const int count = end - begin;
+  DownStage* const ring = rings + warp * kRingStages;
+
+  // The copies' cursor, kRingStages - 1 items ahead of the MMAs; the lane's source rows, set per expert.
+  const int copy_row = lane / 2, half = lane % 2;
+  const int first_slot = chunks > 0 ? begin / chunks : 0, first_chunk = begin - first_slot * chunks;
+  int copy_slot = first_slot, copy_chunk = first_chunk, source_slot = -1;
+  const uint8_t* code_src = nullptr;
+  const uint8_t* scale_src = nullptr;
+  auto issue = [&](DownStage& stage) {
+    if (copy_slot != source_slot) {
+      source_slot = copy_slot;
+      const int64_t row = static_cast<int64_t>(list.expert[copy_slot]) * rows + min(tile_row0 + copy_row, rows - 1);
+      code_src = p.down.packed + row * row_bytes + half * 16;
+      scale_src = p.down.scales + row * groups + half;
+    }
+    const int q = copy_chunk * kChunk;
+    const bool valid = q + half < groups;
+    gg::cp_async_16(gg::smem_u32(&stage.codes[copy_row * kRingRowStride + half * 16]), code_src + (valid ? q * 16 : 0),
+                    valid);
+    const uintptr_t scale = reinterpret_cast<uintptr_t>(scale_src + (valid ? q : 0));
+    gg::cp_async_4(gg::smem_u32(&stage.scale_words[copy_row][half]),
+                   reinterpret_cast<const void*>(scale & ~uintptr_t{3}), valid);
+    gg::cp_async_commit();
+    if (++copy_chunk == chunks) {
+      copy_chunk = 0;
+      ++copy_slot;
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kRingStages - 1; ++s) {
+    if (s < count) {
+      issue(ring[s]);
+    } else {
+      gg::cp_async_commit();  // an empty group: the waits count groups
+    }
+  }
   // Launched as a programmatic dependent of the gate/up kernel (mxfp4_mma_down): everything above read only the
-  // routing (written before gate/up started); the act rows below are gate/up's.
+  // routing (written before gate/up started) and the weights; the act rows below are gate/up's.
   pdl_wait();
   pdl_trigger();
-  int slot = chunks > 0 ? begin / chunks : 0, chunk = begin - slot * chunks;
-  // The current expert's rows, activation row and weights, recomputed only when the slot changes.
-  int rows_slot = -1, act_row = -1;
-  TileRows rows{};
-  const T* act = nullptr;
-  float2 slot_weight = make_float2(0.0f, 0.0f);
-  auto load = [&](GroupOperands(&op)[kChunk], float2& weight) {
-    if (slot != rows_slot) {  // a warp's range may begin inside an expert: start at its chunk
-      rows_slot = slot;
-      rows = tile_rows(p.down, list.expert[slot], row0, t, chunk * kChunk);
-      act_row = g < p.tokens ? list.act_row[slot][g] : -1;
-      act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols +
-            static_cast<int64_t>(chunk) * kChunk * kGroup + 8 * t;
-      slot_weight = make_float2(list.weight[slot][2 * t], list.weight[slot][2 * t + 1]);
-    }
-    // Zeros for a token that does not name the expert: its weight is 0 there, and 0 * inf would be NaN.
-    const bool active = act_row >= 0;
-    if (chunk + 1 < chunks || groups % kChunk == 0) {  // a whole chunk, from the pointers' immediate offsets
-      load_whole_chunk(op, rows);
+
+  // The activations' cursor, one item ahead of the MMAs. Zeros for a token that does not name the expert (its
+  // weight is 0 there, and 0 * inf would be NaN) and past K.
+  int x_slot = first_slot, x_chunk = first_chunk;
+  auto load_x = [&](uint4(&x)[kChunk]) {
+    const int act_row = g < p.tokens ? list.act_row[x_slot][g] : -1;
+    const T* act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols +
+                   static_cast<int64_t>(x_chunk) * kChunk * kGroup + 8 * t;
 #pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        op[j].x = active ? *reinterpret_cast<const uint4*>(act + j * kGroup) : uint4{0, 0, 0, 0};
-      }
-    } else {
-      const int64_t left = groups - static_cast<int64_t>(chunk) * kChunk;
-      load_chunk(op, rows, 0, left);
-      load_x_chunk(op, act - 8 * t, active, 0, left, t);
+    for (int j = 0; j < kChunk; ++j) {
+      x[j] = act_row >= 0 && x_chunk * kChunk + j < groups ? *reinterpret_cast<const uint4*>(act + j * kGroup)
+                                                           : uint4{0, 0, 0, 0};
     }
-    advance(rows, kChunk);
-    act += kChunk * kGroup;
-    weight = slot_weight;
-    if (++chunk == chunks) {  // the next item
+    if (++x_chunk == chunks) {
+      x_chunk = 0;
+      ++x_slot;
+    }
+  };
+  uint4 x_next[kChunk];
+  if (count > 0) load_x(x_next);
+
+  // The MMAs' cursor. The scale byte of (row, group q) sits at byte (address & 3) of its word (32-bit arithmetic
+  // keeps the address mod 4).
+  int slot = first_slot, chunk = first_chunk;
+  const uint32_t scales_base = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p.down.scales));
+  const uint32_t row_lo = static_cast<uint32_t>(min(tile_row0 + g, rows - 1)),
+                 row_hi = static_cast<uint32_t>(min(tile_row0 + g + 8, rows - 1));
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int i = 0; i < count; ++i) {
+    // Stage (i + kRingStages - 1) % kRingStages was read in iteration i - 1 (the __syncwarp at its end).
+    if (i + kRingStages - 1 < count) {
+      issue(ring[(i + kRingStages - 1) % kRingStages]);
+    } else {
+      gg::cp_async_commit();
+    }
+    uint4 x[kChunk];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) x[j] = x_next[j];
+    if (i + 1 < count) load_x(x_next);
+    const uint32_t expert_row = static_cast<uint32_t>(list.expert[slot]) * static_cast<uint32_t>(rows);
+    const uint32_t shift_lo = scales_base + (expert_row + row_lo) * static_cast<uint32_t>(groups),
+                   shift_hi = scales_base + (expert_row + row_hi) * static_cast<uint32_t>(groups);
+    const float weight_even = list.weight[slot][2 * t], weight_odd = list.weight[slot][2 * t + 1];
+    gg::cp_async_wait<kRingStages - 1>();  // this lane's copies of item i have landed
+    __syncwarp();                          // and every lane's
+    const DownStage& stage = ring[i % kRingStages];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const uint32_t q = static_cast<uint32_t>(chunk * kChunk + j);
+      GroupOperands op;
+      op.x = x[j];
+      op.code_lo = *reinterpret_cast<const uint32_t*>(&stage.codes[g * kRingRowStride + j * 16 + 4 * t]);
+      op.code_hi = *reinterpret_cast<const uint32_t*>(&stage.codes[(g + 8) * kRingRowStride + j * 16 + 4 * t]);
+      op.scale_lo = (stage.scale_words[g][j] >> (8 * ((shift_lo + q) & 3u))) & 0xffu;
+      op.scale_hi = (stage.scale_words[g + 8][j] >> (8 * ((shift_hi + q) & 3u))) & 0xffu;
+      group_mma<T>(acc, op, weight_even, weight_odd);
+    }
+    __syncwarp();  // every lane has read the stage before iteration i + 1 refills it
+    if (++chunk == chunks) {
       chunk = 0;
       ++slot;
     }
-  };
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  auto compute = [&](const GroupOperands(&op)[kChunk], float2 weight) {
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) group_mma<T>(acc, op[j], weight.x, weight.y);
-  };
-  GroupOperands a[kChunk], b[kChunk];
-  float2 weight_a = make_float2(0.0f, 0.0f), weight_b = weight_a;
-  int item = begin;
-  if (item < end) load(a, weight_a);
-  for (; item < end; item += 2) {
-    if (item + 1 < end) load(b, weight_b);
-    compute(a, weight_a);
-    if (item + 1 >= end) break;
-    if (item + 2 < end) load(a, weight_a);
-    compute(b, weight_b);
   }
   for (int i = 0; i < 4; ++i) partial[warp][i][lane] = acc[i];
   cluster_barrier(split);
@@ -626,7 +598,7 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
   const int64_t tiles = (call.down.rows + kTileRows - 1) / kTileRows;
   LATENTMOE_CHECK((call.down.cols / kGroup + kChunk - 1) / kChunk <= INT_MAX / kMaxPairs,
                   "MXFP4 down: ", call.down.cols, " columns exceed the kernel's 32-bit work count");
-  const size_t shared = static_cast<size_t>(call.num_experts) * sizeof(int);
+  const size_t shared = kDownRingBytes + static_cast<size_t>(call.num_experts) * sizeof(int);
   auto launch = [&](auto kernel) {
     open_shared(kernel, shared);
     // Clusters of up to 8 CTAs share a tile (sm_90 and later): the most that still run in one wave, so that no
