@@ -27,17 +27,15 @@
 //   weighted by the routing weight of each token (summed over the pairs by which a token names the
 //   expert), and the cluster's partial sums are added in a fixed order through distributed shared
 //   memory.
-// Copies: each warp streams its weights (codes and the aligned words holding their scale bytes) through its own
-//   cp.async ring of kRingStages chunks in shared memory, kRingStages - 1 chunks ahead of its MMAs (no barrier
-//   but __syncwarp: nobody reads another warp's stages); the activations come through registers one chunk ahead.
-//   Before the rings (session 17) each warp held one chunk in registers, ~1 KB in flight, and the kernels reached
-//   46% (gate/up) and 20-42% (down) of DRAM bandwidth (ncu, H100, Kimi-K3 tp-shard 8 at 1 and 8 tokens).
 // The down kernel is a programmatic dependent of gate/up (pdl.cuh): gate/up triggers at once, so down's CTAs start
-// in gate/up's last wave, build their expert list and ask for their first weights there, and wait for gate/up only
-// before they read its act rows. So mxfp4_mma_down must follow the gate/up kernel of the same call on its stream
-// with nothing in between that writes the routing (mxfp4_decode.h).
+// in gate/up's last wave and build their expert list there, and wait for gate/up only before they read its act
+// rows. So mxfp4_mma_down must follow the gate/up kernel of the same call on its stream with nothing in between
+// that writes the routing (mxfp4_decode.h).
 //
-// Speed: docs/MXFP4.md.
+// Speed (docs/MXFP4.md): bound by the DRAM round trip of each warp's chunk (ncu on an H100, Kimi-K3 tp-shard 8:
+// gate/up 46-57% and down 20-42% of DRAM bandwidth at 1-8 tokens, under one eligible warp per scheduler). Measured
+// and taken out (session 17): a bulk L2 prefetch of each CTA's whole share when it starts (slower at 4-8 tokens) and
+// per-warp cp.async rings of 4 chunks for the codes and scale words (no faster in the layer, gate/up slower alone).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -53,7 +51,6 @@
 #include "cuda/common/matrix.h"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/pdl.cuh"
-#include "cuda/gemm/grouped_gemm_mma.cuh"  // cp.async copies
 #include "cuda/gemm/mxfp4_decode_mma.h"
 #include "cuda/gemm/mxfp4_device.cuh"
 #include "latentmoe/error.h"
@@ -77,10 +74,6 @@ constexpr int kMinCtasPerSm = 3;
 // with ncu on nemotron3-super at 8 tokens (docs/MXFP4.md): at 70 registers (3 CTAs) it ran 23% slower than at
 // 62 (4 CTAs).
 constexpr int kMinCtasPerSmUngated = 4;
-// The down kernel: 4 CTAs per SM (at most 64 registers). With 3 (76 registers), Kimi-K3's 224 output tiles in
-// clusters of 2 made 448 CTAs, 1.13 waves on an H100: the last 52 CTAs ran alone, and down took 18 µs at one
-// token for an 11 MB read (ncu, session 17; mxfp4_mma_down sizes the clusters to one wave).
-constexpr int kMinCtasPerSmDown = 4;
 
 // One lane's share of one scale group: the code words of rows g and g + 8, their scale bytes, and the
 // 8 activation values of token g (zero for a token beyond the call's or one that does not take part).
@@ -89,6 +82,15 @@ struct GroupOperands {
   uint32_t scale_lo = 0, scale_hi = 0;
   uint4 x = {0, 0, 0, 0};
 };
+
+// Through L1 (no-allocate would send each 32-byte sector's second half, the next group's bytes, back
+// to L2 for another request): a warp's consecutive groups of one row share sectors. A 128-byte L2
+// prefetch on the gate/up loads (which gained the rows kernel 13-22%) measured no change here (H100,
+// fc6ce31 against 5bb32e4, bench layer 1-8 tokens: the `split` warps of a tile already read 32 * split
+// consecutive bytes of each row together) and was taken out.
+__device__ __forceinline__ uint32_t load_u32(const uint8_t* address) {
+  return __ldg(reinterpret_cast<const unsigned int*>(address));
+}
 
 // The group's two MMAs on unscaled values, then the scale of each row, into acc (c0, c1: row g;
 // c2, c3: row g + 8; columns 2t, 2t + 1). factor_even / factor_odd multiply columns 2t / 2t + 1.
@@ -109,45 +111,101 @@ __device__ __forceinline__ void group_mma(float (&acc)[4], const GroupOperands& 
   acc[3] = fmaf(d[3], scale_hi * factor_odd, acc[3]);
 }
 
-// ---- gate/up -------------------------------------------------------------------------------------
-
-// The gate/up kernel's ring: each warp streams its tile's codes and scale words through kRingStages chunks of
-// shared memory (cp.async), so that it keeps ~4 KB of weights requested instead of the ~1 KB one chunk held in
-// registers (ncu on an H100 at one token, Kimi-K3 tp-shard 8: 46% of DRAM bandwidth, 0.85 eligible warps per
-// scheduler; registers capped the kernel at 3 CTAs per SM, so a register double buffer only halved the CTAs).
-constexpr int kRingStages = 4;
-// A row's kChunk * 16 code bytes of a chunk, padded by 16: the LDS.32 of rows g = 0..7 (stride 48 bytes) fall in
-// distinct banks.
-constexpr int kRingRowStride = kChunk * 16 + 16;
-template <bool kGated>
-struct GateUpStage {
-  static constexpr int kMats = kGated ? 2 : 1;  // [0] up, [1] gate
-  uint8_t codes[kMats][kTileRows * kRingRowStride];
-  uint32_t scale_words[kMats][kTileRows][kChunk];  // the aligned word holding each (row, group)'s scale byte
+// One lane's rows of a 16-row tile of one MXFP4 matrix: rows g and g + 8 of the expert whose first row
+// is row expert * rows, each clamped to the matrix's last row (a row past it is read but never stored: the
+// kernels store only rows < rows), so every load is unconditional; their code bytes 4t .. 4t + 3 of
+// group 0 and their scale bytes of group 0.
+struct TileRows {
+  const uint8_t* code_lo;
+  const uint8_t* code_hi;
+  const uint8_t* scale_lo;
+  const uint8_t* scale_hi;
 };
-template <bool kGated>
-constexpr size_t gate_up_ring_bytes() {
-  return static_cast<size_t>(kWarps) * kRingStages * sizeof(GateUpStage<kGated>);
+
+// Offsets inside one expert's matrix are 32-bit (the host checks rows * cols / 2 <= INT_MAX): the set-up
+// of the pointers before the loops is a few 32-bit products instead of ~130 instructions of 64-bit ones
+// (measured on nemotron3-super's two-chunk relu2 loop, docs/MXFP4.md). `first_group`: where the pointers start.
+__device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int expert, int row0, int t, int first_group) {
+  const int rows = static_cast<int>(m.rows), groups = static_cast<int>(m.cols / kGroup),
+            row_bytes = groups * (kGroup / 2);
+  const int lo = min(row0, rows - 1), hi = min(row0 + 8, rows - 1);
+  const int64_t expert_row = static_cast<int64_t>(expert) * rows;  // the one 64-bit product
+  const uint8_t* codes = m.packed + expert_row * row_bytes + first_group * (kGroup / 2) + 4 * t;
+  const uint8_t* scales = m.scales + expert_row * groups + first_group;
+  return TileRows{codes + lo * row_bytes, codes + hi * row_bytes, scales + lo * groups, scales + hi * groups};
 }
+
+// Codes and scales of groups q0 .. q0 + kChunk - 1. A whole chunk (the rule: q0 is warp-uniform) loads
+// from immediate offsets with no test; the last, partial one reads its missing groups as zero codes.
+__device__ __forceinline__ void load_chunk(GroupOperands (&op)[kChunk], const TileRows& r, int64_t q0, int64_t groups) {
+  if (q0 + kChunk <= groups) {
+    const uint8_t* code_lo = r.code_lo + q0 * (kGroup / 2);
+    const uint8_t* code_hi = r.code_hi + q0 * (kGroup / 2);
+    const uint8_t* scale_lo = r.scale_lo + q0;
+    const uint8_t* scale_hi = r.scale_hi + q0;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      op[j].code_lo = load_u32(code_lo + j * (kGroup / 2));
+      op[j].code_hi = load_u32(code_hi + j * (kGroup / 2));
+      op[j].scale_lo = __ldg(scale_lo + j);
+      op[j].scale_hi = __ldg(scale_hi + j);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+    const bool valid = q0 + j < groups;
+    op[j].code_lo = valid ? load_u32(r.code_lo + (q0 + j) * (kGroup / 2)) : 0u;
+    op[j].code_hi = valid ? load_u32(r.code_hi + (q0 + j) * (kGroup / 2)) : 0u;
+    op[j].scale_lo = valid ? __ldg(r.scale_lo + q0 + j) : 0u;
+    op[j].scale_hi = valid ? __ldg(r.scale_hi + q0 + j) : 0u;
+  }
+}
+
+// Moves every pointer of `r` on by `groups` scale groups.
+__device__ __forceinline__ void advance(TileRows& r, int64_t groups) {
+  r.code_lo += groups * (kGroup / 2);
+  r.code_hi += groups * (kGroup / 2);
+  r.scale_lo += groups;
+  r.scale_hi += groups;
+}
+
+// Codes and scales of the kChunk groups `r` points at (all of them inside the matrix), from immediate offsets.
+__device__ __forceinline__ void load_whole_chunk(GroupOperands (&op)[kChunk], const TileRows& r) {
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+    op[j].code_lo = load_u32(r.code_lo + j * (kGroup / 2));
+    op[j].code_hi = load_u32(r.code_hi + j * (kGroup / 2));
+    op[j].scale_lo = __ldg(r.scale_lo + j);
+    op[j].scale_hi = __ldg(r.scale_hi + j);
+  }
+}
+
+// The activation values of chunk q0 for this lane's token (zero when it takes no part, and past the
+// groups).
+template <class T>
+__device__ __forceinline__ void load_x_chunk(GroupOperands (&op)[kChunk], const T* row, bool active, int64_t q0,
+                                             int64_t groups, int t) {
+  const bool whole = q0 + kChunk <= groups;
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+    op[j].x = active && (whole || q0 + j < groups) ? *reinterpret_cast<const uint4*>(row + (q0 + j) * kGroup + 8 * t)
+                                                   : uint4{0, 0, 0, 0};
+  }
+}
+
+// ---- gate/up -------------------------------------------------------------------------------------
 
 // kSplit: the warps that split one tile's K (8: the whole CTA on one tile, the groups of K spread over its
 // warps; 1: each warp one tile over all of K). A CTA covers kWarps / kSplit consecutive tiles. Fewer warps per
 // tile amortise each warp's pointer set-up and the CTA's routing prologue over more groups, where the call has
 // enough (tile, pair) units to fill the GPU without splitting K (choose_gate_up_split).
-// Warp `part` of a tile takes the chunks part, part + kSplit, ... (chunk c: groups kChunk c ..; the kSplit warps
-// of a tile read consecutive sectors of each row together); each chunk's codes and scale words come through the
-// warp's ring (kRingStages - 1 chunks ahead; lane l copies row l / 2's 16 code bytes and scale word of group
-// kChunk c + l % 2 for each matrix), its activations through registers one chunk ahead. Groups past K (a last,
-// partial chunk) are zero-filled codes, scale bytes and activations.
 template <class T, bool kGated, int kSplit>
 __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPerSmUngated)
     mxfp4_mma_gate_up_kernel(Mxfp4GateUpCall p) {
   static_assert(kSplit >= 1 && kWarps % kSplit == 0);
   constexpr int kTilesPerCta = kWarps / kSplit;
-  using Stage = GateUpStage<kGated>;
-  constexpr int kMats = Stage::kMats;
-  extern __shared__ __align__(16) uint8_t ring_bytes[];  // [kWarps][kRingStages] stages
-  __shared__ int act_row[kMaxTokens];                    // per token: the pair whose act row it writes, or -1
+  __shared__ int act_row[kMaxTokens];  // per token: the pair whose act row it writes, or -1
   __shared__ float partial[kWarps][2][4][32];
   // Never launched as a dependent (pdl.cuh, 3.): the down kernel after it may start as soon as every CTA of this
   // one is running, and build its expert lists in this kernel's last wave.
@@ -167,104 +225,53 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int part = warp % kSplit;  // this warp's share of K
   const int first_tile = static_cast<int>(blockIdx.x) * kTilesPerCta;
-  const int tile_row0 = (first_tile + warp / kSplit) * kTileRows;
-  const int rows = static_cast<int>(p.up.rows), groups = static_cast<int>(p.up.cols / kGroup);  // 32-bit: host checks
-  const int row_bytes = groups * (kGroup / 2);
-  const int chunks = (groups + kChunk - 1) / kChunk;
-  const int my_chunks = part < chunks ? (chunks - part + kSplit - 1) / kSplit : 0;
-  Stage* ring = reinterpret_cast<Stage*>(ring_bytes) + warp * kRingStages;
-
-  // This lane's copies: row copy_row of the tile (clamped to the matrix: a tile past it stores nothing), group
-  // kChunk c + half of chunk c.
-  const int copy_row = lane / 2, half = lane % 2;
-  const uint8_t* code_src[kMats];
-  const uint8_t* scale_src[kMats];
-  const int64_t expert_row = static_cast<int64_t>(expert) * rows + min(tile_row0 + copy_row, rows - 1);
-#pragma unroll
-  for (int m = 0; m < kMats; ++m) {
-    const Mxfp4Matrices& mat = m == 0 ? p.up : p.gate;
-    code_src[m] = mat.packed + expert_row * row_bytes + half * 16;
-    scale_src[m] = mat.scales + expert_row * groups + half;
-  }
-  auto issue = [&](int chunk, Stage& stage) {
-    const int q = chunk * kChunk;  // the chunk's first group; this lane's is q + half
-    const bool valid = q + half < groups;
-#pragma unroll
-    for (int m = 0; m < kMats; ++m) {
-      gg::cp_async_16(gg::smem_u32(&stage.codes[m][copy_row * kRingRowStride + half * 16]),
-                      code_src[m] + (valid ? q * 16 : 0), valid);
-      const uintptr_t scale = reinterpret_cast<uintptr_t>(scale_src[m] + (valid ? q : 0));
-      gg::cp_async_4(gg::smem_u32(&stage.scale_words[m][copy_row][half]),
-                     reinterpret_cast<const void*>(scale & ~uintptr_t{3}), valid);
-    }
-    gg::cp_async_commit();
-  };
-
-  // The scale byte of (row, group q) sits at byte (address & 3) of its word; the rows' addresses mod 4 are fixed.
-  int scale_shift_base[2][kMats];
-#pragma unroll
-  for (int m = 0; m < kMats; ++m) {
-    const Mxfp4Matrices& mat = m == 0 ? p.up : p.gate;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = static_cast<int64_t>(expert) * rows + min(tile_row0 + g + 8 * h, rows - 1);
-      scale_shift_base[h][m] = static_cast<int>(reinterpret_cast<uintptr_t>(mat.scales + row * groups) & 3);
-    }
-  }
+  // A tile past the matrix (the last CTA's) reads clamped rows (tile_rows) and stores nothing.
+  const int row0 = (first_tile + warp / kSplit) * kTileRows + g;
+  const int groups = static_cast<int>(p.up.cols / kGroup);  // 32-bit: check_expert_offsets
   // Only the tokens that name the expert read their activations (the others' MMA columns are zeros and
   // never stored): reading every token's row measured 6-7% slower on Nemotron's relu2 experts, whose
   // activation rows are as many bytes as the tile's codes.
   const bool token_active = g < p.tokens && act_row[g] != INT_MAX;
   const T* z_row = static_cast<const T*>(p.z) + (token_active ? g * p.ld_z : 0) + 8 * t;
-  auto load_x = [&](int chunk, uint4(&x)[kChunk]) {
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      const int q = chunk * kChunk + j;
-      x[j] = token_active && q < groups ? *reinterpret_cast<const uint4*>(z_row + q * kGroup) : uint4{0, 0, 0, 0};
-    }
-  };
-
+  TileRows up_rows = tile_rows(p.up, expert, row0, t, part * kChunk);
+  TileRows gate_rows = kGated ? tile_rows(p.gate, expert, row0, t, part * kChunk) : up_rows;
   float up[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gate[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int s = 0; s < kRingStages - 1; ++s) {
-    if (s < my_chunks) {
-      issue(part + s * kSplit, ring[s]);
-    } else {
-      gg::cp_async_commit();  // an empty group: the wait below counts groups
-    }
-  }
-  uint4 x_next[kChunk];
-  if (my_chunks > 0) load_x(part, x_next);
-  for (int i = 0; i < my_chunks; ++i) {
-    const int chunk = part + i * kSplit;
-    // Stage (i + kRingStages - 1) % kRingStages was read in iteration i - 1 (the __syncwarp at its end).
-    if (i + kRingStages - 1 < my_chunks) {
-      issue(chunk + (kRingStages - 1) * kSplit, ring[(i + kRingStages - 1) % kRingStages]);
-    } else {
-      gg::cp_async_commit();
-    }
-    uint4 x[kChunk];
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) x[j] = x_next[j];
-    if (i + 1 < my_chunks) load_x(chunk + kSplit, x_next);
-    gg::cp_async_wait<kRingStages - 1>();  // this lane's copies of chunk i have landed
-    __syncwarp();                          // and every lane's
-    const Stage& stage = ring[i % kRingStages];
+  // Chunks of kChunk consecutive groups per warp (chunk c: groups kChunk c ..; the lanes of a row read
+  // whole sectors), one at a time: double-buffering them measured nothing (221b153) and its registers
+  // kept the kernel at 2 CTAs per SM (kMinCtasPerSm). The whole chunks walk pointers that advance by a
+  // constant (no 64-bit address arithmetic per load); a last, partial chunk is taken after the loop.
+  const int whole_chunks = groups / kChunk;
+  constexpr int kStrideGroups = kSplit * kChunk;
+  const T* z_chunk = z_row + part * kChunk * kGroup;
+  GroupOperands u[kChunk], v[kChunk];
+  auto compute = [&] {  // the chunk in u (and v), both matrices against u's activations
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      const int q = chunk * kChunk + j;
-      GroupOperands op;
-      op.x = x[j];
-#pragma unroll
-      for (int m = 0; m < kMats; ++m) {
-        op.code_lo = *reinterpret_cast<const uint32_t*>(&stage.codes[m][g * kRingRowStride + j * 16 + 4 * t]);
-        op.code_hi = *reinterpret_cast<const uint32_t*>(&stage.codes[m][(g + 8) * kRingRowStride + j * 16 + 4 * t]);
-        op.scale_lo = (stage.scale_words[m][g][j] >> (8 * ((scale_shift_base[0][m] + q) & 3))) & 0xffu;
-        op.scale_hi = (stage.scale_words[m][g + 8][j] >> (8 * ((scale_shift_base[1][m] + q) & 3))) & 0xffu;
-        group_mma<T>(m == 0 ? up : gate, op, 1.0f, 1.0f);
+      group_mma<T>(up, u[j], 1.0f, 1.0f);
+      if constexpr (kGated) {
+        v[j].x = u[j].x;
+        group_mma<T>(gate, v[j], 1.0f, 1.0f);
       }
     }
-    __syncwarp();  // every lane has read the stage before iteration i + 1 refills it
+  };
+  for (int chunk = part; chunk < whole_chunks; chunk += kSplit) {
+    load_whole_chunk(u, up_rows);
+    if constexpr (kGated) load_whole_chunk(v, gate_rows);
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      u[j].x = token_active ? *reinterpret_cast<const uint4*>(z_chunk + j * kGroup) : uint4{0, 0, 0, 0};
+    }
+    compute();
+    advance(up_rows, kStrideGroups);
+    if constexpr (kGated) advance(gate_rows, kStrideGroups);
+    z_chunk += kStrideGroups * kGroup;
+  }
+  if (groups % kChunk != 0 && whole_chunks % kSplit == part) {  // the partial chunk: the pointers are there
+    const int left = groups - whole_chunks * kChunk;
+    load_chunk(u, up_rows, 0, left);
+    if constexpr (kGated) load_chunk(v, gate_rows, 0, left);
+    load_x_chunk(u, z_chunk - 8 * t, token_active, 0, left, t);
+    compute();
   }
   for (int i = 0; i < 4; ++i) {
     partial[warp][0][i][lane] = up[i];
@@ -301,8 +308,10 @@ struct ExpertList {
   int expert[kMaxPairs];
   int act_row[kMaxPairs][kMaxTokens];
   float weight[kMaxPairs][kMaxTokens];
-  int pair_id[kMaxPairs];        // the call's ids and weights, one load a thread: each token's pairs are then read
-  float pair_weight[kMaxPairs];  // from shared memory (a loop of top_k global loads took ~6 µs a CTA at one token)
+  // The call's ids and weights, one load a thread: each pair's walk over its token's top_k pairs below then reads
+  // shared memory instead of making top_k dependent global loads.
+  int pair_id[kMaxPairs];
+  float pair_weight[kMaxPairs];
 };
 
 // Built by every CTA from ids (one thread per pair); `first_pair` is shared scratch of num_experts ints.
@@ -355,142 +364,82 @@ __device__ void build_expert_list(const Mxfp4DownCall& p, ExpertList& list, int*
   __syncthreads();
 }
 
-// The down kernel's ring: as gate/up's (kRingStages chunks of one expert's 16 tile rows a warp), one matrix.
-struct DownStage {
-  uint8_t codes[kTileRows * kRingRowStride];
-  uint32_t scale_words[kTileRows][kChunk];
-};
-constexpr size_t kDownRingBytes = static_cast<size_t>(kWarps) * kRingStages * sizeof(DownStage);
-
-// Work items (touched expert, chunk of kChunk consecutive groups) in expert-major order; each warp of the cluster
-// takes one contiguous range of them (so it walks an expert's chunks in order). Each item's codes and scale words
-// come through the warp's ring, kRingStages - 1 items ahead (lane l copies row l / 2's 16 code bytes and scale word
-// of group kChunk c + l % 2); the first kRingStages - 1 are asked for before the wait for gate/up (weights only).
-// The act rows come through registers one item ahead.
 template <class T>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSmDown) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
-  extern __shared__ __align__(16) uint8_t dynamic_bytes[];  // the ring, then first_pair [num_experts]
-  DownStage* const rings = reinterpret_cast<DownStage*>(dynamic_bytes);
-  int* const first_pair = reinterpret_cast<int*>(dynamic_bytes + kDownRingBytes);
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
+  extern __shared__ int first_pair[];  // [num_experts]
   __shared__ ExpertList list;
   __shared__ int slot_of_pair[kMaxPairs];
   __shared__ float partial[kWarps][4][32];
   build_expert_list(p, list, first_pair, slot_of_pair);
 
   const int rank = static_cast<int>(blockIdx.x) % split;
-  const int tile = static_cast<int>(blockIdx.x) / split;
+  const int64_t tile = blockIdx.x / split;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int tile_row0 = tile * kTileRows;
-  const int rows = static_cast<int>(p.down.rows), groups = static_cast<int>(p.down.cols / kGroup);  // host checks
-  const int row_bytes = groups * (kGroup / 2);
-  const int chunks = (groups + kChunk - 1) / kChunk;
+  const int row0 = static_cast<int>(tile) * kTileRows + g;
+  const int64_t groups = p.down.cols / kGroup;
+  // Work items (touched expert, chunk of kChunk consecutive groups) in expert-major order; each warp of
+  // the cluster takes one contiguous range of them (so it walks an expert's chunks in order, one division
+  // per warp), double-buffered (78 registers, within kMinCtasPerSm's budget).
+  const int chunks = static_cast<int>((groups + kChunk - 1) / kChunk);
   const int items = list.count * chunks;  // 32-bit: count <= 256 pairs, chunks <= INT_MAX / 256 (host check)
   const int warps_total = split * kWarps;
   const int per_warp = (items + warps_total - 1) / warps_total;
   const int begin = min(items, (rank * kWarps + warp) * per_warp), end = min(items, begin + per_warp);
-  const int count = end - begin;
-  DownStage* const ring = rings + warp * kRingStages;
-
-  // The copies' cursor, kRingStages - 1 items ahead of the MMAs; the lane's source rows, set per expert.
-  const int copy_row = lane / 2, half = lane % 2;
-  const int first_slot = chunks > 0 ? begin / chunks : 0, first_chunk = begin - first_slot * chunks;
-  int copy_slot = first_slot, copy_chunk = first_chunk, source_slot = -1;
-  const uint8_t* code_src = nullptr;
-  const uint8_t* scale_src = nullptr;
-  auto issue = [&](DownStage& stage) {
-    if (copy_slot != source_slot) {
-      source_slot = copy_slot;
-      const int64_t row = static_cast<int64_t>(list.expert[copy_slot]) * rows + min(tile_row0 + copy_row, rows - 1);
-      code_src = p.down.packed + row * row_bytes + half * 16;
-      scale_src = p.down.scales + row * groups + half;
-    }
-    const int q = copy_chunk * kChunk;
-    const bool valid = q + half < groups;
-    gg::cp_async_16(gg::smem_u32(&stage.codes[copy_row * kRingRowStride + half * 16]), code_src + (valid ? q * 16 : 0),
-                    valid);
-    const uintptr_t scale = reinterpret_cast<uintptr_t>(scale_src + (valid ? q : 0));
-    gg::cp_async_4(gg::smem_u32(&stage.scale_words[copy_row][half]),
-                   reinterpret_cast<const void*>(scale & ~uintptr_t{3}), valid);
-    gg::cp_async_commit();
-    if (++copy_chunk == chunks) {
-      copy_chunk = 0;
-      ++copy_slot;
-    }
-  };
-#pragma unroll
-  for (int s = 0; s < kRingStages - 1; ++s) {
-    if (s < count) {
-      issue(ring[s]);
-    } else {
-      gg::cp_async_commit();  // an empty group: the waits count groups
-    }
-  }
   // Launched as a programmatic dependent of the gate/up kernel (mxfp4_mma_down): everything above read only the
-  // routing (written before gate/up started) and the weights; the act rows below are gate/up's.
+  // routing (written before gate/up started); the act rows below are gate/up's.
   pdl_wait();
   pdl_trigger();
-
-  // The activations' cursor, one item ahead of the MMAs. Zeros for a token that does not name the expert (its
-  // weight is 0 there, and 0 * inf would be NaN) and past K.
-  int x_slot = first_slot, x_chunk = first_chunk;
-  auto load_x = [&](uint4(&x)[kChunk]) {
-    const int act_row = g < p.tokens ? list.act_row[x_slot][g] : -1;
-    const T* act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols +
-                   static_cast<int64_t>(x_chunk) * kChunk * kGroup + 8 * t;
+  int slot = chunks > 0 ? begin / chunks : 0, chunk = begin - slot * chunks;
+  // The current expert's rows, activation row and weights, recomputed only when the slot changes.
+  int rows_slot = -1, act_row = -1;
+  TileRows rows{};
+  const T* act = nullptr;
+  float2 slot_weight = make_float2(0.0f, 0.0f);
+  auto load = [&](GroupOperands(&op)[kChunk], float2& weight) {
+    if (slot != rows_slot) {  // a warp's range may begin inside an expert: start at its chunk
+      rows_slot = slot;
+      rows = tile_rows(p.down, list.expert[slot], row0, t, chunk * kChunk);
+      act_row = g < p.tokens ? list.act_row[slot][g] : -1;
+      act = static_cast<const T*>(p.act) + static_cast<int64_t>(act_row < 0 ? 0 : act_row) * p.down.cols +
+            static_cast<int64_t>(chunk) * kChunk * kGroup + 8 * t;
+      slot_weight = make_float2(list.weight[slot][2 * t], list.weight[slot][2 * t + 1]);
+    }
+    // Zeros for a token that does not name the expert: its weight is 0 there, and 0 * inf would be NaN.
+    const bool active = act_row >= 0;
+    if (chunk + 1 < chunks || groups % kChunk == 0) {  // a whole chunk, from the pointers' immediate offsets
+      load_whole_chunk(op, rows);
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      x[j] = act_row >= 0 && x_chunk * kChunk + j < groups ? *reinterpret_cast<const uint4*>(act + j * kGroup)
-                                                           : uint4{0, 0, 0, 0};
-    }
-    if (++x_chunk == chunks) {
-      x_chunk = 0;
-      ++x_slot;
-    }
-  };
-  uint4 x_next[kChunk];
-  if (count > 0) load_x(x_next);
-
-  // The MMAs' cursor. The scale byte of (row, group q) sits at byte (address & 3) of its word (32-bit arithmetic
-  // keeps the address mod 4).
-  int slot = first_slot, chunk = first_chunk;
-  const uint32_t scales_base = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p.down.scales));
-  const uint32_t row_lo = static_cast<uint32_t>(min(tile_row0 + g, rows - 1)),
-                 row_hi = static_cast<uint32_t>(min(tile_row0 + g + 8, rows - 1));
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int i = 0; i < count; ++i) {
-    // Stage (i + kRingStages - 1) % kRingStages was read in iteration i - 1 (the __syncwarp at its end).
-    if (i + kRingStages - 1 < count) {
-      issue(ring[(i + kRingStages - 1) % kRingStages]);
+      for (int j = 0; j < kChunk; ++j) {
+        op[j].x = active ? *reinterpret_cast<const uint4*>(act + j * kGroup) : uint4{0, 0, 0, 0};
+      }
     } else {
-      gg::cp_async_commit();
+      const int64_t left = groups - static_cast<int64_t>(chunk) * kChunk;
+      load_chunk(op, rows, 0, left);
+      load_x_chunk(op, act - 8 * t, active, 0, left, t);
     }
-    uint4 x[kChunk];
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) x[j] = x_next[j];
-    if (i + 1 < count) load_x(x_next);
-    const uint32_t expert_row = static_cast<uint32_t>(list.expert[slot]) * static_cast<uint32_t>(rows);
-    const uint32_t shift_lo = scales_base + (expert_row + row_lo) * static_cast<uint32_t>(groups),
-                   shift_hi = scales_base + (expert_row + row_hi) * static_cast<uint32_t>(groups);
-    const float weight_even = list.weight[slot][2 * t], weight_odd = list.weight[slot][2 * t + 1];
-    gg::cp_async_wait<kRingStages - 1>();  // this lane's copies of item i have landed
-    __syncwarp();                          // and every lane's
-    const DownStage& stage = ring[i % kRingStages];
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      const uint32_t q = static_cast<uint32_t>(chunk * kChunk + j);
-      GroupOperands op;
-      op.x = x[j];
-      op.code_lo = *reinterpret_cast<const uint32_t*>(&stage.codes[g * kRingRowStride + j * 16 + 4 * t]);
-      op.code_hi = *reinterpret_cast<const uint32_t*>(&stage.codes[(g + 8) * kRingRowStride + j * 16 + 4 * t]);
-      op.scale_lo = (stage.scale_words[g][j] >> (8 * ((shift_lo + q) & 3u))) & 0xffu;
-      op.scale_hi = (stage.scale_words[g + 8][j] >> (8 * ((shift_hi + q) & 3u))) & 0xffu;
-      group_mma<T>(acc, op, weight_even, weight_odd);
-    }
-    __syncwarp();  // every lane has read the stage before iteration i + 1 refills it
-    if (++chunk == chunks) {
+    advance(rows, kChunk);
+    act += kChunk * kGroup;
+    weight = slot_weight;
+    if (++chunk == chunks) {  // the next item
       chunk = 0;
       ++slot;
     }
+  };
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  auto compute = [&](const GroupOperands(&op)[kChunk], float2 weight) {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) group_mma<T>(acc, op[j], weight.x, weight.y);
+  };
+  GroupOperands a[kChunk], b[kChunk];
+  float2 weight_a = make_float2(0.0f, 0.0f), weight_b = weight_a;
+  int item = begin;
+  if (item < end) load(a, weight_a);
+  for (; item < end; item += 2) {
+    if (item + 1 < end) load(b, weight_b);
+    compute(a, weight_a);
+    if (item + 1 >= end) break;
+    if (item + 2 < end) load(a, weight_a);
+    compute(b, weight_b);
   }
   for (int i = 0; i < 4; ++i) partial[warp][i][lane] = acc[i];
   cluster_barrier(split);
@@ -566,17 +515,12 @@ void mxfp4_mma_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream) {
   const int split = choose_gate_up_split(call.warps_per_tile, tiles, pairs, call.up.cols / kGroup, gated);
   const int64_t tiles_per_cta = kWarps / split;
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_cta - 1) / tiles_per_cta), static_cast<unsigned>(pairs));
+  auto launch = [&](auto kernel) {
+    launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), 0, stream, call);
+  };
   auto launch_split = [&](auto type, auto gated_constant) {
     using T = decltype(type);
     constexpr bool kGated = decltype(gated_constant)::value;
-    auto launch = [&](auto kernel) {
-      constexpr size_t ring = gate_up_ring_bytes<kGated>();
-      if (ring > 48 * 1024) {
-        LATENTMOE_CUDA_CHECK(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(ring)));
-      }
-      launch_kernel("mxfp4_mma_gate_up_kernel", false, kernel, grid, dim3(kThreads), ring, stream, call);
-    };
     if (split == 1) {
       launch(mxfp4_mma_gate_up_kernel<T, kGated, 1>);
     } else if (split == 2) {
@@ -598,11 +542,15 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
   const int64_t tiles = (call.down.rows + kTileRows - 1) / kTileRows;
   LATENTMOE_CHECK((call.down.cols / kGroup + kChunk - 1) / kChunk <= INT_MAX / kMaxPairs,
                   "MXFP4 down: ", call.down.cols, " columns exceed the kernel's 32-bit work count");
-  const size_t shared = kDownRingBytes + static_cast<size_t>(call.num_experts) * sizeof(int);
+  const size_t shared = static_cast<size_t>(call.num_experts) * sizeof(int);
   auto launch = [&](auto kernel) {
     open_shared(kernel, shared);
     // Clusters of up to 8 CTAs share a tile (sm_90 and later): the most that still run in one wave, so that no
-    // last partial wave runs alone (at 1.13 waves the down kernel took twice its one-wave time, session 17).
+    // last partial wave runs alone. Before (session 17) the clusters gave at least two CTAs per SM: Kimi-K3's 224
+    // tiles in pairs, 448 CTAs at 3 per SM, 1.13 waves on an H100 (ncu: 18 µs at one token for an 11 MB read).
+    // Measured on an H100 with the programmatic launch (bench layer alternating, graph, Kimi-K3 tp-shard 8, 224
+    // CTAs now): the layer 1-6% faster from 1 to 8 tokens; tp-shard 1 level at 1, 3% faster at 4, 3% slower at 8
+    // tokens (one run). At 4 CTAs per SM (64 registers, spilling; 448 CTAs in one wave) it was no faster.
     int split = 1;
     if (current_compute_capability() >= 90) {
       int per_sm = 0;
