@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Summarises a trace of scripts/gpu_clock_trace.sh: for each case (its log's start and end time), the
 samples nvidia-smi took meanwhile: SM clock (median, 5th and 95th percentile), power (median, max),
-and the share of samples with the software power cap or a thermal or hardware slowdown active.
+and the share of samples with the software power cap or a thermal or hardware slowdown active; then the
+same over the case's loaded samples only (power at least half the case's maximum), since a case's window
+also holds the benchmark's set-up.
 
   python3 scripts/clock_trace_summary.py TRACE_DIR   (clock_trace.csv and trace_*.log in it)
 """
@@ -69,14 +71,16 @@ def main():
         if not window:
             print(f"  {name:34s} no samples between {start} and {end}")
             continue
-        sm = [r["sm"] for r in window]
-        power = [r["power"] for r in window]
-        capped = sum(1 for r in window if r["reasons"] & SW_POWER_CAP) / len(window)
-        slowed = sum(1 for r in window if r["reasons"] & (HW_SLOWDOWN | SW_THERMAL | HW_THERMAL | HW_POWER_BRAKE))
-        print(f"  {name:34s} {len(window):7d}  {percentile(sm, 0.05):6.0f} {statistics.median(sm):5.0f} "
-              f"{percentile(sm, 0.95):5.0f}     {statistics.median(power):6.1f} {max(power):6.1f}     "
-              f"{100 * capped:8.1f}%   {100 * slowed / len(window):6.1f}%")
-
+        top = max(r["power"] for r in window)
+        loaded = [r for r in window if r["power"] >= 0.5 * top]
+        for label, part in ((name, window), (name + " (loaded)", loaded)):
+            sm = [r["sm"] for r in part]
+            power = [r["power"] for r in part]
+            capped = sum(1 for r in part if r["reasons"] & SW_POWER_CAP) / len(part)
+            slowed = sum(1 for r in part if r["reasons"] & (HW_SLOWDOWN | SW_THERMAL | HW_THERMAL | HW_POWER_BRAKE))
+            print(f"  {label:34s} {len(part):7d}  {percentile(sm, 0.05):6.0f} {statistics.median(sm):5.0f} "
+                  f"{percentile(sm, 0.95):5.0f}     {statistics.median(power):6.1f} {max(power):6.1f}     "
+                  f"{100 * capped:8.1f}%   {100 * slowed / len(part):6.1f}%")
 
 if __name__ == "__main__":
     main()

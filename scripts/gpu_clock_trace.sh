@@ -2,7 +2,7 @@
 # Samples the GPU's SM clock, memory clock, power and clock-event reasons every 20 ms while the layer
 # benchmark runs one long row per case (each phase repeated --iterations times back to back), so the
 # clock the expert GEMMs actually ran at can be read off the trace. Writes $OUT/clock_trace.csv and
-# one log per case with its start and end timestamps.
+# one log per case with its start and end timestamps; scripts/clock_trace_summary.py OUT_DIR summarises them.
 #   scripts/gpu_clock_trace.sh BIN_DIR ITERATIONS "preset:tp:tokens ..."
 # The GPU scripts' preamble (bin, out, environment), with this script's own second and third arguments.
 source "$(dirname "$0")/gpu_script_env.sh" "$1" "" ""
