@@ -187,7 +187,19 @@ def main():
             w_d = torch.empty(p["experts"], p["latent"], ir, dtype=torch.bfloat16, device="cuda")
             w_d.uniform_(-1 / ir**0.5, 1 / ir**0.5)
             for tokens in [int(t) for t in args.tokens.split(",")]:
-                r = run_row(preset_name, p, tp, tokens, (w_gu, w_d), copy_bw, gemm_rate, gen)
+                try:
+                    r = run_row(preset_name, p, tp, tokens, (w_gu, w_d), copy_bw, gemm_rate, gen)
+                except torch.OutOfMemoryError:
+                    r = None
+                if r is None:
+                    # A row that does not fit this GPU (Kimi-K3's tp-shard 1 at 8192 tokens on 80 GB) is recorded
+                    # as such, its tensors freed (outside the except block, whose traceback holds them), and the
+                    # rows after it still run.
+                    torch.cuda.empty_cache()
+                    rows.append(dict(preset=preset_name, tp_shard=tp, tokens=tokens, error="out of GPU memory"))
+                    write_json(args.json, copy_bw, gemm_rate, rows)
+                    print(f"  {preset_name:16s} {tp:3d} {tokens:6d} skipped: out of GPU memory", flush=True)
+                    continue
                 rows.append(r)
                 write_json(args.json, copy_bw, gemm_rate, rows)
                 g = r["gate_up"].get("time_us", float("nan"))
