@@ -165,15 +165,15 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
   // Hopper, more than 96 rows per touched expert: the tall wgmma tiles (up to 256 rows, an expert's weights
   // read once) where they measured faster than the 96-row tiles (H200, 4096 and 8192 tokens,
   // bench/results/grouped_gemm_tall_aabf667.json): relu2's gate/up (Nemotron: 2-18 %) and a down
-  // projection into a latent of 2048 or more (Kimi: 8-10 %). Gated gate/up (Kimi: 3-5 % slower) and
-  // Nemotron's 1024-wide down (even at 4096, 1-12 % slower at 8192) keep the 96-row tiles.
+  // projection into a latent of 2048 or more (Kimi: 8-10 %). Gated gate/up (Kimi: 3-5 % slower) keeps the
+  // 96-row tiles; Nemotron's 1024-wide down (1-12 % slower on wgmma_tall at 8192 then) is the next rule's.
   if (mean_rows > 96 && wgmma_available() && (down ? latent >= 2048 : !gated)) return GemmVariant::wgmma_tall;
   // A down projection into a narrower latent (Nemotron's 1024) while one 256-row tile holds an expert's rows: the
   // tall tiles too, measured on an H100 (session 17, grouped_gemm_bench alternating, bench/results/
   // issue32_h100_1c0245b.json): with a short reduction (I_r <= 1024: Nemotron tp-shard 8, 336) the persistent
   // warp-specialised ones, 8%, 15% and 18% faster than the 96-row tiles at 44, 88 and 176 rows per expert (1024,
-  // 2048, 4096 tokens; 25% slower at 11 rows, level at 352); with a long one (tp-shard 1, 2688) wgmma_tall, 18% faster
-  // at 176 rows (the warp-specialised 12% slower than it; level at 88 rows, 4% slower at 352).
+  // 2048, 4096 tokens; 22% slower at 11 rows, level at 352); with a long one (tp-shard 1, 2688) wgmma_tall, 18% faster
+  // at 176 rows (the warp-specialised 7% slower than it; level at 88 rows, 4% slower at 352).
   if (down && latent < 2048 && mean_rows <= 256 && wgmma_available()) {
     if (intermediate <= 1024 && mean_rows > 32) return GemmVariant::wgmma_ws_tall;
     if (intermediate > 1024 && mean_rows > 96) return GemmVariant::wgmma_tall;
