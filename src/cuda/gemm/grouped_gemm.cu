@@ -162,6 +162,20 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
     const int64_t ctas = touched * ((intermediate + cols - 1) / cols);
     return ctas <= 9 * current_sm_count() ? GemmVariant::mma_s_k128 : GemmVariant::mma_s_wide;
   }
+  // Hopper, experts larger than the tiles below hold: the persistent warp-specialised kernel's 160-row tiles
+  // (wgmma_ws: 160 expert rows against 256 weight rows), where the 96- or 256-row tiles split an expert and read its
+  // weights once per tile. Measured on an H100 (session 18, grouped_gemm_bench, bench/results/
+  // issue32_h100_s18.json): gated gate/up above 96 rows (Kimi-K3 at 8192 tokens, 146 rows: tp-shard 8 2811 against
+  // 3100-3197 µs on wgmma, tp-shard 1 21476 against 26469; at 73 rows, 4096 tokens, 13% slower than wgmma); relu2's
+  // gate/up above 256 rows (Nemotron at 8192, 352: 582 against 618, tp-shard 1 3642 against 3912; 15% slower at 176
+  // rows); a down projection with a short reduction (I_r <= 1024) above one tile of the kernel it would take: 96 rows
+  // into a latent of 2048+ (Kimi-K3 tp-shard 8 at 8192: 1581 against wgmma_tall's 1828), 256 rows into a narrower
+  // one (Nemotron tp-shard 8 at 8192: 526 against wgmma's 631). Long reductions keep the kernels below (Nemotron
+  // tp-shard 1 down at 8192: 3403 against wgmma's 3322; Kimi-K3 tp-shard 1's down not measured).
+  if (wgmma_available()) {
+    if (!down && mean_rows > (gated ? 96 : 256)) return GemmVariant::wgmma_ws;
+    if (down && intermediate <= 1024 && mean_rows > (latent >= 2048 ? 96 : 256)) return GemmVariant::wgmma_ws;
+  }
   // Hopper, more than 96 rows per touched expert: the tall wgmma tiles (up to 256 rows, an expert's weights
   // read once) where they measured faster than the 96-row tiles (H200, 4096 and 8192 tokens,
   // bench/results/grouped_gemm_tall_aabf667.json): relu2's gate/up (Nemotron: 2-18 %) and a down

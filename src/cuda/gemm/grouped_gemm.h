@@ -90,7 +90,7 @@ enum class GemmVariant {
   wgmma_tall,     // sm_90a only: the same with tiles of up to 256 expert rows against 128 weight rows
   wgmma_narrow,   // sm_90a only: tiles of up to 96 expert rows against 128 weight rows, two CTAs per SM
   wgmma_ws,       // sm_90a only: persistent and warp-specialised (a TMA/cp.async producer warpgroup, two wgmma
-                  // consumer warpgroups, an mbarrier ring), tiles of up to 128 expert rows against 256 weight rows;
+                  // consumer warpgroups, an mbarrier ring), tiles of up to 160 expert rows against 256 weight rows;
                   // GemmChoice::n_tiles_per_cta > 0 asks for at least that many tiles per CTA (a smaller grid)
   wgmma_ws_tall,  // sm_90a only: wgmma_ws with tiles of up to 256 expert rows against 128 weight rows (an expert of
                   // up to 256 rows reads its weights once; n-tiles of 128 weight rows)

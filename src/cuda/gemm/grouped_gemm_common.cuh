@@ -75,6 +75,7 @@ struct TileInfo {
   int expert;
   int row_begin;
   int row_end;
+  int expert_rows;  // all of the expert's rows: more than block_m, and several m-tiles read its weights
 };
 
 // The m-tiles of all experts are numbered expert by expert: expert e owns ceil(rows_e / block_m) of
@@ -133,6 +134,7 @@ __device__ __forceinline__ bool find_tile(const int32_t* __restrict__ offsets, i
             s_tile->expert = e0 + i;
             s_tile->row_begin = off[i] + (entry - p) * block_m;
             s_tile->row_end = min(off[i + 1], s_tile->row_begin + block_m);
+            s_tile->expert_rows = off[i + 1] - off[i];
           }
           p += count;
         }

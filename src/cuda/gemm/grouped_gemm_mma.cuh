@@ -82,6 +82,15 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
+// The weights of an expert whose rows span several m-tiles are read by each of those tiles' CTAs, which the
+// grids run side by side (the m-tiles of one expert are numbered consecutively): at normal priority, so that
+// the L2 still holds them when the sibling tile asks, instead of a second read from DRAM.
+__device__ __forceinline__ uint64_t weight_policy_for(int expert_rows, int block_m) {
+  if (expert_rows <= block_m) return evict_first_policy();
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 __device__ __forceinline__ void cp_async_16_stream(uint32_t dst, const void* src, bool valid, uint64_t policy) {
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
@@ -220,7 +229,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   if constexpr (kPush) {
     // Dense: m-tile `entry` of the one matrix of dense_rows rows.
     found = entry * kBM < args.dense_rows;
-    if (threadIdx.x == 0) s_tile = TileInfo{0, entry * kBM, min(args.dense_rows, (entry + 1) * kBM)};
+    if (threadIdx.x == 0) s_tile = TileInfo{0, entry * kBM, min(args.dense_rows, (entry + 1) * kBM), args.dense_rows};
     __syncthreads();
   } else {
     found = find_tile<kThreads>(args.expert_offsets, args.num_experts, kBM, entry, &s_tile, s_scan);
@@ -267,7 +276,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_mma_ke
   const int b_k_offset = b_chunk * 8;
   const uint32_t s_a_u32 = smem_u32(s_a);
   const uint32_t s_b_u32 = smem_u32(s_b);
-  const uint64_t weight_policy = evict_first_policy();
+  const uint64_t weight_policy = weight_policy_for(s_tile.expert_rows, kBM);
 
   // MXFP4 (the file comment): this thread's scale groups of the B tile, copied raw, decoded later.
   const uint8_t* c_gate_or_w = nullptr;

@@ -24,11 +24,11 @@
 // Pipeline. kStages shared-memory stages of [weight rows][64 k] and [kBlockM rows][64 k], 128-byte rows
 // in the canonical 128B-swizzle layout (16-byte chunk c of row r at r*128 + ((c ^ (r & 7)) * 16), 1024-byte
 // aligned 8-row atoms: what the wgmma descriptors below describe). Every thread copies (cp.async, the
-// weights evict-first in L2 with 256-byte fetches, the rows gathered through sorted_pairs, zero-filled past
-// the edges) and every warpgroup computes. Per step: wait for the step's copies, fence.proxy.async (the
-// copies are generic-proxy writes, wgmma reads through the async proxy), barrier; issue the step's
-// wgmmas; wait for the previous step's (wgmma.wait_group 1), barrier; then the copies of
-// step + kStages - 1 go into the stage the previous step read, while this step's wgmmas run.
+// weights evict-first in L2 with 256-byte fetches, or normal where an expert's rows span several tiles:
+// weight_policy_for; the rows gathered through sorted_pairs, zero-filled past the edges) and every warpgroup computes.
+// Per step: wait for the step's copies, fence.proxy.async (the copies are generic-proxy writes, wgmma reads through the
+// async proxy), barrier; issue the step's wgmmas; wait for the previous step's (wgmma.wait_group 1), barrier; then the
+// copies of step + kStages - 1 go into the stage the previous step read, while this step's wgmmas run.
 //
 // N is a compile-time constant of the instruction: the warpgroups dispatch (CTA-uniform) among
 // m64n{8..kBlockM}k16. The epilogue pairs lanes (shfl.xor 4) so that each thread stores two consecutive
@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_wgmma_
   const int chunk = tid % kChunks;
   const int row0 = tid / kChunks;
   const uint32_t copy_offset = row0 * kRowBytes + ((chunk ^ (row0 & 7)) << 4);
-  const uint64_t weight_policy = evict_first_policy();
+  const uint64_t weight_policy = weight_policy_for(s_tile.expert_rows, Cfg::kBlockM);
 
   // Tile row r of n-tile nt: its output column, and whether it is an up row (gated).
   auto weight_row = [&](int nt, int r, bool* up) { return wgmma_weight_row<kGated, kBlocks, kOutPerTile>(nt, r, up); };

@@ -8,9 +8,10 @@
 // (setmaxnreg.inc to consumer_regs: 128 * 56 + 256 * 224 = 64512 = 384 * 168, the registers the CTA starts with;
 // MXFP4 128 * 64 + 256 * 216 = 63488). A tile is up to kBlockM rows of one expert against kWeightRows weight rows,
 // in two shapes (WgmmaWsConfig; the same code):
-//   WgmmaWsCfg      (wgmma_ws)      128 rows x 256 weight rows: consumer c owns weight rows [128 c, 128 c + 128) as
+//   WgmmaWsCfg      (wgmma_ws)      160 rows x 256 weight rows: consumer c owns weight rows [128 c, 128 c + 128) as
 //                   two m64 blocks (gated: 64 gate rows and the 64 up rows of the same output columns; otherwise
-//                   128 consecutive rows), 2 x 64 accumulators per thread.
+//                   128 consecutive rows), 2 x 80 accumulators per thread. 160 rows hold Kimi-K3's experts at 8192
+//                   tokens (146 on average) in one tile, so that their weights are read once (at 128 most took two).
 //   WgmmaWsTallCfg  (wgmma_ws_tall) 256 rows x 128 weight rows: consumer c owns weight rows [64 c, 64 c + 64) as one
 //                   m64 block (gated: rows 16 q .. 16 q + 7 the gate rows and 16 q + 8 .. 16 q + 15 the up rows of
 //                   the same 8 columns, as in the wgmma kernel's one-block shapes; otherwise 64 consecutive rows),
@@ -133,13 +134,13 @@ struct WgmmaWsConfig {
     return ring_bytes(mxfp4) + 1024 + ((num_experts + 1) * 4 + 15) / 16 * 16;
   }
   // setmaxnreg: the producer's and the consumers' registers per thread. The producer's tile look-ahead spilled at
-  // 40 (bf16) and, with MXFP4's decode and raw cursor, at 56; the consumers' 128 accumulators fit 216 and 224
-  // without spills (ptxas -v, CUDA 13.0).
+  // 40 (bf16) and, with MXFP4's decode and raw cursor, at 56; the consumers' 160 accumulators (wide) fit 224 without
+  // spills, and 216 (MXFP4) with 16 bytes in one instance (ptxas -v, CUDA 13.0).
   static constexpr int producer_regs(bool mxfp4) { return mxfp4 ? 64 : 56; }
   static constexpr int consumer_regs(bool mxfp4) { return mxfp4 ? 216 : 224; }
   static_assert(kBlockM <= kWgmmaMaxN && kBlockM % 16 == 0, "rows per tile: at most the largest N");
   static_assert(kBlocksPerWg == 1 || kBlocksPerWg == 2, "one or two m64 blocks per consumer");
-  static_assert(kBlocksPerWg * kAcc <= 128, "at most 128 accumulators per consumer thread");
+  static_assert(kBlocksPerWg * kAcc <= 160, "at most 160 accumulators per consumer thread");
   static_assert(kStageBytes % 1024 == 0 && kWeightBytes % 1024 == 0,
                 "swizzle atoms and TMA boxes must stay 1024-byte aligned");
   static_assert(kRawStageBytes % 16 == 0, "raw slots keep the 16-byte alignment of the code copies");
@@ -154,9 +155,9 @@ struct WgmmaWsConfig {
                 "the ring and the prefix must fit one SM's shared memory (beside the static barriers, tables and the "
                 "epilogue's 4 KB)");
 };
-// GemmVariant::wgmma_ws: up to 128 expert rows against 256 weight rows (each consumer two m64 blocks), 4 stages of
-// 48 KB (MXFP4: 3, and 4 raw slots of 10 KB).
-using WgmmaWsCfg = WgmmaWsConfig<128, 2, 4, 3>;
+// GemmVariant::wgmma_ws: up to 160 expert rows against 256 weight rows (each consumer two m64 blocks), 3 stages of
+// 52 KB (4 would not leave room for the prefix; MXFP4: 3, and 4 raw slots of 10 KB).
+using WgmmaWsCfg = WgmmaWsConfig<160, 2, 3, 3>;
 // GemmVariant::wgmma_ws_tall: up to 256 expert rows against 128 weight rows (each consumer one m64 block), 4 stages
 // of 48 KB (MXFP4: 3, and 4 raw slots of 5 KB): an expert of up to 256 rows reads its weights once, and the n-tiles
 // are 128 weight rows (64 output columns gated), so that N = 336 wastes 48 rows, not 176.
@@ -277,6 +278,7 @@ struct Tile {
   int row_begin;
   int rows;
   int nt;
+  int expert_rows;  // all of the expert's rows (more than kBlockM: other tiles read the same weights)
 };
 
 // A tile looked up but not resolved: its expert's offsets are loaded, and nothing is computed from them until
@@ -320,6 +322,7 @@ __device__ __forceinline__ Tile resolve_ws_tile(const TileRef& ref) {
   t.nt = ref.nt;
   t.row_begin = ref.begin + ref.first_row;
   t.rows = min(ref.end - t.row_begin, kBlockM);
+  t.expert_rows = ref.end - ref.begin;
   return t;
 }
 
@@ -539,7 +542,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     constexpr int kRowStep = Cfg::kProducerThreads / kChunks;  // 16: rows between one thread's copies
     constexpr int kXIters = Cfg::kBlockM / kRowStep;           // 8 or 16
     static_assert(kRowStep % 8 == 0, "a thread's rows must share their swizzle phase");
-    static_assert(Cfg::kBlockM % Cfg::kProducerThreads == 0, "the producer threads fill the source table evenly");
     // TMA boxes per stage (lanes 0.. of warp 0 issue one each) and their weight rows.
     constexpr int kBoxRows = Cfg::box_rows(kGated);
     constexpr int kBoxes = Cfg::kWeightRows / kBoxRows;  // 4, 2 or 16
@@ -548,13 +550,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int row0 = tid / kChunks;
     const uint32_t copy_offset = row0 * Cfg::kRowBytes + ((chunk ^ (row0 & 7)) << 4);
     const T* a_base = static_cast<const T*>(args.a);
-    uint64_t policy = 0;
     if constexpr (!kMxfp4) {
       if (tid == 0) {
         ws::prefetch_tensor_map(&map_w0);
         if constexpr (kGated) ws::prefetch_tensor_map(&map_w1);
       }
-      if (warp == 0) policy = evict_first_policy();  // the lanes that issue the TMA loads
     }
 
     // MXFP4: unit u = tid + i * kProducerThreads of a step is scale group u % 2 (32 k) of tile row u / 2, whose
@@ -647,9 +647,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 
     // Tile look-ahead: while tile i's k-steps are issued, the pair indices of tile i + 1 (this thread's
-    // kBlockM / 128 rows, loaded raw: nothing waits for them before tile i + 1) and the expert offsets of tile
+    // ceil(kBlockM / 128) rows, loaded raw: nothing waits for them before tile i + 1) and the expert offsets of tile
     // i + 2 (TileRef) are in flight, so the tile boundary waits on no global load.
-    constexpr int kSrcPerThread = Cfg::kBlockM / Cfg::kProducerThreads;
+    constexpr int kSrcPerThread = (Cfg::kBlockM + Cfg::kProducerThreads - 1) / Cfg::kProducerThreads;
     const int grid = gridDim.x;
     auto lookup = [&](int tile) {
       return ws::lookup_ws_tile<Cfg::kBlockM>(s_prefix, args.expert_offsets, num_experts, n_tiles, tile);
@@ -677,14 +677,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int tile = blockIdx.x; tile < num_tiles; tile += grid, ++tile_count) {
       const ws::Tile t = next;
       const int mma_n = (t.rows + 7) & ~7;
-      // The source row of each tile row (-1: past the tile's rows, zero-filled up to mma_n), kBlockM / 128 per
+      // The source row of each tile row (-1: past the tile's rows, zero-filled up to mma_n), ceil(kBlockM / 128) per
       // producer thread, double-buffered by tile: the named barrier publishes this tile's table to the producer
       // warpgroup, and a thread that passes it has finished reading the table of two tiles back (its k-loop precedes).
       int* const src = s_src + (tile_count & 1) * Cfg::kBlockM;
 #pragma unroll
       for (int i = 0; i < kSrcPerThread; ++i) {
         const int x = pair_next[i];
-        src[tid + i * Cfg::kProducerThreads] = x >= 0 && args.sorted_pairs != nullptr ? x / args.top_k : x;
+        if (tid + i * Cfg::kProducerThreads < Cfg::kBlockM) {
+          src[tid + i * Cfg::kProducerThreads] = x >= 0 && args.sorted_pairs != nullptr ? x / args.top_k : x;
+        }
       }
       asm volatile("bar.sync 1, %0;\n" ::"n"(Cfg::kProducerThreads) : "memory");
       if (tile + grid < num_tiles) {
@@ -709,8 +711,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             if (lane < kBoxes) {
               bool up;
               const int col = weight_row(t.nt, lane * kBoxRows, &up);
+              // The weights' L2 priority: evict-first, normal for an expert split over several row tiles
+              // (weight_policy_for; created here, where it is used: the producer has registers for little).
               ws::tma_load_2d(stage + lane * kBoxRows * Cfg::kRowBytes, up ? &map_w1 : &map_w0, kt * kBK,
-                              t.expert * n + col, full, policy);
+                              t.expert * n + col, full, weight_policy_for(t.expert_rows, Cfg::kBlockM));
             }
           }
         }
