@@ -755,6 +755,11 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 16, 896, 384, 3584), GemmVariant::wgmma_ws);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 16, 896, 3072, 3584), GemmVariant::wgmma_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 22, 512, 336, 1024), GemmVariant::wgmma_ws);
+    // Never for more experts than the persistent kernels take (their per-expert prefix in shared memory): 8192
+    // experts with 128 rows each keep wgmma, and a Nemotron-shaped down of 8192 experts the 96-row tiles.
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 65536, 16, 8192, 384, 3584), GemmVariant::wgmma);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 65536, 16, 8192, 384, 3584), GemmVariant::wgmma_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 32768, 22, 8192, 336, 1024), GemmVariant::wgmma);
   } else {
     EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
   }

@@ -172,7 +172,9 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
   // into a latent of 2048+ (Kimi-K3 tp-shard 8 at 8192: 1581 against wgmma_tall's 1828), 256 rows into a narrower
   // one (Nemotron tp-shard 8 at 8192: 526 against wgmma's 631). Long reductions keep the kernels below (Nemotron
   // tp-shard 1 down at 8192: 3403 against wgmma's 3322; Kimi-K3 tp-shard 1's down not measured).
-  if (wgmma_available()) {
+  // The persistent kernels take at most kWgmmaWsMaxExperts experts (more keep the other kernels, here and below).
+  const bool ws_ok = wgmma_available() && num_experts <= gg::kWgmmaWsMaxExperts;
+  if (ws_ok) {
     if (!down && mean_rows > (gated ? 96 : 256)) return GemmVariant::wgmma_ws;
     if (down && intermediate <= 1024 && mean_rows > (latent >= 2048 ? 96 : 256)) return GemmVariant::wgmma_ws;
   }
@@ -189,7 +191,7 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
   // 2048, 4096 tokens; 22% slower at 11 rows, level at 352); with a long one (tp-shard 1, 2688) wgmma_tall, 18% faster
   // at 176 rows (the warp-specialised 7% slower than it; level at 88 rows, 4% slower at 352).
   if (down && latent < 2048 && mean_rows <= 256 && wgmma_available()) {
-    if (intermediate <= 1024 && mean_rows > 32) return GemmVariant::wgmma_ws_tall;
+    if (intermediate <= 1024 && mean_rows > 32 && ws_ok) return GemmVariant::wgmma_ws_tall;
     if (intermediate > 1024 && mean_rows > 96) return GemmVariant::wgmma_tall;
   }
   // Hopper, at least 16 rows per touched expert and 384 output columns: the wgmma kernel (5-23 % faster

@@ -27,9 +27,12 @@ void launch_wgmma_mxfp4(DType dtype, WgmmaShape shape, Mode mode, KernelArgs arg
 
 // The tile shapes of the persistent, warp-specialised kernel (grouped_gemm_wgmma_ws.cuh).
 enum class WgmmaWsShape {
-  wide,  // up to 128 expert rows x 256 weight rows (GemmVariant::wgmma_ws)
+  wide,  // up to 160 expert rows x 256 weight rows (GemmVariant::wgmma_ws)
   tall,  // up to 256 expert rows x 128 weight rows (GemmVariant::wgmma_ws_tall)
 };
+// The most experts the persistent kernel takes (its per-expert prefix lives in shared memory): the automatic choice
+// takes it only up to this many.
+inline constexpr int kWgmmaWsMaxExperts = 4096;
 
 // The persistent, warp-specialised kernel (GemmVariant::wgmma_ws, wgmma_ws_tall; grouped_gemm_wgmma_ws.cu), bf16
 // or f16, the weights in the compute dtype (TMA loads) or MXFP4 (args.s0 set; decoded by the producer): one CTA per

@@ -126,7 +126,7 @@ struct WgmmaWsConfig {
   static constexpr int kRawStageBytes = kRawUnits * 20;         // 16 code bytes and a 4-byte scale word each
   static constexpr int kRawStages = 4;                          // raw copies run kRawStages - 1 steps ahead
   // The row-tile prefix over experts follows the ring (and the raw ring) in dynamic shared memory.
-  static constexpr int kMaxExperts = 4096;
+  static constexpr int kMaxExperts = kWgmmaWsMaxExperts;  // grouped_gemm_wgmma_launch.cuh
   static constexpr int ring_bytes(bool mxfp4) {
     return mxfp4 ? kStagesMxfp4 * kStageBytes + kRawStages * kRawStageBytes : kStages * kStageBytes;
   }
