@@ -82,5 +82,6 @@ def main():
                   f"{percentile(sm, 0.95):5.0f}     {statistics.median(power):6.1f} {max(power):6.1f}     "
                   f"{100 * capped:8.1f}%   {100 * slowed / len(part):6.1f}%")
 
+
 if __name__ == "__main__":
     main()
