@@ -3,6 +3,7 @@
 // wide shape (the tall shape's in grouped_gemm_wgmma_ws_tall.cu, MXFP4's in grouped_gemm_wgmma_ws_mxfp4.cu).
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
 
+#include <cstdint>
 #include <mutex>
 
 #include "cuda/gemm/grouped_gemm_wgmma_launch.cuh"
@@ -83,7 +84,12 @@ void launch_wgmma_ws(DType dtype, WgmmaWsShape shape, Mode mode, const KernelArg
                   "grouped GEMM (wgmma_ws): the weights are not 16-byte aligned");
   LATENTMOE_CHECK(mode != Mode::gated || (args.w1 != nullptr && (!mxfp4 || args.s1 != nullptr)),
                   "grouped GEMM (wgmma_ws): the gated mode's up weights are missing");
-  static_assert(WgmmaWsCfg::kMaxExperts == WgmmaWsTallCfg::kMaxExperts, "one expert bound for both shapes");
+  // The producer keeps where each of its rows starts in A in 16-byte units, as an int (grouped_gemm_wgmma_ws.cuh).
+  LATENTMOE_CHECK(launch.max_rows * (args.k / 8) <= INT32_MAX, "grouped GEMM (wgmma_ws): ", launch.max_rows,
+                  " rows of ", args.k, " elements are more than this kernel addresses (2^31 16-byte units)");
+  static_assert(
+      WgmmaWsCfg::kMaxExperts == WgmmaWsTallCfg::kMaxExperts && WgmmaWsCfg::kMaxExperts == WgmmaWsMxfp4Cfg::kMaxExperts,
+      "one expert bound for every shape");
   if (mxfp4) {
     launch_wgmma_ws_mxfp4(dtype, shape, mode, args, launch, stream);
   } else if (shape == WgmmaWsShape::tall) {

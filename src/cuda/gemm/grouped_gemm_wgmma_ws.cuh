@@ -133,11 +133,13 @@ struct WgmmaWsConfig {
   static constexpr int smem_bytes(bool mxfp4, int num_experts) {
     return ring_bytes(mxfp4) + 1024 + ((num_experts + 1) * 4 + 15) / 16 * 16;
   }
-  // setmaxnreg: the producer's and the consumers' registers per thread. The producer's tile look-ahead spilled at
-  // 40 (bf16) and, with MXFP4's decode and raw cursor, at 56; the consumers' 160 accumulators (wide) fit 224 without
-  // spills, and 216 (MXFP4) with 16 bytes in one instance (ptxas -v, CUDA 13.0).
-  static constexpr int producer_regs(bool mxfp4) { return mxfp4 ? 64 : 56; }
-  static constexpr int consumer_regs(bool mxfp4) { return mxfp4 ? 216 : 224; }
+  // setmaxnreg: the producer's and the consumers' registers per thread, no spills in any instance (ptxas -v, CUDA
+  // 13.0). The producer's tile look-ahead spilled at 40 (bf16) and, with MXFP4's decode and raw cursor, at 56; the
+  // consumers' 160 accumulators (wide, bf16) fit 224.
+  // The producer's per-tile row addresses (row_unit) took 8 more in the tall shape (gated: 16 TMA boxes a stage) and
+  // with MXFP4, whose consumers hold 128 accumulators in 208.
+  static constexpr int producer_regs(bool mxfp4) { return mxfp4 || kBlocksPerWg == 1 ? (mxfp4 ? 72 : 64) : 56; }
+  static constexpr int consumer_regs(bool mxfp4) { return mxfp4 || kBlocksPerWg == 1 ? (mxfp4 ? 208 : 216) : 224; }
   static_assert(kBlockM <= kWgmmaMaxN && kBlockM % 16 == 0, "rows per tile: at most the largest N");
   static_assert(kBlocksPerWg == 1 || kBlocksPerWg == 2, "one or two m64 blocks per consumer");
   static_assert(kBlocksPerWg * kAcc <= 160, "at most 160 accumulators per consumer thread");
@@ -158,6 +160,9 @@ struct WgmmaWsConfig {
 // GemmVariant::wgmma_ws: up to 160 expert rows against 256 weight rows (each consumer two m64 blocks), 3 stages of
 // 52 KB (4 would not leave room for the prefix; MXFP4: 3, and 4 raw slots of 10 KB).
 using WgmmaWsCfg = WgmmaWsConfig<160, 2, 3, 3>;
+// The same with MXFP4 weights: 128 expert rows (160 accumulators spilled beside the decode's registers), 3 stages of
+// 48 KB and 4 raw slots of 10 KB.
+using WgmmaWsMxfp4Cfg = WgmmaWsConfig<128, 2, 4, 3>;
 // GemmVariant::wgmma_ws_tall: up to 256 expert rows against 128 weight rows (each consumer one m64 block), 4 stages
 // of 48 KB (MXFP4: 3, and 4 raw slots of 5 KB): an expert of up to 256 rows reads its weights once, and the n-tiles
 // are 128 weight rows (64 output columns gated), so that N = 336 wastes 48 rows, not 176.
@@ -538,17 +543,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // ---------------------------------------------------------------- producer
     ws::setmaxnreg_dec<Cfg::producer_regs(kMxfp4)>();
     const int num_tiles = tile_count_of_cta();
-    constexpr int kChunks = kBK / 8;                           // 16-byte chunks per 128-byte row
-    constexpr int kRowStep = Cfg::kProducerThreads / kChunks;  // 16: rows between one thread's copies
-    constexpr int kXIters = Cfg::kBlockM / kRowStep;           // 8 or 16
+    // Row copies: a thread copies 16-byte chunks c and c + 4 of rows row0, row0 + kRowStep, ... (two chunks a row,
+    // so that it keeps half as many rows' addresses: row_unit below).
+    constexpr int kThreadsPerRow = kBK / 8 / 2;                       // 4
+    constexpr int kRowStep = Cfg::kProducerThreads / kThreadsPerRow;  // 32: rows between one thread's copies
+    constexpr int kXIters = Cfg::kBlockM / kRowStep;                  // 5 or 8
     static_assert(kRowStep % 8 == 0, "a thread's rows must share their swizzle phase");
+    static_assert(Cfg::kBlockM % kRowStep == 0, "whole rounds of row copies");
     // TMA boxes per stage (lanes 0.. of warp 0 issue one each) and their weight rows.
     constexpr int kBoxRows = Cfg::box_rows(kGated);
     constexpr int kBoxes = Cfg::kWeightRows / kBoxRows;  // 4, 2 or 16
     static_assert(kBoxes <= 32 && Cfg::kWeightRows % kBoxRows == 0, "one lane of warp 0 per box");
-    const int chunk = tid % kChunks;
-    const int row0 = tid / kChunks;
+    const int chunk = tid % kThreadsPerRow;
+    const int row0 = tid / kThreadsPerRow;
     const uint32_t copy_offset = row0 * Cfg::kRowBytes + ((chunk ^ (row0 & 7)) << 4);
+    const uint32_t copy_offset_hi = row0 * Cfg::kRowBytes + (((chunk + 4) ^ (row0 & 7)) << 4);
     const T* a_base = static_cast<const T*>(args.a);
     if constexpr (!kMxfp4) {
       if (tid == 0) {
@@ -689,6 +698,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
       asm volatile("bar.sync 1, %0;\n" ::"n"(Cfg::kProducerThreads) : "memory");
+      // This thread's rows of the tile (row0 + j kRowStep), read once per tile: where each starts in A, in 16-byte
+      // units (-1: zero-filled). Kept in registers, so that a k-step's copies are an add, a select and the copy each
+      // (with the table read and a 64-bit multiply per copy, the producer issued ~28 instructions a copy and fed its
+      // consumers too slowly: ncu, Nemotron tp-shard 8 at 4096 tokens, session 18).
+      int row_unit[kXIters];
+#pragma unroll
+      for (int j = 0; j < kXIters; ++j) {
+        const int x = src[row0 + j * kRowStep];
+        row_unit[j] = x >= 0 ? x * (k / 8) : -1;
+      }
       if (tile + grid < num_tiles) {
         next = ws::resolve_ws_tile<Cfg::kBlockM>(ref);  // its offsets were loaded during the tile before
         load_pairs(next);
@@ -718,16 +737,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             }
           }
         }
-        const int kc = kt * kBK + chunk * 8;
-        const uint32_t dst = stage + Cfg::kWeightBytes + copy_offset;
+        const int kc = kt * kBK + chunk * 8;  // chunk + 4: kc + 32 (k is a multiple of 8: a chunk is in or out)
+        const bool k_ok = kc < k;
+        const bool k_ok_hi = kc + 32 < k;
+        const unsigned char* const a_bytes = reinterpret_cast<const unsigned char*>(a_base);
+        const uint32_t dst = stage + Cfg::kWeightBytes;
 #pragma unroll
         for (int j = 0; j < kXIters; ++j) {
-          const int r = row0 + j * kRowStep;
-          if (r < mma_n) {
-            const int x = src[r];
-            const bool ok = kc < k && x >= 0;
-            cp_async_16(dst + j * kRowStep * Cfg::kRowBytes, ok ? a_base + static_cast<size_t>(x) * k + kc : a_base,
-                        ok);
+          // Rows past the tile's are zero-filled (row_unit -1) up to mma_n; past mma_n nothing reads them, so whole
+          // rounds past it are skipped (a CTA-uniform test). The chunk's 16-byte unit is a 32-bit add a step (an
+          // address computed per row once per tile would take two registers a row).
+          if (j * kRowStep < mma_n) {
+            const bool row_ok = row_unit[j] >= 0;
+            const uint32_t unit = static_cast<uint32_t>(row_ok ? row_unit[j] : 0) + static_cast<uint32_t>(kc / 8);
+            const unsigned char* const src_row = a_bytes + static_cast<size_t>(unit) * 16;
+            const uint32_t dst_row = dst + j * kRowStep * Cfg::kRowBytes;
+            cp_async_16(dst_row + copy_offset, row_ok && k_ok ? src_row : a_bytes, row_ok && k_ok);
+            cp_async_16(dst_row + copy_offset_hi, row_ok && k_ok_hi ? src_row + 64 : a_bytes, row_ok && k_ok_hi);
           }
         }
         // Counts when this thread's row copies (and every earlier cp.async of it, MXFP4's raw copies of the steps

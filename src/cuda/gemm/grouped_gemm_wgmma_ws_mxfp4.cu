@@ -14,9 +14,9 @@ void launch_wgmma_ws_mxfp4(DType dtype, WgmmaWsShape shape, Mode mode, const Ker
       launch_wgmma_ws_typed<__half, WgmmaWsTallCfg, true>(dtype, mode, args, launch, stream);
     }
   } else if (dtype == DType::bf16) {
-    launch_wgmma_ws_typed<__nv_bfloat16, WgmmaWsCfg, true>(dtype, mode, args, launch, stream);
+    launch_wgmma_ws_typed<__nv_bfloat16, WgmmaWsMxfp4Cfg, true>(dtype, mode, args, launch, stream);
   } else {
-    launch_wgmma_ws_typed<__half, WgmmaWsCfg, true>(dtype, mode, args, launch, stream);
+    launch_wgmma_ws_typed<__half, WgmmaWsMxfp4Cfg, true>(dtype, mode, args, launch, stream);
   }
 }
 
