@@ -135,30 +135,16 @@ __device__ __forceinline__ TileRows tile_rows(const Mxfp4Matrices& m, int expert
   return TileRows{codes + lo * row_bytes, codes + hi * row_bytes, scales + lo * groups, scales + hi * groups};
 }
 
-// Codes and scales of groups q0 .. q0 + kChunk - 1. A whole chunk (the rule: q0 is warp-uniform) loads
-// from immediate offsets with no test; the last, partial one reads its missing groups as zero codes.
-__device__ __forceinline__ void load_chunk(GroupOperands (&op)[kChunk], const TileRows& r, int64_t q0, int64_t groups) {
-  if (q0 + kChunk <= groups) {
-    const uint8_t* code_lo = r.code_lo + q0 * (kGroup / 2);
-    const uint8_t* code_hi = r.code_hi + q0 * (kGroup / 2);
-    const uint8_t* scale_lo = r.scale_lo + q0;
-    const uint8_t* scale_hi = r.scale_hi + q0;
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      op[j].code_lo = load_u32(code_lo + j * (kGroup / 2));
-      op[j].code_hi = load_u32(code_hi + j * (kGroup / 2));
-      op[j].scale_lo = __ldg(scale_lo + j);
-      op[j].scale_hi = __ldg(scale_hi + j);
-    }
-    return;
-  }
+// Codes and scales of the last, partial chunk: its first `left` (< kChunk) groups from where `r` points, the
+// missing ones as zero codes.
+__device__ __forceinline__ void load_partial_chunk(GroupOperands (&op)[kChunk], const TileRows& r, int64_t left) {
 #pragma unroll
   for (int j = 0; j < kChunk; ++j) {
-    const bool valid = q0 + j < groups;
-    op[j].code_lo = valid ? load_u32(r.code_lo + (q0 + j) * (kGroup / 2)) : 0u;
-    op[j].code_hi = valid ? load_u32(r.code_hi + (q0 + j) * (kGroup / 2)) : 0u;
-    op[j].scale_lo = valid ? __ldg(r.scale_lo + q0 + j) : 0u;
-    op[j].scale_hi = valid ? __ldg(r.scale_hi + q0 + j) : 0u;
+    const bool valid = j < left;
+    op[j].code_lo = valid ? load_u32(r.code_lo + j * (kGroup / 2)) : 0u;
+    op[j].code_hi = valid ? load_u32(r.code_hi + j * (kGroup / 2)) : 0u;
+    op[j].scale_lo = valid ? __ldg(r.scale_lo + j) : 0u;
+    op[j].scale_hi = valid ? __ldg(r.scale_hi + j) : 0u;
   }
 }
 
@@ -181,16 +167,14 @@ __device__ __forceinline__ void load_whole_chunk(GroupOperands (&op)[kChunk], co
   }
 }
 
-// The activation values of chunk q0 for this lane's token (zero when it takes no part, and past the
-// groups).
+// The activation values of the last, partial chunk for this lane's token: its first `left` (< kChunk) groups
+// from `row` (zero when the lane's token takes no part, and past the groups).
 template <class T>
-__device__ __forceinline__ void load_x_chunk(GroupOperands (&op)[kChunk], const T* row, bool active, int64_t q0,
-                                             int64_t groups, int t) {
-  const bool whole = q0 + kChunk <= groups;
+__device__ __forceinline__ void load_partial_x_chunk(GroupOperands (&op)[kChunk], const T* row, bool active,
+                                                     int64_t left, int t) {
 #pragma unroll
   for (int j = 0; j < kChunk; ++j) {
-    op[j].x = active && (whole || q0 + j < groups) ? *reinterpret_cast<const uint4*>(row + (q0 + j) * kGroup + 8 * t)
-                                                   : uint4{0, 0, 0, 0};
+    op[j].x = active && j < left ? *reinterpret_cast<const uint4*>(row + j * kGroup + 8 * t) : uint4{0, 0, 0, 0};
   }
 }
 
@@ -268,9 +252,9 @@ __global__ void __launch_bounds__(kThreads, kGated ? kMinCtasPerSm : kMinCtasPer
   }
   if (groups % kChunk != 0 && whole_chunks % kSplit == part) {  // the partial chunk: the pointers are there
     const int left = groups - whole_chunks * kChunk;
-    load_chunk(u, up_rows, 0, left);
-    if constexpr (kGated) load_chunk(v, gate_rows, 0, left);
-    load_x_chunk(u, z_chunk - 8 * t, token_active, 0, left, t);
+    load_partial_chunk(u, up_rows, left);
+    if constexpr (kGated) load_partial_chunk(v, gate_rows, left);
+    load_partial_x_chunk(u, z_chunk - 8 * t, token_active, left, t);
     compute();
   }
   for (int i = 0; i < 4; ++i) {
@@ -414,8 +398,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel
       }
     } else {
       const int64_t left = groups - static_cast<int64_t>(chunk) * kChunk;
-      load_chunk(op, rows, 0, left);
-      load_x_chunk(op, act - 8 * t, active, 0, left, t);
+      load_partial_chunk(op, rows, left);
+      load_partial_x_chunk(op, act - 8 * t, active, left, t);
     }
     advance(rows, kChunk);
     act += kChunk * kGroup;
