@@ -40,7 +40,10 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <climits>
+#include <cstdint>
 #include <type_traits>
 
 #include "cuda/common/activation.cuh"
@@ -452,6 +455,28 @@ void open_shared(Kernel kernel, size_t bytes) {
   }
 }
 
+// Resident CTAs per SM of `kernel` with `shared` dynamic bytes on the current device, queried once per (device,
+// instance) and again only when `shared` (the model's expert count) changes: the down launcher asks on every decode
+// step, and the occupancy query is a driver call. Tag names the instance (its pointer type is the other instance's).
+template <class Tag, class Kernel>
+int ctas_per_sm(Kernel kernel, size_t shared) {
+  static std::array<std::atomic<uint64_t>, 64> cache{};  // per device: shared << 32 | (CTAs per SM + 1), 0 unset
+  int device = 0;
+  LATENTMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const bool cacheable = device >= 0 && device < static_cast<int>(cache.size()) && shared <= UINT32_MAX;
+  if (cacheable) {
+    const uint64_t entry = cache[device].load(std::memory_order_relaxed);
+    if ((entry & 0xFFFFFFFFu) != 0 && (entry >> 32) == shared) return static_cast<int>(entry & 0xFFFFFFFFu) - 1;
+  }
+  int per_sm = 0;
+  LATENTMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
+  if (cacheable) {
+    cache[device].store(static_cast<uint64_t>(shared) << 32 | static_cast<uint64_t>(per_sm + 1),
+                        std::memory_order_relaxed);
+  }
+  return per_sm;
+}
+
 // The gate/up kernel's warps per tile along K. With at least 64 groups of K (8 or more per warp at 8 warps a
 // tile) all 8: measured on an H100, Kimi-K3's gated experts (112 groups) ran 5-11% slower at tp-shard 1 with 1
 // or 2 warps a tile. Shorter K: the fewest of 1 and 2 whose warps ((tile, pair) units x split) still fill one
@@ -527,7 +552,7 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
   LATENTMOE_CHECK((call.down.cols / kGroup + kChunk - 1) / kChunk <= INT_MAX / kMaxPairs,
                   "MXFP4 down: ", call.down.cols, " columns exceed the kernel's 32-bit work count");
   const size_t shared = static_cast<size_t>(call.num_experts) * sizeof(int);
-  auto launch = [&](auto kernel) {
+  auto launch = [&](auto type, auto kernel) {
     open_shared(kernel, shared);
     // Clusters of up to 8 CTAs share a tile (sm_90 and later): the most that still run in one wave, so that no
     // last partial wave runs alone. Before (session 17) the clusters gave at least two CTAs per SM: Kimi-K3's 224
@@ -537,8 +562,7 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
     // tokens (one run). At 4 CTAs per SM (64 registers, spilling; 448 CTAs in one wave) it was no faster.
     int split = 1;
     if (current_compute_capability() >= 90) {
-      int per_sm = 0;
-      LATENTMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
+      const int per_sm = ctas_per_sm<decltype(type)>(kernel, shared);
       const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * current_sm_count();
       while (split < 8 && tiles * split * 2 <= resident) split *= 2;
     }
@@ -548,9 +572,9 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
   };
   check_expert_offsets(call.down, "down");
   if (call.dtype == DType::bf16) {
-    launch(mxfp4_mma_down_kernel<__nv_bfloat16>);
+    launch(__nv_bfloat16{}, mxfp4_mma_down_kernel<__nv_bfloat16>);
   } else {
-    launch(mxfp4_mma_down_kernel<__half>);
+    launch(__half{}, mxfp4_mma_down_kernel<__half>);
   }
 }
 
