@@ -731,35 +731,38 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
     EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 256, 16, 896, 384, 3584), GemmVariant::wgmma);
     EXPECT_NE(detail::choose_variant(DType::bf16, false, false, 1024, 22, 512, 336, 1024), GemmVariant::wgmma);
-    // More than 96 rows per touched expert (Nemotron at 4096 tokens: 176): the tall tiles for relu2's gate/up up to
-    // 256 rows.
-    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 4096, 22, 512, 336, 1024), GemmVariant::wgmma_tall);
-    // Nemotron's down (a latent of 1024): the warp-specialised tall tiles from 33 to 256 rows per expert with a
-    // short reduction (tp-shard 8: I_r 336), wgmma_tall from 97 to 256 with a long one (tp-shard 1: 2688), the
-    // 96-row tiles above 256 rows with a long one (8192 tokens: 352) and below 97 (mma.sync below 16 rows: 256
-    // tokens, 11).
+    // Nemotron (relu2, a latent of 1024): the warp-specialised tall tiles for the gate/up above 64 rows per expert
+    // (2048, 4096, 8192 tokens: 88, 176, 352 rows; mma.sync at 1024 tokens, 44), and for the down projection above 32
+    // rows with a short reduction (tp-shard 8: I_r 336) and above 64 with a long one (tp-shard 1: 2688); mma.sync
+    // below 16 rows (256 tokens, 11).
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 2048, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 4096, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 8192, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 8192, 22, 512, 2688, 1024), GemmVariant::wgmma_ws_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 1024, 22, 512, 336, 1024), GemmVariant::mma_m);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 4096, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 1024, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 256, 22, 512, 336, 1024), GemmVariant::mma_s_wide);
-    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 4096, 22, 512, 2688, 1024), GemmVariant::wgmma_tall);
-    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 2048, 22, 512, 2688, 1024), GemmVariant::wgmma);
-    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 22, 512, 2688, 1024), GemmVariant::wgmma);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 22, 512, 2688, 1024), GemmVariant::wgmma_ws_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 2048, 22, 512, 2688, 1024), GemmVariant::wgmma_ws_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 1024, 22, 512, 2688, 1024), GemmVariant::wgmma);
     EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 4096, 16, 896, 384, 3584), GemmVariant::wgmma);
-    // Experts larger than those tiles hold (the 160-row warp-specialised tiles): gated gate/up above 96 rows (Kimi-K3
-    // at 8192 tokens, 146, both shards), relu2's above 256 (Nemotron at 8192, 352), a down projection with a short
-    // reduction above 96 rows into a latent of 2048+ (Kimi-K3 tp-shard 8) and above 256 into a narrower one
-    // (Nemotron tp-shard 8); a long reduction keeps wgmma_tall or wgmma (Kimi-K3 tp-shard 1: I_r 3072).
+    // Kimi-K3 (gated, a latent of 3584), experts larger than the 96-row tiles hold (the 160-row warp-specialised
+    // tiles): gate/up above 96 rows (8192 tokens, 146, both shards), the down projection with a short reduction
+    // above 96 rows (tp-shard 8); a long reduction keeps wgmma_tall (tp-shard 1: I_r 3072).
     EXPECT_EQ(detail::choose_variant(DType::f16, false, true, 8192, 16, 896, 384, 3584), GemmVariant::wgmma_ws);
     EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 8192, 16, 896, 3072, 3584), GemmVariant::wgmma_ws);
-    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 8192, 22, 512, 336, 1024), GemmVariant::wgmma_ws);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 16, 896, 384, 3584), GemmVariant::wgmma_ws);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 16, 896, 3072, 3584), GemmVariant::wgmma_tall);
-    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 22, 512, 336, 1024), GemmVariant::wgmma_ws);
     // Never for more experts than the persistent kernels take (their per-expert prefix in shared memory): 8192
-    // experts with 128 rows each keep wgmma, and a Nemotron-shaped down of 8192 experts the 96-row tiles.
+    // experts with 128 rows each keep wgmma, and a Nemotron-shaped down of 8192 experts with 88 rows the 96-row tiles.
     EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 65536, 16, 8192, 384, 3584), GemmVariant::wgmma);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 65536, 16, 8192, 384, 3584), GemmVariant::wgmma_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 32768, 22, 8192, 336, 1024), GemmVariant::wgmma);
+    // Nemotron-shaped with 8192 experts and 176 rows each: relu2's gate/up on wgmma_tall, a long-reduction down too.
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 65536, 22, 8192, 336, 1024), GemmVariant::wgmma_tall);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 65536, 22, 8192, 2688, 1024), GemmVariant::wgmma_tall);
   } else {
     EXPECT_NE(detail::choose_variant(DType::bf16, false, true, 1024, 16, 896, 384, 3584), GemmVariant::wgmma);
   }

@@ -162,37 +162,40 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
     const int64_t ctas = touched * ((intermediate + cols - 1) / cols);
     return ctas <= 9 * current_sm_count() ? GemmVariant::mma_s_k128 : GemmVariant::mma_s_wide;
   }
-  // Hopper, experts larger than the tiles below hold: the persistent warp-specialised kernel's 160-row tiles
-  // (wgmma_ws: 160 expert rows against 256 weight rows), where the 96- or 256-row tiles split an expert and read its
-  // weights once per tile. Measured on an H100 (session 18, grouped_gemm_bench, bench/results/
-  // issue32_h100_s18.json): gated gate/up above 96 rows (Kimi-K3 at 8192 tokens, 146 rows: tp-shard 8 2811 against
-  // 3100-3197 µs on wgmma, tp-shard 1 21476 against 26469; at 73 rows, 4096 tokens, 13% slower than wgmma); relu2's
-  // gate/up above 256 rows (Nemotron at 8192, 352: 582 against 618, tp-shard 1 3642 against 3912; 15% slower at 176
-  // rows); a down projection with a short reduction (I_r <= 1024) above one tile of the kernel it would take: 96 rows
-  // into a latent of 2048+ (Kimi-K3 tp-shard 8 at 8192: 1581 against wgmma_tall's 1828), 256 rows into a narrower
-  // one (Nemotron tp-shard 8 at 8192: 526 against wgmma's 631). Long reductions keep the kernels below (Nemotron
-  // tp-shard 1 down at 8192: 3403 against wgmma's 3322; Kimi-K3 tp-shard 1's down not measured).
-  // The persistent kernels take at most kWgmmaWsMaxExperts experts (more keep the other kernels, here and below).
+  // The persistent warp-specialised kernels (Hopper; at most kWgmmaWsMaxExperts experts, more keep the kernels
+  // further down). Measured on an H100 with the producer's per-tile row offsets (session 19, grouped_gemm_bench
+  // alternating, bench/results/issue32_h100_s19.json; gate/up / down µs):
+  // - The tall tiles (wgmma_ws_tall: 256 expert rows against 128 weight rows) for relu2's gate/up above 64 rows per
+  //   expert, and for a down projection into a latent under 2048 above 32 rows (short reduction, I_r <= 1024) or 64
+  //   (long). Nemotron tp-shard 8 at 88, 176 and 352 rows (2048, 4096, 8192 tokens): gate/up 158-160 against mma_l4's
+  //   207-210, 220-222 against wgmma_tall's 308, 468 against wgmma_ws's 511-518; down 240, 324-325 (wgmma_ws 319),
+  //   480 against wgmma_ws's 519-522. Tp-shard 1 (I_r 2688): gate/up 1128-1135 against wgmma's 1335-1355, 1500-1554
+  //   against wgmma_tall's 2051-2114, level with wgmma_ws at 352 rows (3296-3426 against 3310); down 1173 against
+  //   wgmma's 1322-1334, 1543-1563 against wgmma_tall's 1906-1910, 2738-2763 against wgmma_ws's 3118-3132. The short
+  //   reduction's bound of 32 is session 17's (8% faster than the 96-row tiles at 44 rows, 22% slower at 11); 64: the
+  //   fewest rows measured for the others are 88, and 44 (1024 tokens) was not measured.
+  // - The 160-row tiles (wgmma_ws: 160 expert rows against 256 weight rows) where the 96-row tiles split an expert
+  //   and read its weights once per tile (session 18, bench/results/issue32_h100_s18.json): gated gate/up above 96
+  //   rows (Kimi-K3 at 8192 tokens, 146 rows: tp-shard 8 2811 against 3100-3197 µs on wgmma, tp-shard 1 21476 against
+  //   26469; at 73 rows, 4096 tokens, 3-5% slower than wgmma in session 19), and a down projection with a short
+  //   reduction into a latent of 2048+ above 96 rows (Kimi-K3 tp-shard 8 at 8192: 1581 against wgmma_tall's 1828).
+  //   Kimi-K3 tp-shard 1's down (a long reduction) keeps wgmma_tall (not measured on these kernels).
   const bool ws_ok = wgmma_available() && num_experts <= gg::kWgmmaWsMaxExperts;
   if (ws_ok) {
-    if (!down && mean_rows > (gated ? 96 : 256)) return GemmVariant::wgmma_ws;
-    if (down && intermediate <= 1024 && mean_rows > (latent >= 2048 ? 96 : 256)) return GemmVariant::wgmma_ws;
+    if (!down && !gated && mean_rows > 64) return GemmVariant::wgmma_ws_tall;
+    if (down && latent < 2048 && mean_rows > (intermediate <= 1024 ? 32 : 64)) return GemmVariant::wgmma_ws_tall;
+    if (!down && gated && mean_rows > 96) return GemmVariant::wgmma_ws;
+    if (down && latent >= 2048 && intermediate <= 1024 && mean_rows > 96) return GemmVariant::wgmma_ws;
   }
-  // Hopper, more than 96 rows per touched expert: the tall wgmma tiles (up to 256 rows, an expert's weights
-  // read once) where they measured faster than the 96-row tiles (H200, 4096 and 8192 tokens,
-  // bench/results/grouped_gemm_tall_aabf667.json): relu2's gate/up (Nemotron: 2-18 %) and a down
-  // projection into a latent of 2048 or more (Kimi: 8-10 %). Gated gate/up (Kimi: 3-5 % slower) keeps the
-  // 96-row tiles; Nemotron's 1024-wide down (1-12 % slower on wgmma_tall at 8192 then) is the next rule's.
+  // Hopper, more than 96 rows per touched expert, where the persistent kernels are not taken: the tall wgmma tiles
+  // (up to 256 rows, an expert's weights read once) where they measured faster than the 96-row tiles (H200, 4096
+  // and 8192 tokens, bench/results/grouped_gemm_tall_aabf667.json): relu2's gate/up (Nemotron: 2-18 %) and a down
+  // projection into a latent of 2048 or more (Kimi: 8-10 %). Gated gate/up (Kimi: 3-5 % slower) keeps the 96-row
+  // tiles. A down projection into a narrower latent (Nemotron's 1024) with a long reduction takes them up to 256
+  // rows (session 17, H100, bench/results/issue32_h100_1c0245b.json: 18% faster at 176 rows; 4% slower at 352).
   if (mean_rows > 96 && wgmma_available() && (down ? latent >= 2048 : !gated)) return GemmVariant::wgmma_tall;
-  // A down projection into a narrower latent (Nemotron's 1024) while one 256-row tile holds an expert's rows: the
-  // tall tiles too, measured on an H100 (session 17, grouped_gemm_bench alternating, bench/results/
-  // issue32_h100_1c0245b.json): with a short reduction (I_r <= 1024: Nemotron tp-shard 8, 336) the persistent
-  // warp-specialised ones, 8%, 15% and 18% faster than the 96-row tiles at 44, 88 and 176 rows per expert (1024,
-  // 2048, 4096 tokens; 22% slower at 11 rows, level at 352); with a long one (tp-shard 1, 2688) wgmma_tall, 18% faster
-  // at 176 rows (the warp-specialised 7% slower than it; level at 88 rows, 4% slower at 352).
-  if (down && latent < 2048 && mean_rows <= 256 && wgmma_available()) {
-    if (intermediate <= 1024 && mean_rows > 32 && ws_ok) return GemmVariant::wgmma_ws_tall;
-    if (intermediate > 1024 && mean_rows > 96) return GemmVariant::wgmma_tall;
+  if (down && latent < 2048 && intermediate > 1024 && mean_rows > 96 && mean_rows <= 256 && wgmma_available()) {
+    return GemmVariant::wgmma_tall;
   }
   // Hopper, at least 16 rows per touched expert and 384 output columns: the wgmma kernel (5-23 % faster
   // than mma.sync at 1024 and 4096 tokens; at 336 columns, Nemotron's I/8, mma.sync stays ahead).
