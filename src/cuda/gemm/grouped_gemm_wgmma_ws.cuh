@@ -6,8 +6,8 @@
 // Threads and tiles. 3 warpgroups (384 threads), one CTA per SM, grid = min(SMs, a bound on the tiles).
 // Warpgroup 0 is the producer (setmaxnreg.dec to producer_regs), warpgroups 1 and 2 the consumers
 // (setmaxnreg.inc to consumer_regs: 128 * 56 + 256 * 224 = 64512 = 384 * 168, the registers the CTA starts with;
-// MXFP4 128 * 64 + 256 * 216 = 63488). A tile is up to kBlockM rows of one expert against kWeightRows weight rows,
-// in two shapes (WgmmaWsConfig; the same code):
+// the tall shape 128 * 64 + 256 * 216 = 63488, MXFP4 128 * 72 + 256 * 208 = 62464). A tile is up to kBlockM rows of one
+// expert against kWeightRows weight rows, in two shapes (WgmmaWsConfig; the same code):
 //   WgmmaWsCfg      (wgmma_ws)      160 rows x 256 weight rows: consumer c owns weight rows [128 c, 128 c + 128) as
 //                   two m64 blocks (gated: 64 gate rows and the 64 up rows of the same output columns; otherwise
 //                   128 consecutive rows), 2 x 80 accumulators per thread. 160 rows hold Kimi-K3's experts at 8192
