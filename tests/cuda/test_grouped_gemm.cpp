@@ -484,7 +484,9 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
             GemmChoice(GemmVariant::wgmma_narrow, 3), GemmChoice(GemmVariant::wgmma_ws),
             GemmChoice(GemmVariant::wgmma_ws, 3), GemmChoice(GemmVariant::wgmma_ws, 1 << 20),
             GemmChoice(GemmVariant::wgmma_ws_tall), GemmChoice(GemmVariant::wgmma_ws_tall, 3),
-            GemmChoice(GemmVariant::wgmma_ws_tall, 1 << 20)})
+            GemmChoice(GemmVariant::wgmma_ws_tall, 1 << 20),
+            // The down projection's rows by cp.async (option bit 2) instead of TMA.
+            GemmChoice(GemmVariant::wgmma_ws, 3, 0, 2), GemmChoice(GemmVariant::wgmma_ws_tall, 0, 0, 2)})
         choices.push_back(wgmma);
     }
     check_choices(problem, c.name, choices);
@@ -589,7 +591,9 @@ TEST(Cuda_GroupedGemm, mxfp4_rows_graph_replay_with_new_layout) {
 // 4 stages, so the stage and parity of a tile's first step differ from tile to tile), 3 and 7 CTAs (tile counts
 // that do not divide); and, on the other side, grids larger than the tiles there are (experts mostly empty, most
 // pairs routed to no expert), so that some CTAs get no tile at all. Both epilogues: through shared memory (the
-// default) and from registers (GemmChoice::option 1).
+// default) and from registers (GemmChoice::option 1); the down projection's rows by TMA (the default: boxes of 32
+// rows running past the tile's rows into the next expert's, or past the last row into zeros) and by cp.async (option
+// 2).
 TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!detail::wgmma_available()) GTEST_SKIP() << "no sm_90a device";
@@ -597,6 +601,9 @@ TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
   for (GemmVariant v : {GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall}) {
     for (int per_cta : {1 << 20, 7, 3, 0}) small_grids.emplace_back(v, per_cta);
     small_grids.emplace_back(v, 3, 0, /*option: the register epilogue*/ 1);
+    // The down projection's contiguous rows by cp.async instead of TMA (option bit 2), alone and with bit 1.
+    small_grids.emplace_back(v, 3, 0, 2);
+    small_grids.emplace_back(v, 0, 0, 3);
   }
   const Case many_tiles[] = {
       // name, dtype, act, T, E, Z, k, I_r, l, heavy
@@ -626,6 +633,9 @@ TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
     check_choices(problem, c.name,
                   {GemmChoice(GemmVariant::wgmma_ws), GemmChoice(GemmVariant::wgmma_ws, 2),
                    GemmChoice(GemmVariant::wgmma_ws_tall), GemmChoice(GemmVariant::wgmma_ws_tall, 2)});
+    // Option bits it does not have: refused, never ignored.
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws_tall, 0, 0, 4), nullptr), Error) << c.name;
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws, 0, 0, -1), nullptr), Error) << c.name;
   }
 }
 

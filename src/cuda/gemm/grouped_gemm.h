@@ -108,8 +108,9 @@ bool is_wgmma(GemmVariant variant);
 // A variant, how many n-tiles one CTA computes (0: chosen from the shape) and how many CTAs split the
 // reduction of one output tile (0: chosen from the shape; 1: no split-K; more needs a workspace large
 // enough, else the call throws). Split-K runs one n-tile per CTA. `option`: a variant's own switch, 0 its
-// default; wgmma_ws and wgmma_ws_tall: 1 stores the outputs from registers (4 bytes a thread) instead of
-// through shared memory (16 bytes a thread), for comparison; mxfp4_rows: the L2 prefetch size (above).
+// default; wgmma_ws and wgmma_ws_tall, bits for comparison: 1 stores the outputs from registers (4 bytes a thread)
+// instead of through shared memory (16 bytes a thread), 2 copies contiguous rows (the down projection's) by
+// cp.async instead of TMA; mxfp4_rows: the L2 prefetch size (above).
 struct GemmChoice {
   GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0, int splits = 0, int opt = 0)
       : variant(v), n_tiles_per_cta(tiles_per_cta), k_splits(splits), option(opt) {}

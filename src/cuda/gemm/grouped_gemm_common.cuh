@@ -51,6 +51,9 @@ struct KernelArgs {
   // The persistent kernel (wgmma_ws, wgmma_ws_tall): its epilogue's stores, 0 staged through shared memory
   // (16 bytes a thread), 1 from registers (4 bytes a thread, the wgmma kernel's wgmma_store_tile).
   int ws_register_epilogue = 0;
+  // The persistent kernel: 1 loads the rows A by TMA (contiguous rows: sorted_pairs null, A [max_rows, k]), 0 by
+  // cp.async through the pair table.
+  int ws_x_tma = 0;
 
   // Split-K (tensor-core kernel only; then n_tiles_per_cta is 1): the k_splits CTAs of one output tile
   // each cover k_tiles_per_split k-tiles and store their fp32 sums in `partials`; the last of them to

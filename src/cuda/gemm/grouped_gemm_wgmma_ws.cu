@@ -38,7 +38,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // The layout the kernel's stages and sw128_desc describe: 128-byte rows (64 k of one weight row) in the 128B
 // swizzle, boxes of box_rows rows (64, or 8: one swizzle atom). Past k and past `rows` the box is zero-filled (and
 // still counted whole by the transaction).
-CUtensorMap wgmma_ws_weight_map(DType dtype, const void* weights, int64_t rows, int64_t k, int box_rows) {
+CUtensorMap wgmma_ws_tensor_map(DType dtype, const void* base, int64_t rows, int64_t k, int box_rows,
+                                const char* what) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};  // bytes between rows: a multiple of 16
@@ -46,10 +47,10 @@ CUtensorMap wgmma_ws_weight_map(DType dtype, const void* weights, int64_t rows, 
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result = tensor_map_encoder()(
       &map, dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-      const_cast<void*>(weights), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   LATENTMOE_CHECK(result == CUDA_SUCCESS, "grouped GEMM (wgmma_ws): cuTensorMapEncodeTiled failed (CUresult ",
-                  static_cast<int>(result), ") for weights of ", rows, " rows x ", k, " at ", weights);
+                  static_cast<int>(result), ") for the ", what, ", ", rows, " rows x ", k, " at ", base);
   return map;
 }
 

@@ -34,10 +34,11 @@
 //   full[s]:  count kProducerThreads + 1. Per fill: producer thread 0 does arrive.expect_tx of the weight bytes
 //             (kWeightRows rows of 64 k: boxes of 64 k x 64 rows, or of 8 rows for the tall shape's gated
 //             interleave; counted whole even where a box runs past the tensor: TMA fills those elements with zeros
-//             and still delivers the full box); after a __syncwarp, lane b of warp 0 issues the TMA load of box b
-//             (complete_tx on full[s]); every producer thread issues its cp.async copies of the gathered rows (16 B,
-//             swizzled, zero-filled past k and past the tile's rows up to N) and then cp.async.mbarrier.arrive.noinc on
-//             full[s] (one arrival per thread, made when all of its earlier cp.async copies have landed).
+//             and still delivers the full box; with rows by TMA, below, the rows' bytes too); after a __syncwarp,
+//             lane b of warp 0 issues the TMA load of box b (complete_tx on full[s]); every producer thread issues
+//             its cp.async copies of the gathered rows (16 B, swizzled, zero-filled past k and past the tile's rows
+//             up to N) and then cp.async.mbarrier.arrive.noinc on full[s] (one arrival per thread, made when all of
+//             its earlier cp.async copies have landed).
 //   empty[s]: count kConsumerWarps. Per use: each consumer warp, after wgmma.wait_group has retired the wgmmas
 //             that read the stage, arrives once (lane 0).
 // Step i of a CTA (its k-steps over all of its tiles, counted the same way by both roles) uses stage
@@ -66,6 +67,12 @@
 //      2 s after its own deadline in case the producer did not. Built with LATENTMOE_WGMMA_WS_REPORT=1 the producer
 //      first prints one line (block, barrier, stage, parity, its step and the consumers' last steps); not by
 //      default, since any printf in the kernel makes ptxas serialize its wgmmas (C7510).
+// Rows by TMA (KernelArgs::ws_x_tma: contiguous rows, the down projection's A = act_rows [max_rows][k], bf16/f16
+// weights; GemmChoice option bit 2 turns it off): no row copies; per fill lane 0 of warp 0 counts the rows' bytes in
+// its arrive.expect_tx with the weight bytes, and lane b < ceil(N / 32) loads box b (64 k x 32 rows from row_begin +
+// 32 b, 4 KB, zeros past k and past max_rows) into the stage's row tile. Rows past the tile's (the next expert's) land
+// too and are multiplied, never stored. Every producer thread still makes its noinc arrival (invariant 2), with no
+// copy pending.
 // MXFP4 weights (kMxfp4; docs/MXFP4.md): no TMA. 3 stages (the same layout), and a raw ring of kRawStages slots
 // per producer thread's units: unit u = tid + 128 i (i < kWeightRows / 64) of a step is scale group u % 2 of tile row u
 // / 2 (16 code bytes and the aligned 4-byte word holding its scale byte, cp.async, zero-filled past n and k). Per step
@@ -118,7 +125,9 @@ struct WgmmaWsConfig {
   // alternate by 8 (grouped_gemm_wgmma.cuh): boxes of 64 k x 8 rows (1 KB, one swizzle atom each).
   static constexpr int box_rows(bool gated) { return gated && kBlocksPerWg == 1 ? 8 : 64; }
   static constexpr int kWeightBytes = kWeightRows * kRowBytes;  // 32 KB or 16 KB
-  static constexpr int kRowTileBytes = kBlockM * kRowBytes;     // 16 KB or 32 KB
+  static constexpr int kRowTileBytes = kBlockM * kRowBytes;     // 16, 20 or 32 KB
+  // The rows by TMA (contiguous rows, KernelArgs::ws_x_tma): boxes of 64 k x 32 rows (4 KB), ceil(N / 32) a stage.
+  static constexpr int kXBoxRows = 32;
   static constexpr int kStageBytes = kWeightBytes + kRowTileBytes;
   static constexpr int kStages = kStages_;
   static constexpr int kStagesMxfp4 = kStagesMxfp4_;
@@ -141,6 +150,7 @@ struct WgmmaWsConfig {
   static constexpr int producer_regs(bool mxfp4) { return mxfp4 || kBlocksPerWg == 1 ? (mxfp4 ? 72 : 64) : 56; }
   static constexpr int consumer_regs(bool mxfp4) { return mxfp4 || kBlocksPerWg == 1 ? (mxfp4 ? 208 : 216) : 224; }
   static_assert(kBlockM <= kWgmmaMaxN && kBlockM % 16 == 0, "rows per tile: at most the largest N");
+  static_assert(kBlockM % kXBoxRows == 0 && kBlockM / kXBoxRows <= 32, "whole row boxes, one lane of warp 0 each");
   static_assert(kBlocksPerWg == 1 || kBlocksPerWg == 2, "one or two m64 blocks per consumer");
   static_assert(kBlocksPerWg * kAcc <= 160, "at most 160 accumulators per consumer thread");
   static_assert(kStageBytes % 1024 == 0 && kWeightBytes % 1024 == 0,
@@ -263,6 +273,14 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
       "%3}], [%4], %5;\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+      : "memory");
+}
+// The same without an L2 hint (the rows: read by every n-tile's CTA of their row tile, at normal priority).
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
@@ -450,12 +468,13 @@ __device__ __forceinline__ void store_tile_smem(const float (&acc)[kBlocks][kAcc
 
 #endif
 
-// kMxfp4: args.w0/w1 hold MXFP4 codes [E, N, K/2] and args.s0/s1 their E8M0 scales [E, N, K/32] (the tensor maps
-// are unused); the producer decodes them into the weight stages (the file comment, "MXFP4").
+// kMxfp4: args.w0/w1 hold MXFP4 codes [E, N, K/2] and args.s0/s1 their E8M0 scales [E, N, K/32] (the weights'
+// tensor maps are unused); the producer decodes them into the weight stages (the file comment, "MXFP4").
+// map_x: the rows A [max_rows][k] when args.ws_x_tma (contiguous rows; unused otherwise).
 template <class T, class Cfg, Mode kMode, bool kMxfp4 = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     grouped_wgmma_ws_kernel(const __grid_constant__ CUtensorMap map_w0, const __grid_constant__ CUtensorMap map_w1,
-                            const KernelArgs args) {
+                            const __grid_constant__ CUtensorMap map_x, const KernelArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kStages = kMxfp4 ? Cfg::kStagesMxfp4 : Cfg::kStages;
   constexpr int kThreads = Cfg::kThreads;
@@ -559,11 +578,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const uint32_t copy_offset = row0 * Cfg::kRowBytes + ((chunk ^ (row0 & 7)) << 4);
     const uint32_t copy_offset_hi = row0 * Cfg::kRowBytes + (((chunk + 4) ^ (row0 & 7)) << 4);
     const T* a_base = static_cast<const T*>(args.a);
-    if constexpr (!kMxfp4) {
-      if (tid == 0) {
+    // Contiguous rows (the down projection's) come by TMA, boxes of kXBoxRows rows issued by warp 0 beside the
+    // weights' (the file comment, "Rows by TMA"); gathered ones by every producer thread's cp.async.
+    // (Only the down projection's plain mode has contiguous rows: the gated and relu2 instances compile without it,
+    // and so do the MXFP4 ones, whose producer spilled with it at 72 and at 88 registers.)
+    const bool x_tma = !kMxfp4 && kMode == Mode::plain && args.ws_x_tma != 0;
+    if (tid == 0) {
+      if constexpr (!kMxfp4) {
         ws::prefetch_tensor_map(&map_w0);
         if constexpr (kGated) ws::prefetch_tensor_map(&map_w1);
       }
+      if (x_tma) ws::prefetch_tensor_map(&map_x);
     }
 
     // MXFP4: unit u = tid + i * kProducerThreads of a step is scale group u % 2 (32 k) of tile row u / 2, whose
@@ -665,6 +690,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     };
     int pair_next[kSrcPerThread];  // sorted_pairs entries (or rows, without sorted_pairs) of next's rows; -1 past
     auto load_pairs = [&](const ws::Tile& tt) {
+      if (x_tma) return;  // no table: the rows are the tile's own, by TMA
 #pragma unroll
       for (int i = 0; i < kSrcPerThread; ++i) {
         const int r = tid + i * Cfg::kProducerThreads;
@@ -689,43 +715,52 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // The source row of each tile row (-1: past the tile's rows, zero-filled up to mma_n), ceil(kBlockM / 128) per
       // producer thread, double-buffered by tile: the named barrier publishes this tile's table to the producer
       // warpgroup, and a thread that passes it has finished reading the table of two tiles back (its k-loop precedes).
-      int* const src = s_src + (tile_count & 1) * Cfg::kBlockM;
+      int row_unit[kXIters];  // gathered rows only (x_tma: unused)
+      if (!x_tma) {
+        int* const src = s_src + (tile_count & 1) * Cfg::kBlockM;
 #pragma unroll
-      for (int i = 0; i < kSrcPerThread; ++i) {
-        const int x = pair_next[i];
-        if (tid + i * Cfg::kProducerThreads < Cfg::kBlockM) {
-          src[tid + i * Cfg::kProducerThreads] = x >= 0 && args.sorted_pairs != nullptr ? x / args.top_k : x;
+        for (int i = 0; i < kSrcPerThread; ++i) {
+          const int x = pair_next[i];
+          if (tid + i * Cfg::kProducerThreads < Cfg::kBlockM) {
+            src[tid + i * Cfg::kProducerThreads] = x >= 0 && args.sorted_pairs != nullptr ? x / args.top_k : x;
+          }
         }
-      }
-      asm volatile("bar.sync 1, %0;\n" ::"n"(Cfg::kProducerThreads) : "memory");
-      // This thread's rows of the tile (row0 + j kRowStep), read once per tile: where each starts in A, in 16-byte
-      // units (-1: zero-filled). Kept in registers, so that a k-step's copies are an add, a select and the copy each
-      // (with the table read and a 64-bit multiply per copy, the producer issued ~28 instructions a copy and fed its
-      // consumers too slowly: ncu, Nemotron tp-shard 8 at 4096 tokens, session 18).
-      int row_unit[kXIters];
+        asm volatile("bar.sync 1, %0;\n" ::"n"(Cfg::kProducerThreads) : "memory");
+        // This thread's rows of the tile (row0 + j kRowStep), read once per tile: where each starts in A, in 16-byte
+        // units (-1: zero-filled). Kept in registers, so that a k-step's copies are an add, a select and the copy each
+        // (with the table read and a 64-bit multiply per copy, the producer issued ~28 instructions a copy and fed its
+        // consumers too slowly: ncu, Nemotron tp-shard 8 at 4096 tokens, session 18).
 #pragma unroll
-      for (int j = 0; j < kXIters; ++j) {
-        const int x = src[row0 + j * kRowStep];
-        row_unit[j] = x >= 0 ? x * (k / 8) : -1;
+        for (int j = 0; j < kXIters; ++j) {
+          const int x = src[row0 + j * kRowStep];
+          row_unit[j] = x >= 0 ? x * (k / 8) : -1;
+        }
       }
       if (tile + grid < num_tiles) {
         next = ws::resolve_ws_tile<Cfg::kBlockM>(ref);  // its offsets were loaded during the tile before
         load_pairs(next);
         if (tile + 2 * grid < num_tiles) ref = lookup(tile + 2 * grid);
       }
-      // The tensor maps' row coordinates: t.expert * n + the box's first column (rows past the expert's n read
-      // the next expert's, or zeros past the last: never stored).
+      // The weights' tensor maps' row coordinates: t.expert * n + the box's first column (rows past the expert's n
+      // read the next expert's, or zeros past the last: never stored). The rows' boxes: the tile's rows from
+      // row_begin, ceil(mma_n / kXBoxRows) of them (rows past the tile's: the next expert's, or zeros past max_rows;
+      // their outputs are not stored).
+      // (x_boxes > 0 exactly when x_tma: a tile has at least one row.)
+      const int x_boxes = x_tma ? (mma_n + Cfg::kXBoxRows - 1) / Cfg::kXBoxRows : 0;
+      constexpr int kXBoxBytes = Cfg::kXBoxRows * Cfg::kRowBytes;
       for (int kt = 0; kt < num_k_steps; ++kt, ++step) {
         const int s = step % kStages;
         const uint32_t phase = static_cast<uint32_t>(step / kStages) & 1u;
         const uint32_t full = smem_u32(&full_bar[s]);
         ws::producer_wait(smem_u32(&empty_bar[s]), phase ^ 1u, s, step, s_consumer_step);
         const uint32_t stage = ring + s * Cfg::kStageBytes;
+        const uint32_t dst = stage + Cfg::kWeightBytes;
         if constexpr (!kMxfp4) {
           if (warp == 0) {
-            // Lane 0 announces the stage's weight bytes, then lane b loads box b (tile rows [b kBoxRows, ..), the
-            // rows weight_row gives: gate or up rows of the same columns, or consecutive rows).
-            if (lane == 0) ws::mbar_arrive_expect_tx(full, Cfg::kWeightBytes);
+            // Lane 0 announces the stage's weight bytes (and the rows' with x_tma), then lane b loads box b (tile
+            // rows [b kBoxRows, ..), the rows weight_row gives: gate or up rows of the same columns, or consecutive
+            // rows).
+            if (lane == 0) ws::mbar_arrive_expect_tx(full, Cfg::kWeightBytes + x_boxes * kXBoxBytes);
             __syncwarp();
             if (lane < kBoxes) {
               bool up;
@@ -735,19 +770,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               ws::tma_load_2d(stage + lane * kBoxRows * Cfg::kRowBytes, up ? &map_w1 : &map_w0, kt * kBK,
                               t.expert * n + col, full, weight_policy_for(t.expert_rows, Cfg::kBlockM));
             }
+            if (lane < x_boxes) {
+              ws::tma_load_2d(dst + lane * kXBoxBytes, &map_x, kt * kBK, t.row_begin + lane * Cfg::kXBoxRows, full);
+            }
           }
         }
         const int kc = kt * kBK + chunk * 8;  // chunk + 4: kc + 32 (k is a multiple of 8: a chunk is in or out)
         const bool k_ok = kc < k;
         const bool k_ok_hi = kc + 32 < k;
         const unsigned char* const a_bytes = reinterpret_cast<const unsigned char*>(a_base);
-        const uint32_t dst = stage + Cfg::kWeightBytes;
 #pragma unroll
         for (int j = 0; j < kXIters; ++j) {
           // Rows past the tile's are zero-filled (row_unit -1) up to mma_n; past mma_n nothing reads them, so whole
           // rounds past it are skipped (a CTA-uniform test). The chunk's 16-byte unit is a 32-bit add a step (an
           // address computed per row once per tile would take two registers a row).
-          if (j * kRowStep < mma_n) {
+          if (x_boxes == 0 && j * kRowStep < mma_n) {
             const bool row_ok = row_unit[j] >= 0;
             const uint32_t unit = static_cast<uint32_t>(row_ok ? row_unit[j] : 0) + static_cast<uint32_t>(kc / 8);
             const unsigned char* const src_row = a_bytes + static_cast<size_t>(unit) * 16;
@@ -869,9 +906,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 // --- Host side (grouped_gemm_wgmma_ws.cu, grouped_gemm_wgmma_ws_mxfp4.cu).
 
-// A 2-D TMA map over the stacked bf16/f16 weights [rows = E * N][k], boxes of 64 k x box_rows rows in the 128B
-// swizzle (grouped_gemm_wgmma_ws.cu). Throws latentmoe::Error when the driver refuses it.
-CUtensorMap wgmma_ws_weight_map(DType dtype, const void* weights, int64_t rows, int64_t k, int box_rows);
+// A 2-D TMA map over a bf16/f16 matrix [rows][k] (the stacked weights [E * N][k], or the rows A), boxes of 64 k x
+// box_rows rows in the 128B swizzle (grouped_gemm_wgmma_ws.cu). Throws latentmoe::Error naming `what` when the
+// driver refuses it.
+CUtensorMap wgmma_ws_tensor_map(DType dtype, const void* base, int64_t rows, int64_t k, int box_rows, const char* what);
 
 template <class T, class Cfg, Mode kMode, bool kMxfp4>
 void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
@@ -884,16 +922,22 @@ void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch,
   args.n_groups = args.n_tiles;
   args.trigger_dependents = launch.trigger;
   args.wait_before_tile = true;  // the kernel waits before it reads anything
-  args.ws_register_epilogue = launch.variant_option == 1 ? 1 : 0;
+  // GemmChoice::option bits: 1 the register epilogue, 2 the rows by cp.async even where they are contiguous.
+  args.ws_register_epilogue = (launch.variant_option & 1) != 0 ? 1 : 0;
+  args.ws_x_tma = !kMxfp4 && args.sorted_pairs == nullptr && (launch.variant_option & 2) == 0 ? 1 : 0;
   const int64_t stacked_rows = static_cast<int64_t>(args.num_experts) * args.n;
   LATENTMOE_CHECK(stacked_rows + Cfg::kWeightRows < (int64_t{1} << 31), "grouped GEMM (wgmma_ws): ", args.num_experts,
                   " experts x ", args.n, " weight rows exceed the kernel's 32-bit row coordinates");
   CUtensorMap map0{}, map1{};  // MXFP4: unused (the producer copies and decodes the codes)
   if constexpr (!kMxfp4) {
     constexpr int kBoxRows = Cfg::box_rows(kMode == Mode::gated);
-    map0 = wgmma_ws_weight_map(dtype, args.w0, stacked_rows, args.k, kBoxRows);
-    map1 = kMode == Mode::gated ? wgmma_ws_weight_map(dtype, args.w1, stacked_rows, args.k, kBoxRows) : map0;
+    map0 = wgmma_ws_tensor_map(dtype, args.w0, stacked_rows, args.k, kBoxRows, "weights");
+    map1 = kMode == Mode::gated ? wgmma_ws_tensor_map(dtype, args.w1, stacked_rows, args.k, kBoxRows, "weights") : map0;
   }
+  // The contiguous rows: A holds max_rows rows (act_rows [T * top_k, k]; grouped_gemm.h); rows past them read as
+  // zeros.
+  CUtensorMap map_x{};
+  if (args.ws_x_tma) map_x = wgmma_ws_tensor_map(dtype, args.a, launch.max_rows, args.k, Cfg::kXBoxRows, "rows");
   // Tiles: at most the host bound on row tiles times the n-tiles; one CTA per SM, fewer when the bound is smaller,
   // or when launch.n_tiles_per_cta asks for at least that many tiles per CTA (the tests' many-tiles-per-CTA case).
   const int64_t tiles_bound = tile_entries_bound(launch.max_rows, args.num_experts, Cfg::kBlockM) * args.n_tiles;
@@ -904,7 +948,7 @@ void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch,
   }
   grid = std::max<int64_t>(grid, 1);
   launch_kernel("grouped GEMM (wgmma_ws kernel)", launch.programmatic, kernel, dim3(static_cast<unsigned>(grid)),
-                dim3(Cfg::kThreads), Cfg::smem_bytes(kMxfp4, args.num_experts), stream, map0, map1, args);
+                dim3(Cfg::kThreads), Cfg::smem_bytes(kMxfp4, args.num_experts), stream, map0, map1, map_x, args);
 }
 
 template <class T, class Cfg, bool kMxfp4>
