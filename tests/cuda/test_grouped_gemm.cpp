@@ -604,6 +604,8 @@ TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
     // The down projection's contiguous rows by cp.async instead of TMA (option bit 2), alone and with bit 1.
     small_grids.emplace_back(v, 3, 0, 2);
     small_grids.emplace_back(v, 0, 0, 3);
+    // The weights' L2 priority and promotion (bits 4 and 8: the same results).
+    small_grids.emplace_back(v, 0, 0, 12);
   }
   const Case many_tiles[] = {
       // name, dtype, act, T, E, Z, k, I_r, l, heavy
@@ -634,7 +636,7 @@ TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
                   {GemmChoice(GemmVariant::wgmma_ws), GemmChoice(GemmVariant::wgmma_ws, 2),
                    GemmChoice(GemmVariant::wgmma_ws_tall), GemmChoice(GemmVariant::wgmma_ws_tall, 2)});
     // Option bits it does not have: refused, never ignored.
-    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws_tall, 0, 0, 4), nullptr), Error) << c.name;
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws_tall, 0, 0, 16), nullptr), Error) << c.name;
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws, 0, 0, -1), nullptr), Error) << c.name;
   }
 }

@@ -260,10 +260,11 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   }
   LATENTMOE_CHECK(!is_mxfp4_only(variant) || mxfp4, "grouped GEMM: the ", to_string(variant),
                   " variant takes MXFP4 weights only");
-  // GemmChoice::option: mxfp4_rows 0-4 (its L2 prefetch size), wgmma_ws and wgmma_ws_tall 0-3 (bit 1 the register
-  // epilogue, bit 2 contiguous rows by cp.async instead of TMA).
+  // GemmChoice::option: mxfp4_rows 0-4 (its L2 prefetch size), wgmma_ws and wgmma_ws_tall 0-15 (bits: 1 the register
+  // epilogue, 2 contiguous rows by cp.async instead of TMA, 4 the weights at normal L2 priority, 8 their TMA without
+  // the L2 promotion).
   const int max_option = variant == GemmVariant::mxfp4_rows                                          ? 4
-                         : variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall ? 3
+                         : variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall ? 15
                                                                                                      : 0;
   LATENTMOE_CHECK(choice.option >= 0 && choice.option <= max_option, "grouped GEMM: the ", to_string(variant),
                   " variant takes options 0 to ", max_option, ", not ", choice.option);

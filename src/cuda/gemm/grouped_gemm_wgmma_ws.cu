@@ -38,7 +38,7 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // The layout the kernel's stages and sw128_desc describe: 128-byte rows (64 k of one weight row) in the 128B
 // swizzle, boxes of box_rows rows (64, or 8: one swizzle atom). Past k and past `rows` the box is zero-filled (and
 // still counted whole by the transaction).
-CUtensorMap wgmma_ws_tensor_map(DType dtype, const void* base, int64_t rows, int64_t k, int box_rows,
+CUtensorMap wgmma_ws_tensor_map(DType dtype, const void* base, int64_t rows, int64_t k, int box_rows, bool promote,
                                 const char* what) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
@@ -48,7 +48,8 @@ CUtensorMap wgmma_ws_tensor_map(DType dtype, const void* base, int64_t rows, int
   const CUresult result = tensor_map_encoder()(
       &map, dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
       const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      CU_TENSOR_MAP_SWIZZLE_128B, promote ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   LATENTMOE_CHECK(result == CUDA_SUCCESS, "grouped GEMM (wgmma_ws): cuTensorMapEncodeTiled failed (CUresult ",
                   static_cast<int>(result), ") for the ", what, ", ", rows, " rows x ", k, " at ", base);
   return map;

@@ -767,8 +767,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               const int col = weight_row(t.nt, lane * kBoxRows, &up);
               // The weights' L2 priority: evict-first, normal for an expert split over several row tiles
               // (weight_policy_for; created here, where it is used: the producer has registers for little).
-              ws::tma_load_2d(stage + lane * kBoxRows * Cfg::kRowBytes, up ? &map_w1 : &map_w0, kt * kBK,
-                              t.expert * n + col, full, weight_policy_for(t.expert_rows, Cfg::kBlockM));
+              ws::tma_load_2d(
+                  stage + lane * kBoxRows * Cfg::kRowBytes, up ? &map_w1 : &map_w0, kt * kBK, t.expert * n + col, full,
+                  weight_policy_for(args.ws_weights_normal ? Cfg::kBlockM + 1 : t.expert_rows, Cfg::kBlockM));
             }
             if (lane < x_boxes) {
               ws::tma_load_2d(dst + lane * kXBoxBytes, &map_x, kt * kBK, t.row_begin + lane * Cfg::kXBoxRows, full);
@@ -907,9 +908,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // --- Host side (grouped_gemm_wgmma_ws.cu, grouped_gemm_wgmma_ws_mxfp4.cu).
 
 // A 2-D TMA map over a bf16/f16 matrix [rows][k] (the stacked weights [E * N][k], or the rows A), boxes of 64 k x
-// box_rows rows in the 128B swizzle (grouped_gemm_wgmma_ws.cu). Throws latentmoe::Error naming `what` when the
-// driver refuses it.
-CUtensorMap wgmma_ws_tensor_map(DType dtype, const void* base, int64_t rows, int64_t k, int box_rows, const char* what);
+// box_rows rows in the 128B swizzle (grouped_gemm_wgmma_ws.cu), fetched 256 bytes per L2 miss where `promote`.
+// Throws latentmoe::Error naming `what` when the driver refuses it.
+CUtensorMap wgmma_ws_tensor_map(DType dtype, const void* base, int64_t rows, int64_t k, int box_rows, bool promote,
+                                const char* what);
 
 template <class T, class Cfg, Mode kMode, bool kMxfp4>
 void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch, cudaStream_t stream) {
@@ -922,8 +924,11 @@ void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch,
   args.n_groups = args.n_tiles;
   args.trigger_dependents = launch.trigger;
   args.wait_before_tile = true;  // the kernel waits before it reads anything
-  // GemmChoice::option bits: 1 the register epilogue, 2 the rows by cp.async even where they are contiguous.
+  // GemmChoice::option bits, for comparison: 1 the register epilogue, 2 the rows by cp.async even where they are
+  // contiguous, 4 the weights at normal L2 priority, 8 the weights' TMA without the 256-byte L2 promotion.
   args.ws_register_epilogue = (launch.variant_option & 1) != 0 ? 1 : 0;
+  args.ws_weights_normal = (launch.variant_option & 4) != 0 ? 1 : 0;
+  const bool promote_weights = (launch.variant_option & 8) == 0;
   args.ws_x_tma = !kMxfp4 && args.sorted_pairs == nullptr && (launch.variant_option & 2) == 0 ? 1 : 0;
   const int64_t stacked_rows = static_cast<int64_t>(args.num_experts) * args.n;
   LATENTMOE_CHECK(stacked_rows + Cfg::kWeightRows < (int64_t{1} << 31), "grouped GEMM (wgmma_ws): ", args.num_experts,
@@ -931,13 +936,15 @@ void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch,
   CUtensorMap map0{}, map1{};  // MXFP4: unused (the producer copies and decodes the codes)
   if constexpr (!kMxfp4) {
     constexpr int kBoxRows = Cfg::box_rows(kMode == Mode::gated);
-    map0 = wgmma_ws_tensor_map(dtype, args.w0, stacked_rows, args.k, kBoxRows, "weights");
-    map1 = kMode == Mode::gated ? wgmma_ws_tensor_map(dtype, args.w1, stacked_rows, args.k, kBoxRows, "weights") : map0;
+    map0 = wgmma_ws_tensor_map(dtype, args.w0, stacked_rows, args.k, kBoxRows, promote_weights, "weights");
+    map1 = kMode == Mode::gated
+               ? wgmma_ws_tensor_map(dtype, args.w1, stacked_rows, args.k, kBoxRows, promote_weights, "weights")
+               : map0;
   }
   // The contiguous rows: A holds max_rows rows (act_rows [T * top_k, k]; grouped_gemm.h); rows past them read as
   // zeros.
   CUtensorMap map_x{};
-  if (args.ws_x_tma) map_x = wgmma_ws_tensor_map(dtype, args.a, launch.max_rows, args.k, Cfg::kXBoxRows, "rows");
+  if (args.ws_x_tma) map_x = wgmma_ws_tensor_map(dtype, args.a, launch.max_rows, args.k, Cfg::kXBoxRows, true, "rows");
   // Tiles: at most the host bound on row tiles times the n-tiles; one CTA per SM, fewer when the bound is smaller,
   // or when launch.n_tiles_per_cta asks for at least that many tiles per CTA (the tests' many-tiles-per-CTA case).
   const int64_t tiles_bound = tile_entries_bound(launch.max_rows, args.num_experts, Cfg::kBlockM) * args.n_tiles;
