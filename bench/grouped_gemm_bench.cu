@@ -239,7 +239,8 @@ nlohmann::json json_row(const Row& r) {
 
 // "mma_l", "mma_l:ng4" (4 n-tiles per CTA), "mma_s:ks2" (2 split-K CTAs per tile), "mma_s:ng1:ks1";
 // "wgmma_ws_tall:op1" (GemmChoice::option 1: the register epilogue; op2 the down projection's rows by cp.async
-// instead of TMA; op4 the weights at normal L2 priority, op8 without the L2 promotion; bits add up), "mxfp4_rows:op1"
+// instead of TMA; op4 the weights at normal L2 priority, op8 without the L2 promotion, op16 the weights' L2 handling
+// before session 20 whatever K; bits add up), "mxfp4_rows:op1"
 // (its copies without an L2 prefetch; op2 128 bytes for codes, op3 256 bytes, op4 128 bytes for codes and scales);
 // "automatic".
 GemmChoice parse_choice(const std::string& spec) {

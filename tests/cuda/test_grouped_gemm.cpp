@@ -604,8 +604,9 @@ TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
     // The down projection's contiguous rows by cp.async instead of TMA (option bit 2), alone and with bit 1.
     small_grids.emplace_back(v, 3, 0, 2);
     small_grids.emplace_back(v, 0, 0, 3);
-    // The weights' L2 priority and promotion (bits 4 and 8: the same results).
+    // The weights' L2 priority and promotion (bits 4 and 8, and 16 the old handling: the same results).
     small_grids.emplace_back(v, 0, 0, 12);
+    small_grids.emplace_back(v, 3, 0, 16);
   }
   const Case many_tiles[] = {
       // name, dtype, act, T, E, Z, k, I_r, l, heavy
@@ -636,7 +637,9 @@ TEST(Cuda_GroupedGemm, wgmma_ws_persistent_schedule) {
                   {GemmChoice(GemmVariant::wgmma_ws), GemmChoice(GemmVariant::wgmma_ws, 2),
                    GemmChoice(GemmVariant::wgmma_ws_tall), GemmChoice(GemmVariant::wgmma_ws_tall, 2)});
     // Option bits it does not have: refused, never ignored.
-    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws_tall, 0, 0, 16), nullptr), Error) << c.name;
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws_tall, 0, 0, 32), nullptr), Error) << c.name;
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws_tall, 0, 0, 20), nullptr), Error) << c.name;
+    EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws, 0, 0, 24), nullptr), Error) << c.name;
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::wgmma_ws, 0, 0, -1), nullptr), Error) << c.name;
   }
 }

@@ -260,14 +260,17 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   }
   LATENTMOE_CHECK(!is_mxfp4_only(variant) || mxfp4, "grouped GEMM: the ", to_string(variant),
                   " variant takes MXFP4 weights only");
-  // GemmChoice::option: mxfp4_rows 0-4 (its L2 prefetch size), wgmma_ws and wgmma_ws_tall 0-15 (bits: 1 the register
+  // GemmChoice::option: mxfp4_rows 0-4 (its L2 prefetch size), wgmma_ws and wgmma_ws_tall 0-31 (bits: 1 the register
   // epilogue, 2 contiguous rows by cp.async instead of TMA, 4 the weights at normal L2 priority, 8 their TMA without
-  // the L2 promotion).
+  // the L2 promotion, 16 the weights' L2 handling of before session 20 whatever K; 16 with 4 or 8 is refused).
   const int max_option = variant == GemmVariant::mxfp4_rows                                          ? 4
-                         : variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall ? 15
+                         : variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall ? 31
                                                                                                      : 0;
   LATENTMOE_CHECK(choice.option >= 0 && choice.option <= max_option, "grouped GEMM: the ", to_string(variant),
                   " variant takes options 0 to ", max_option, ", not ", choice.option);
+  LATENTMOE_CHECK(max_option != 31 || (choice.option & 16) == 0 || (choice.option & 12) == 0, "grouped GEMM: the ",
+                  to_string(variant), " variant's option ", choice.option,
+                  " asks for the old weights' L2 handling (16) and for a new one (4 or 8) at once");
   const bool tensor_core_ok = dtype != DType::f32 && current_compute_capability() >= 80 && args.n % 8 == 0 &&
                               args.k % 8 == 0 && aligned16(args.a) && aligned16(args.w0) &&
                               (args.w1 == nullptr || aligned16(args.w1)) && aligned16(args.out);

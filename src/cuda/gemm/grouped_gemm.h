@@ -111,7 +111,8 @@ bool is_wgmma(GemmVariant variant);
 // default; wgmma_ws and wgmma_ws_tall, bits for comparison: 1 stores the outputs from registers (4 bytes a thread)
 // instead of through shared memory (16 bytes a thread), 2 copies contiguous rows (the down projection's) by
 // cp.async instead of TMA, 4 keeps the weights at normal L2 priority (not evict-first), 8 loads them without the
-// 256-byte L2 promotion; mxfp4_rows: the L2 prefetch size (above).
+// 256-byte L2 promotion (both the default where K <= 512), 16 the weights' L2 handling before session 20 whatever K
+// (not with 4 or 8); mxfp4_rows: the L2 prefetch size (above).
 struct GemmChoice {
   GemmChoice(GemmVariant v = GemmVariant::automatic, int tiles_per_cta = 0, int splits = 0, int opt = 0)
       : variant(v), n_tiles_per_cta(tiles_per_cta), k_splits(splits), option(opt) {}
