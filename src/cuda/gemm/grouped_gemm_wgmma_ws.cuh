@@ -769,7 +769,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               bool up;
               const int col = weight_row(t.nt, lane * kBoxRows, &up);
               // The weights' L2 priority: evict-first, normal for an expert split over several row tiles
-              // (weight_policy_for; created here, where it is used: the producer has registers for little).
+              // (weight_policy_for) and for a short reduction (ws_weights_normal, the launcher); created here,
+              // where it is used: the producer has registers for little.
               ws::tma_load_2d(
                   stage + lane * kBoxRows * Cfg::kRowBytes, up ? &map_w1 : &map_w0, kt * kBK, t.expert * n + col, full,
                   weight_policy_for(args.ws_weights_normal ? Cfg::kBlockM + 1 : t.expert_rows, Cfg::kBlockM));
@@ -940,7 +941,7 @@ void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch,
   args.ws_register_epilogue = (option & 1) != 0 ? 1 : 0;
   args.ws_weights_normal = short_reduction || (option & 4) != 0 ? 1 : 0;
   const bool promote_weights = !short_reduction && (option & 8) == 0;
-  args.ws_x_tma = !kMxfp4 && args.sorted_pairs == nullptr && (launch.variant_option & 2) == 0 ? 1 : 0;
+  args.ws_x_tma = !kMxfp4 && args.sorted_pairs == nullptr && (option & 2) == 0 ? 1 : 0;
   const int64_t stacked_rows = static_cast<int64_t>(args.num_experts) * args.n;
   LATENTMOE_CHECK(stacked_rows + Cfg::kWeightRows < (int64_t{1} << 31), "grouped GEMM (wgmma_ws): ", args.num_experts,
                   " experts x ", args.n, " weight rows exceed the kernel's 32-bit row coordinates");
