@@ -526,6 +526,26 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
   EXPECT_FALSE(grouped_mxfp4_supported(DType::bf16, 200, 1024));  // I_r not a multiple of 32
 }
 
+// The persistent kernels' L2 handling of their weights (detail::ws_weight_l2): a short reduction (the down projections
+// at tp-shard 8) at normal priority without the promotion, a longer one evict-first with it, the option bits forcing
+// either way. Host only: runs without a GPU too.
+TEST(Cuda_GroupedGemm, wgmma_ws_weight_l2_handling_by_reduction_length) {
+  auto is = [](detail::WsWeightL2 got, bool normal, bool promote) {
+    return got.normal_priority == normal && got.promote == promote;
+  };
+  EXPECT_TRUE(is(detail::ws_weight_l2(0, 336), true, false));  // Nemotron's down at tp-shard 8
+  EXPECT_TRUE(is(detail::ws_weight_l2(0, 384), true, false));  // Kimi-K3's
+  EXPECT_TRUE(is(detail::ws_weight_l2(0, detail::kWsShortReductionK), true, false));
+  EXPECT_TRUE(is(detail::ws_weight_l2(0, detail::kWsShortReductionK + 8), false, true));
+  EXPECT_TRUE(is(detail::ws_weight_l2(0, 1024), false, true));  // Nemotron's gate/up
+  EXPECT_TRUE(is(detail::ws_weight_l2(16, 336), false, true));  // the old handling, whatever K
+  EXPECT_TRUE(is(detail::ws_weight_l2(4, 1024), true, true));
+  EXPECT_TRUE(is(detail::ws_weight_l2(8, 1024), false, false));
+  EXPECT_TRUE(is(detail::ws_weight_l2(12, 7168), true, false));
+  EXPECT_TRUE(is(detail::ws_weight_l2(1 | 2, 336), true, false));  // the epilogue and rows bits change nothing here
+  EXPECT_TRUE(is(detail::ws_weight_l2(1 | 2, 2688), false, true));
+}
+
 // The settings registry declares the decode kernels' token bound the backend applies when the variable is
 // unset (the registry, in core, cannot name the CUDA constant). Host only: runs without a GPU too.
 TEST(Cuda_GroupedGemm, mxfp4_decode_token_bound_is_the_registrys_default) {

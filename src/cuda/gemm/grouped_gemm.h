@@ -131,6 +131,18 @@ bool wgmma_available();
 // on the GPU at once: 1 when the tiles fill at least half of it, else as many as fit in one wave
 // (each split keeping at least 4 k-tiles).
 int choose_k_splits(int64_t ctas, int num_k_tiles, int64_t resident);
+// How wgmma_ws and wgmma_ws_tall load their bf16/f16 weights into the L2 for a reduction of length k and a
+// GemmChoice::option: at normal priority (else evict-first, except an expert split over several row tiles) and with
+// the 256-byte promotion. By default a short reduction (k <= kWsShortReductionK: the down projections at tp-shard 8)
+// takes normal priority without the promotion and a longer one evict-first with it; option bits 4 (normal) and 8 (no
+// promotion) force those, 16 the longer reductions' handling whatever k (the options' check refuses 16 with 4 or 8).
+// Measured in docs/GROUPED_GEMM.md, "The weights' L2 handling".
+inline constexpr int64_t kWsShortReductionK = 512;
+struct WsWeightL2 {
+  bool normal_priority;
+  bool promote;
+};
+WsWeightL2 ws_weight_l2(int option, int64_t k);
 // The variant `automatic` resolves to for this problem on the current device.
 // gated: the gate/up projection of silu/situ (two weight matrices); false for relu2's and for down.
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,

@@ -55,6 +55,24 @@ CUtensorMap wgmma_ws_tensor_map(DType dtype, const void* base, int64_t rows, int
   return map;
 }
 
+}  // namespace latentmoe::cuda::gg
+
+namespace latentmoe::cuda::detail {
+
+// Measured on an H100 (session 20, bench/results/issue32_h100_6f0c3a7.json; option bits against the default in one
+// binary): normal priority without the promotion made Nemotron's down (K = 336) on wgmma_ws_tall 1.40x faster at 2048
+// and 4096 tokens and 1.07x at 8192, and Kimi-K3's (K = 384) on wgmma_ws 1.13-1.18x (either bit) at 8192; Nemotron's
+// gate/up (K = 1024) got 2-7% slower with bit 4 and up to 14% with bit 8, so longer reductions keep evict-first with
+// the promotion.
+WsWeightL2 ws_weight_l2(int option, int64_t k) {
+  const bool short_reduction = k <= kWsShortReductionK && (option & 16) == 0;
+  return WsWeightL2{short_reduction || (option & 4) != 0, !short_reduction && (option & 8) == 0};
+}
+
+}  // namespace latentmoe::cuda::detail
+
+namespace latentmoe::cuda::gg {
+
 void launch_wgmma_ws_wide(DType dtype, Mode mode, const KernelArgs& args, const MmaLaunch& launch,
                           cudaStream_t stream) {
   if (dtype == DType::bf16) {

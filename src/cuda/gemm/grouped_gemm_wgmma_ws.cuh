@@ -179,9 +179,6 @@ using WgmmaWsMxfp4Cfg = WgmmaWsConfig<128, 2, 4, 3>;
 using WgmmaWsTallCfg = WgmmaWsConfig<256, 1, 4, 3>;
 
 inline constexpr uint64_t kWaitTimeoutNs = 5'000'000'000ull;
-// Reductions this short or shorter load their weights at normal L2 priority without the 256-byte promotion
-// (launch_wgmma_ws_mode says why).
-inline constexpr int kWsShortReductionK = 512;
 
 #ifndef LATENTMOE_WGMMA_WS_REPORT
 #define LATENTMOE_WGMMA_WS_REPORT 0
@@ -929,18 +926,12 @@ void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch,
   args.trigger_dependents = launch.trigger;
   args.wait_before_tile = true;  // the kernel waits before it reads anything
   // GemmChoice::option bits, for comparison: 1 the register epilogue, 2 the rows by cp.async even where they are
-  // contiguous, 4 the weights at normal L2 priority, 8 the weights' TMA without the 256-byte L2 promotion, 16 the
-  // weights evict-first (normal for an expert split over row tiles) with the promotion whatever K (before session 20).
-  // By default a short reduction (K <= kWsShortReductionK: the down projections at tp-shard 8) takes bits 4 and 8:
-  // measured on an H100 (session 20, bench/results/issue32_h100_6f0c3a7.json, docs/GROUPED_GEMM.md "The weights' L2
-  // handling"), Nemotron's down (K = 336) wgmma_ws_tall 1.40x faster at 2048 and 4096 tokens and 1.07x at 8192,
-  // Kimi-K3's (K = 384) wgmma_ws 1.13-1.18x with either bit at 8192; Nemotron's gate/up (K = 1024 and 4096 tokens)
-  // 6-7% slower with bit 4 and up to 14% with bit 8, so longer reductions keep the old handling.
+  // contiguous; 4, 8 and 16 the weights' L2 handling (detail::ws_weight_l2, grouped_gemm_wgmma_ws.cu).
   const int option = launch.variant_option;
-  const bool short_reduction = args.k <= kWsShortReductionK && (option & 16) == 0;
+  const detail::WsWeightL2 weight_l2 = detail::ws_weight_l2(option, args.k);
   args.ws_register_epilogue = (option & 1) != 0 ? 1 : 0;
-  args.ws_weights_normal = short_reduction || (option & 4) != 0 ? 1 : 0;
-  const bool promote_weights = !short_reduction && (option & 8) == 0;
+  args.ws_weights_normal = weight_l2.normal_priority ? 1 : 0;
+  const bool promote_weights = weight_l2.promote;
   args.ws_x_tma = !kMxfp4 && args.sorted_pairs == nullptr && (option & 2) == 0 ? 1 : 0;
   const int64_t stacked_rows = static_cast<int64_t>(args.num_experts) * args.n;
   LATENTMOE_CHECK(stacked_rows + Cfg::kWeightRows < (int64_t{1} << 31), "grouped GEMM (wgmma_ws): ", args.num_experts,
