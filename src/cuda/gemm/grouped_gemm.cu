@@ -263,12 +263,11 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
   // GemmChoice::option: mxfp4_rows 0-4 (its L2 prefetch size), wgmma_ws and wgmma_ws_tall 0-31 (bits: 1 the register
   // epilogue, 2 contiguous rows by cp.async instead of TMA, 4 the weights at normal L2 priority, 8 their TMA without
   // the L2 promotion, 16 the weights' L2 handling of before session 20 whatever K; 16 with 4 or 8 is refused).
-  const int max_option = variant == GemmVariant::mxfp4_rows                                          ? 4
-                         : variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall ? 31
-                                                                                                     : 0;
+  const bool persistent = variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall;
+  const int max_option = variant == GemmVariant::mxfp4_rows ? 4 : persistent ? 31 : 0;
   LATENTMOE_CHECK(choice.option >= 0 && choice.option <= max_option, "grouped GEMM: the ", to_string(variant),
                   " variant takes options 0 to ", max_option, ", not ", choice.option);
-  LATENTMOE_CHECK(max_option != 31 || (choice.option & 16) == 0 || (choice.option & 12) == 0, "grouped GEMM: the ",
+  LATENTMOE_CHECK(!persistent || (choice.option & 16) == 0 || (choice.option & 12) == 0, "grouped GEMM: the ",
                   to_string(variant), " variant's option ", choice.option,
                   " asks for the old weights' L2 handling (16) and for a new one (4 or 8) at once");
   const bool tensor_core_ok = dtype != DType::f32 && current_compute_capability() >= 80 && args.n % 8 == 0 &&
@@ -316,7 +315,7 @@ void run(GemmChoice choice, DType dtype, gg::Mode mode, const gg::KernelArgs& ar
     LATENTMOE_CHECK(detail::wgmma_available(), "grouped GEMM: the ", detail::to_string(variant),
                     " variant needs an sm_90 device and sm_90a code");
   }
-  if (variant == GemmVariant::wgmma_ws || variant == GemmVariant::wgmma_ws_tall) {
+  if (persistent) {
     gg::launch_wgmma_ws(dtype, variant == GemmVariant::wgmma_ws_tall ? gg::WgmmaWsShape::tall : gg::WgmmaWsShape::wide,
                         mode, args, launch, stream);
     return;

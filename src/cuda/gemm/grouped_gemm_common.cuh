@@ -54,8 +54,8 @@ struct KernelArgs {
   // The persistent kernel: 1 loads the rows A by TMA (contiguous rows: sorted_pairs null, A [max_rows, k]), 0 by
   // cp.async through the pair table.
   int ws_x_tma = 0;
-  // The persistent kernel, for comparison (GemmChoice::option bit 4): the weights at normal L2 priority even where
-  // an expert's rows fit one tile (weight_policy_for marks those evict-first).
+  // The persistent kernel: the weights at normal L2 priority even where an expert's rows fit one tile
+  // (weight_policy_for marks those evict-first); detail::ws_weight_l2 decides (short reductions, option bit 4).
   int ws_weights_normal = 0;
 
   // Split-K (tensor-core kernel only; then n_tiles_per_cta is 1): the k_splits CTAs of one output tile

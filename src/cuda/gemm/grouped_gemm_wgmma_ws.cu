@@ -35,9 +35,9 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 }  // namespace
 
-// The layout the kernel's stages and sw128_desc describe: 128-byte rows (64 k of one weight row) in the 128B
-// swizzle, boxes of box_rows rows (64, or 8: one swizzle atom). Past k and past `rows` the box is zero-filled (and
-// still counted whole by the transaction).
+// The layout the kernel's stages and sw128_desc describe: 128-byte rows (64 k of one weight row or one row of A) in
+// the 128B swizzle, boxes of box_rows rows (weights 64, or 8: one swizzle atom; rows 32). Past k and past `rows` the
+// box is zero-filled (and still counted whole by the transaction).
 CUtensorMap wgmma_ws_tensor_map(DType dtype, const void* base, int64_t rows, int64_t k, int box_rows, bool promote,
                                 const char* what) {
   CUtensorMap map;

@@ -931,17 +931,17 @@ void launch_wgmma_ws_mode(DType dtype, KernelArgs args, const MmaLaunch& launch,
   const detail::WsWeightL2 weight_l2 = detail::ws_weight_l2(option, args.k);
   args.ws_register_epilogue = (option & 1) != 0 ? 1 : 0;
   args.ws_weights_normal = weight_l2.normal_priority ? 1 : 0;
-  const bool promote_weights = weight_l2.promote;
-  args.ws_x_tma = !kMxfp4 && args.sorted_pairs == nullptr && (option & 2) == 0 ? 1 : 0;
+  // Exactly the instances that compile the rows by TMA (the kernel's x_tma): plain mode, bf16/f16 weights.
+  args.ws_x_tma = kMode == Mode::plain && !kMxfp4 && args.sorted_pairs == nullptr && (option & 2) == 0 ? 1 : 0;
   const int64_t stacked_rows = static_cast<int64_t>(args.num_experts) * args.n;
   LATENTMOE_CHECK(stacked_rows + Cfg::kWeightRows < (int64_t{1} << 31), "grouped GEMM (wgmma_ws): ", args.num_experts,
                   " experts x ", args.n, " weight rows exceed the kernel's 32-bit row coordinates");
   CUtensorMap map0{}, map1{};  // MXFP4: unused (the producer copies and decodes the codes)
   if constexpr (!kMxfp4) {
     constexpr int kBoxRows = Cfg::box_rows(kMode == Mode::gated);
-    map0 = wgmma_ws_tensor_map(dtype, args.w0, stacked_rows, args.k, kBoxRows, promote_weights, "weights");
+    map0 = wgmma_ws_tensor_map(dtype, args.w0, stacked_rows, args.k, kBoxRows, weight_l2.promote, "weights");
     map1 = kMode == Mode::gated
-               ? wgmma_ws_tensor_map(dtype, args.w1, stacked_rows, args.k, kBoxRows, promote_weights, "weights")
+               ? wgmma_ws_tensor_map(dtype, args.w1, stacked_rows, args.k, kBoxRows, weight_l2.promote, "weights")
                : map0;
   }
   // The contiguous rows: A holds max_rows rows (act_rows [T * top_k, k]; grouped_gemm.h); rows past them read as
