@@ -12,7 +12,6 @@ namespace {
 
 constexpr int kThreads = 32;
 constexpr int64_t kChunkBytes = 16 * 1024;  // one bulk prefetch
-constexpr int kLineBytes = 128;
 
 template <bool kEvictLast>
 __device__ __forceinline__ void prefetch_chunk(const char* chunk, uint32_t bytes, uint64_t policy) {
@@ -24,6 +23,7 @@ __device__ __forceinline__ void prefetch_chunk(const char* chunk, uint32_t bytes
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(chunk), "r"(bytes) : "memory");
   }
 #else
+  constexpr uint32_t kLineBytes = 128;
   (void)policy;
   for (uint32_t offset = 0; offset < bytes; offset += kLineBytes) {
     if constexpr (kEvictLast) {
