@@ -4,9 +4,9 @@
 #   scripts/gpu_run.sh BIN_DIR COMMIT STEPS
 # BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh), and
 # grouped_gemm_bench and gemv_bench (build-gpu/bench/) for the steps that run them;
-# STEPS is a comma list of: tests, nccl, demo, sanitize_comm, sanitize, bench, bench_ab, bench_prefetch, bench_decode, bench_no_skinny,
+# STEPS is a comma list of: tests, nccl, demo, sanitize_comm, sanitize, bench, bench_ab, bench_decode, bench_no_skinny,
 # bench_no_gemv, bench_mxfp4, bench_tail, grouped_gemm, grouped_gemm_sweep, gemv, peers (run in that order: tests,
-# nccl, bench, bench_ab, bench_prefetch, bench_decode, bench_no_skinny, bench_no_gemv, bench_mxfp4, bench_tail, grouped_gemm,
+# nccl, bench, bench_decode, bench_no_skinny, bench_no_gemv, bench_mxfp4, bench_tail, grouped_gemm,
 # grouped_gemm_sweep, gemv, peers, sanitize).
 #   nccl  the NCCL group tests (NcclGroup*: one GPU and every GPU present) against PyTorch's libnccl, the
 #         release latentmoe is built against (the machine's default libnccl is older; NCCL's device API
@@ -18,9 +18,6 @@
 #   bench_ab            latentmoe bench layer alternating with a baseline build (BASE_BIN: the folder of its latentmoe),
 #                       two rounds, dense and MXFP4 experts, tp-shard 8: behaviour-preserving changes are checked
 #                       against the baseline in the same call (layer_ab_{new,base}_{dense,mxfp4}_{1,2}.json)
-#   bench_prefetch      latentmoe bench layer (kimi-k3 tp-shard 8, MXFP4, 1-256 tokens) with the tail's W_up L2
-#                       prefetch off, 24 MiB evict-last and 24 MiB normal, alternating, two rounds
-#                       (layer_prefetch_{mb}_{priority}_{round}.json; docs/CUDA_BACKEND.md, prefetch_weights)
 #   grouped_gemm        grouped_gemm_bench, the library's variant choice, every phase (grouped_gemm.json)
 #   grouped_gemm_sweep  grouped_gemm_bench, every tensor-core variant, gate_up and down (grouped_gemm_sweep.json)
 #   gemv                gemv_bench: the decode GEMV against cuBLAS and a plain read (gemv.json)
@@ -72,18 +69,6 @@ if has bench_ab; then
           > "$out/layer_ab_${which}_${experts}_$round.log" 2>&1
         echo "bench ab $which $experts round $round rc=$?"
       done
-    done
-  done
-fi
-if has bench_prefetch; then  # the L2 prefetch of the tail's W_up: off, 24 MiB evict-last, 24 MiB normal, two rounds
-  for round in 1 2; do
-    for setting in 0:evict_last 24:evict_last 24:normal; do
-      mb=${setting%%:*} priority=${setting##*:}
-      name=layer_prefetch_${mb}_${priority}_$round
-      timeout 60 "$bin/latentmoe" bench layer --preset kimi-k3 --tp-shard 8 --tokens 1,4,16,64,256 --experts mxfp4 \
-        --l2-prefetch-mb "$mb" --l2-prefetch-priority "$priority" --commit "$commit" --json "$out/$name.json" \
-        > "$out/$name.log" 2>&1
-      echo "bench layer prefetch $mb MiB $priority round $round rc=$?"
     done
   done
 fi

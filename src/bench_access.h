@@ -75,11 +75,6 @@ inline cuda::CudaBackend& cuda_backend_of(Runner& runner) {
 // the benchmark compares; they size nothing, so they may change after construction).
 inline void set_skinny_max_tokens(Runner& runner, int tokens) { cuda_backend_of(runner).set_skinny_max_tokens(tokens); }
 inline void set_gemv_max_tokens(Runner& runner, int tokens) { cuda_backend_of(runner).set_gemv_max_tokens(tokens); }
-// CudaBackend::set_l2_prefetch of the runner's backend (the tail's W_up asked of the L2; bench layer compares).
-inline void set_l2_prefetch(Runner& runner, size_t bytes, bool evict_last) {
-  cuda_backend_of(runner).set_l2_prefetch(
-      bytes, evict_last ? cuda::L2PrefetchPriority::evict_last : cuda::L2PrefetchPriority::normal);
-}
 // CudaBackend::set_fused_up_projection_max_tokens (tier 0's fused up-projection; bench tail compares).
 inline void set_fused_up_projection_max_tokens(Runner& runner, int tokens) {
   cuda_backend_of(runner).set_fused_up_projection_max_tokens(tokens);

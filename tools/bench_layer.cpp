@@ -228,8 +228,6 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   Runner runner(config, parallel, views, *group[0], runner_options);
   bench_access::set_skinny_max_tokens(runner, options.skinny_max_tokens);
   bench_access::set_gemv_max_tokens(runner, options.gemv_max_tokens);
-  bench_access::set_l2_prefetch(runner, static_cast<size_t>(options.l2_prefetch_mb * 1024 * 1024),
-                                options.l2_prefetch_priority == "evict_last");
 
   // The phases run the runner's backend operations on its own weights and workspaces, on its own stream.
   bench_access::RunnerState& state = bench_access::state_of(runner);
@@ -405,8 +403,6 @@ void run_bench_layer(const BenchLayerOptions& options) {
   report["commit"] = options.commit;
   report["skinny_max_tokens"] = options.skinny_max_tokens;
   report["gemv_max_tokens"] = options.gemv_max_tokens;
-  report["l2_prefetch_mb"] = options.l2_prefetch_mb;
-  report["l2_prefetch_priority"] = options.l2_prefetch_priority;
   report["experts"] = options.experts;
   report["ceilings"] = {{"copy_tb_per_s", ceilings.copy_bytes_per_s / 1e12},
                         {"gemm_bf16_tflop_per_s", ceilings.gemm_flops_per_s / 1e12}};
@@ -435,9 +431,6 @@ void run_bench_layer(const BenchLayerOptions& options) {
   if (options.skinny_max_tokens != 8) repro.flag("--skinny-max-tokens", options.skinny_max_tokens);
   if (options.gemv_max_tokens != 0) repro.flag("--gemv-max-tokens", options.gemv_max_tokens);
   if (options.experts != "dense") repro.flag("--experts", options.experts);
-  if (options.l2_prefetch_mb != 0) {
-    repro.flag("--l2-prefetch-mb", options.l2_prefetch_mb).flag("--l2-prefetch-priority", options.l2_prefetch_priority);
-  }
   repro.print();
   report["repro"] = repro.line();
   if (!options.json_path.empty()) bench::write_json(options.json_path, report);

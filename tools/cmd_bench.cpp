@@ -34,12 +34,6 @@ void register_bench_command(CLI::App& app) {
       ->add_option("--gemv-max-tokens", options->gemv_max_tokens,
                    "largest token count whose dense linears take the decode GEMV (0: never)")
       ->check(CLI::Range(0, 4));
-  layer
-      ->add_option("--l2-prefetch-mb", options->l2_prefetch_mb,
-                   "MiB of the tail's W_up asked of the L2 once the shared expert is done (0: off)")
-      ->check(CLI::Range(0.0, 1024.0));
-  layer->add_option("--l2-prefetch-priority", options->l2_prefetch_priority, "evict_last (default) or normal")
-      ->check(CLI::IsMember({"evict_last", "normal"}));
   layer->add_option("--experts", options->experts, "dense (default) or mxfp4: the routed experts' weights")
       ->check(CLI::IsMember({"dense", "mxfp4"}));
   layer->add_option("--json", options->json_path, "write the results as JSON to this file");

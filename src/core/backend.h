@@ -210,11 +210,6 @@ class Backend {
   virtual void up_projection_all_gather(Communicator& comm, const TensorView& x, const TensorView& w_shard,
                                         const TensorView& shard, const TensorView& out);
 
-  // A hint that `weights` (device memory no operation writes) will be read soon: a backend may start
-  // bringing their first bytes closer to its compute units (CUDA: into the L2, up to a budget, on the
-  // current stream) while other work runs. It never changes a result. The default does nothing.
-  virtual void prefetch_weights(const TensorView& weights) {}
-
   // Runs `main` and `aux` so that they may overlap (CUDA: aux on a second stream joined by events).
   // The default runs main, then aux.
   virtual void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux);

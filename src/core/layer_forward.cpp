@@ -63,23 +63,15 @@ void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOut
     backend.routed_experts(state.activation, latent_in, topk_ids, topk_weights, routed_expert_weights(state),
                            t.latent_partial);
   };
-  // The tail's W_up rows do not depend on the activations: once the shared expert is done, the aux stream
-  // asks for them to be prefetched while the routed experts still stream (prefetch_weights, a hint);
-  // without a shared expert, before the routed experts.
-  const TailOperands tail = state.tail_operands();
-  auto prefetch_up = [&] { backend.prefetch_weights(up_projection_weights(tail, tier)); };
   if (state.config.has_shared_expert()) {
-    backend.run_overlapped(routed, [&] {
-      backend.dense_mlp(state.activation, x, shared_expert_weights(state), t.shared_partial);
-      prefetch_up();
-    });
+    backend.run_overlapped(
+        routed, [&] { backend.dense_mlp(state.activation, x, shared_expert_weights(state), t.shared_partial); });
   } else {
-    prefetch_up();
     routed();
   }
 
   // Steps 5 and 8, the tail: R = norm(L) W_up^T and out = R + S, replicated on every rank.
-  run_tail(tail, tier, t);
+  run_tail(state.tail_operands(), tier, t);
 
   // Step 7, the zero experts: identity experts weighted by their routing weights, added to the
   // replicated output (out = R + S + Zout).

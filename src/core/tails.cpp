@@ -86,11 +86,6 @@ TailTensors tail_tensors(const TailScratch& scratch, TailTier tier, int tp_size,
   return t;
 }
 
-TensorView up_projection_weights(const TailOperands& operands, TailTier tier) {
-  const bool sharded = tier == TailTier::tail_fusion || tier == TailTier::column_parallel;
-  return sharded ? up_proj_shard(operands) : operands.up_proj;
-}
-
 void run_tail(const TailOperands& operands, TailTier tier, const TailTensors& tensors) {
   switch (tier) {
     case TailTier::native:

@@ -53,10 +53,6 @@ TailTensors tail_tensors(const TailScratch& scratch, TailTier tier, int tp_size,
 // Whether the tail of `tier` on a group of `tp_size` ranks takes `out` as the shared partial (tail_tensors).
 bool shared_partial_is_out(TailTier tier, int tp_size);
 
-// The rows of W_up the tail of `tier` reads on this rank: its column shard for tail_fusion and
-// column_parallel, all of W_up otherwise (what the layer asks the backend to prefetch, prefetch_weights).
-TensorView up_projection_weights(const TailOperands& operands, TailTier tier);
-
 // The tail of `tier` (DESIGN steps 5 and 8) on the backend's current stream. Nothing here checks the tier
 // against what the rank supports (the callers do).
 void run_tail(const TailOperands& operands, TailTier tier, const TailTensors& tensors);

@@ -9,7 +9,6 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <random>
 #include <thread>
@@ -19,7 +18,6 @@
 #include "cuda/common/device.h"
 #include "cuda/kernels/routing.h"
 #include "cuda_test_util.h"
-#include "error_test_util.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda::testing {
@@ -623,34 +621,6 @@ TEST_F(CudaOps, rms_norm_in_place_and_on_a_column_block) {
   const TensorView block = dwide.view.slice_cols(72, 72 + cols);
   gpu_->rms_norm(block, dgamma.view, 1e-6f, block);  // in place, strided
   EXPECT_LT(relative_error(download(*gpu_, block), ref), 1e-2);
-}
-
-// prefetch_weights is a hint: at any alignment of the tensor's first byte, any byte count and budget (past the
-// tensor, within it, one not a multiple of 16) and either priority, the kernel runs without a fault and the
-// memory is what it was. A budget above 1 GiB is refused by name and leaves the setting as it was.
-TEST_F(CudaOps, prefetch_weights_changes_no_memory_at_any_alignment_or_budget) {
-  HostTensor bytes(DType::u8, {3 * 65536 + 77});
-  std::mt19937 generator(950);
-  for (int64_t i = 0; i < bytes.numel(); ++i) bytes.data_as<uint8_t>()[i] = static_cast<uint8_t>(generator());
-  DeviceTensor device = upload(*gpu_, bytes);
-  EXPECT_EQ(gpu_->l2_prefetch_bytes(), 0u);  // off until set
-  gpu_->prefetch_weights(device.view);       // off: nothing runs
-  for (L2PrefetchPriority priority : {L2PrefetchPriority::evict_last, L2PrefetchPriority::normal}) {
-    for (size_t budget : {size_t{1}, size_t{15}, size_t{1001}, size_t{65536 + 3}, size_t{1} << 30}) {
-      gpu_->set_l2_prefetch(budget, priority);
-      EXPECT_EQ(gpu_->l2_prefetch_bytes(), budget);
-      for (int64_t begin : {int64_t{0}, int64_t{3}, int64_t{16}, int64_t{4099}}) {
-        gpu_->prefetch_weights(device.view.slice_rows(begin, bytes.numel()));
-      }
-    }
-  }
-  gpu_->synchronize();
-  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  const HostTensor after = download(*gpu_, device.view);
-  EXPECT_EQ(std::memcmp(after.data(), bytes.data(), bytes.nbytes()), 0);
-  latentmoe::testing::expect_error([&] { gpu_->set_l2_prefetch((size_t{1} << 30) + 1, L2PrefetchPriority::normal); },
-                                   {"l2_prefetch_bytes 1073741825 is above 1 GiB"});
-  EXPECT_EQ(gpu_->l2_prefetch_bytes(), size_t{1} << 30);
 }
 
 TEST_F(CudaOps, add_matches_cpu_including_aliasing_and_mixed_dtypes) {

@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <functional>
 
-#include "bench_access.h"
 #include "checkpoint_test_util.h"
 #include "cuda_test_util.h"
 #include "error_test_util.h"
@@ -331,48 +330,6 @@ TEST(CudaRunner, tp1_layer_matches_the_cpu_runner) {
         EXPECT_LT(relative_error(got.weights, ref.weights), 1e-6);
         EXPECT_EQ(count_non_finite(got.output), 0);
         EXPECT_LT(relative_error(got.output, ref.output), tolerance(dtype));
-      }
-    }
-  }
-}
-
-// The layer with the tail's W_up prefetched into the L2 (CudaBackend::set_l2_prefetch) gives the same bits
-// as without: a budget within W_up that is not a multiple of 16, one past W_up, both priorities; decode and
-// prefill token counts; both reference families (a latent norm and none).
-TEST(CudaRunner, l2_prefetch_of_the_up_projection_changes_no_bit_of_the_output) {
-  LATENTMOE_REQUIRE_GPU();
-  uint64_t seed = 300;
-  for (const LayerConfig& config :
-       {latentmoe::testing::kimi_like_config(), latentmoe::testing::nemotron_like_config()}) {
-    const DType dtype = DType::bf16;
-    const LayerWeights weights = make_random_layer_weights(config, dtype, ++seed);
-    auto group = make_in_process_group(1);
-    RunnerOptions options;
-    options.backend = BackendKind::cuda;
-    options.max_tokens = 64;
-    options.host_staging = true;
-    Runner runner(config, ParallelConfig{}, views_of(weights), *group[0], options);
-    for (int64_t tokens : {int64_t{1}, int64_t{5}, int64_t{64}}) {
-      SCOPED_TRACE(std::string(to_string(config.activation)) + ", T = " + std::to_string(tokens));
-      const HostTensor x = latentmoe::testing::random_host_tensor(dtype, {tokens, config.hidden_size}, ++seed);
-      auto forward = [&] {
-        HostTensor out(dtype, {tokens, config.hidden_size});
-        ForwardInputs inputs;
-        inputs.hidden_states = x.view();
-        runner.forward_host(inputs, ForwardOutputs{out.view(), {}, {}});
-        return out;
-      };
-      bench_access::set_l2_prefetch(runner, 0, true);
-      const HostTensor off = forward();
-      struct Setting {
-        size_t bytes;
-        bool evict_last;
-      };
-      for (const Setting& setting :
-           {Setting{1000, true}, Setting{size_t{1} << 30, false}, Setting{size_t{1} << 30, true}}) {
-        bench_access::set_l2_prefetch(runner, setting.bytes, setting.evict_last);
-        EXPECT_TRUE(bitwise_equal(forward().view(), off.view()))
-            << setting.bytes << " bytes, evict_last " << setting.evict_last;
       }
     }
   }

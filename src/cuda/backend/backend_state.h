@@ -113,10 +113,6 @@ struct CudaBackend::State {
   // kMxfp4DecodeMaxRows; LATENTMOE_MXFP4_DECODE_MAX_TOKENS); above, the grouped GEMMs.
   int mxfp4_decode_max_tokens = kMxfp4DecodeTokens;
 
-  // prefetch_weights' budget and priority (set_l2_prefetch; 0 bytes: off).
-  size_t l2_prefetch_bytes = 0;
-  L2PrefetchPriority l2_prefetch_priority = L2PrefetchPriority::evict_last;
-
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
   bool overlapping = false;
   unsigned routed_slots = 0, dense_slots = 0, router_slots = 0;

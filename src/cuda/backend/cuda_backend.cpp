@@ -143,25 +143,6 @@ void CudaBackend::set_fused_up_projection_max_latent(int64_t latent) {
   state_->fused_up_projection_max_latent = latent;
 }
 
-void CudaBackend::set_l2_prefetch(size_t bytes, L2PrefetchPriority priority) {
-  LATENTMOE_CHECK(bytes <= (size_t{1} << 30), "CUDA backend: l2_prefetch_bytes ", bytes, " is above 1 GiB");
-  state_->l2_prefetch_bytes = bytes;
-  state_->l2_prefetch_priority = priority;
-}
-size_t CudaBackend::l2_prefetch_bytes() const { return state_->l2_prefetch_bytes; }
-L2PrefetchPriority CudaBackend::l2_prefetch_priority() const { return state_->l2_prefetch_priority; }
-
-void CudaBackend::prefetch_weights(const TensorView& weights) {
-  State& s = *state_;
-  if (s.l2_prefetch_bytes == 0 || !weights.defined() || weights.numel() == 0) return;
-  LATENTMOE_CHECK(weights.device() == Device::cuda && weights.is_contiguous(),
-                  "CUDA backend: prefetch_weights takes a contiguous device tensor, not ", weights.shape_string());
-  DeviceGuard guard(s.ordinal);
-  const size_t bytes =
-      std::min(static_cast<size_t>(weights.numel()) * dtype_size(weights.dtype()), s.l2_prefetch_bytes);
-  l2_prefetch(weights.data(), bytes, s.l2_prefetch_priority, s.current);
-}
-
 DeviceBuffer CudaBackend::allocate(size_t bytes) {
   State& s = *state_;
   DeviceGuard guard(s.ordinal);

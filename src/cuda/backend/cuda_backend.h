@@ -32,7 +32,6 @@
 #include "cuda/gemm/dense_push_gemm.h"
 #include "cuda/gemm/gemv.h"
 #include "cuda/gemm/skinny_gemm.h"
-#include "cuda/kernels/l2_prefetch.h"
 
 namespace latentmoe::cuda {
 
@@ -157,14 +156,6 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // measured rules: the skinny kernel where it takes the rows, else the tensor-core kernel (bench tail
   // measures the push past the rules with it); -1 (the default) restores the rules. Throws Error below -1.
   void set_fused_up_projection_max_latent(int64_t latent);
-
-  // prefetch_weights: the first min(bytes of the weights, l2_prefetch_bytes) bytes asked of the L2 on the
-  // current stream, with `priority` (cuda/kernels/l2_prefetch.h). The layer asks for the tail's W_up rows
-  // once the shared expert is done (core/layer_forward.cpp). 0 bytes: off. Throws Error above 1 GiB.
-  void set_l2_prefetch(size_t bytes, L2PrefetchPriority priority);
-  size_t l2_prefetch_bytes() const;
-  L2PrefetchPriority l2_prefetch_priority() const;
-  void prefetch_weights(const TensorView& weights) override;
 
   int device_ordinal() const;
   // cudaMalloc calls made so far (allocate() and internal workspaces); forward adds none.
