@@ -785,7 +785,10 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
     EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 4096, 16, 896, 384, 3584), GemmVariant::wgmma);
     // Kimi-K3 (gated, a latent of 3584), experts larger than the 96-row tiles hold (the 160-row warp-specialised
     // tiles): gate/up above 96 rows (8192 tokens, 146, both shards), the down projection with a short reduction
-    // above 96 rows (tp-shard 8); a long reduction keeps wgmma_tall (tp-shard 1: I_r 3072).
+    // above 64 rows (tp-shard 8: 73 rows at 4096 tokens; the 96-row tiles at 36, 2048 tokens); a long reduction keeps
+    // wgmma_tall (tp-shard 1: I_r 3072).
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 4096, 16, 896, 384, 3584), GemmVariant::wgmma_ws);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 2048, 16, 896, 384, 3584), GemmVariant::wgmma);
     EXPECT_EQ(detail::choose_variant(DType::f16, false, true, 8192, 16, 896, 384, 3584), GemmVariant::wgmma_ws);
     EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 8192, 16, 896, 3072, 3584), GemmVariant::wgmma_ws);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 16, 896, 384, 3584), GemmVariant::wgmma_ws);

@@ -179,13 +179,16 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
   //   rows (Kimi-K3 at 8192 tokens, 146 rows: tp-shard 8 2811 against 3100-3197 µs on wgmma, tp-shard 1 21476 against
   //   26469; at 73 rows, 4096 tokens, 3-5% slower than wgmma in session 19), and a down projection with a short
   //   reduction into a latent of 2048+ above 96 rows (Kimi-K3 tp-shard 8 at 8192: 1581 against wgmma_tall's 1828).
-  //   Kimi-K3 tp-shard 1's down (a long reduction) keeps wgmma_tall (not measured on these kernels).
+  //   Kimi-K3 tp-shard 1's down (a long reduction) keeps wgmma_tall (not measured on these kernels). Since the short
+  //   reductions' weights load at normal L2 priority (f4981f7), that down takes wgmma_ws from 64 rows: H200, session 22
+  //   (bench/results/issue32_h200_s22.json), Kimi-K3 tp-shard 8 at 4096 tokens (73 rows) 767 µs against wgmma's 906-907
+  //   (and 905 with option 16, the old L2 handling); 36 rows (2048 tokens) not measured, so the bound stays above them.
   const bool ws_ok = wgmma_available() && num_experts <= gg::kWgmmaWsMaxExperts;
   if (ws_ok) {
     if (!down && !gated && mean_rows > 64) return GemmVariant::wgmma_ws_tall;
     if (down && latent < 2048 && mean_rows > (intermediate <= 1024 ? 32 : 64)) return GemmVariant::wgmma_ws_tall;
     if (!down && gated && mean_rows > 96) return GemmVariant::wgmma_ws;
-    if (down && latent >= 2048 && intermediate <= 1024 && mean_rows > 96) return GemmVariant::wgmma_ws;
+    if (down && latent >= 2048 && intermediate <= 1024 && mean_rows > 64) return GemmVariant::wgmma_ws;
   }
   // Hopper, more than 96 rows per touched expert, where the persistent kernels are not taken: the tall wgmma tiles
   // (up to 256 rows, an expert's weights read once) where they measured faster than the 96-row tiles (H200, 4096
