@@ -21,6 +21,8 @@
 #   grouped_gemm        grouped_gemm_bench, the library's variant choice, every phase (grouped_gemm.json)
 #   grouped_gemm_sweep  grouped_gemm_bench, every tensor-core variant, gate_up and down (grouped_gemm_sweep.json)
 #   gemv                gemv_bench: the decode GEMV against cuBLAS and a plain read (gemv.json)
+# A device call brings back at most 8 files from $OUT: end the call's command with scripts/gpu_bundle_out.sh, which
+# packs them into one out.tar.gz when there are more (session 22 lost 7 result files to that limit).
 source "$(dirname "$0")/gpu_script_env.sh" "$@"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
   --format=csv,noheader
