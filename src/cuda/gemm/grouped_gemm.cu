@@ -178,11 +178,11 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
   //   and read its weights once per tile (session 18, bench/results/issue32_h100_s18.json): gated gate/up above 96
   //   rows (Kimi-K3 at 8192 tokens, 146 rows: tp-shard 8 2811 against 3100-3197 µs on wgmma, tp-shard 1 21476 against
   //   26469; at 73 rows, 4096 tokens, 3-5% slower than wgmma in session 19), and a down projection with a short
-  //   reduction into a latent of 2048+ above 96 rows (Kimi-K3 tp-shard 8 at 8192: 1581 against wgmma_tall's 1828).
-  //   Kimi-K3 tp-shard 1's down (a long reduction) keeps wgmma_tall (not measured on these kernels). Since the short
-  //   reductions' weights load at normal L2 priority (f4981f7), that down takes wgmma_ws from 64 rows: H200, session 22
-  //   (bench/results/issue32_h200_s22.json), Kimi-K3 tp-shard 8 at 4096 tokens (73 rows) 767 µs against wgmma's 906-907
-  //   (and 905 with option 16, the old L2 handling); 36 rows (2048 tokens) not measured, so the bound stays above them.
+  //   reduction into a latent of 2048+ above 64 rows (session 18: Kimi-K3 tp-shard 8 at 8192, 1581 against
+  //   wgmma_tall's 1828; session 22, with the short reductions' weights at normal L2 priority since f4981f7, H200,
+  //   bench/results/issue32_h200_s22.json: at 4096 tokens, 73 rows, 767 against wgmma's 906-907, and 905 with option
+  //   16, the old L2 handling; 36 rows, 2048 tokens, not measured, so the bound stays above them). Kimi-K3 tp-shard
+  //   1's down (a long reduction) keeps wgmma_tall (not measured on these kernels).
   const bool ws_ok = wgmma_available() && num_experts <= gg::kWgmmaWsMaxExperts;
   if (ws_ok) {
     if (!down && !gated && mean_rows > 64) return GemmVariant::wgmma_ws_tall;
