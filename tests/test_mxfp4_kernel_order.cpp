@@ -105,9 +105,10 @@ TEST(Mxfp4KernelOrder, the_decode_is_the_documented_rotations_and_masks) {
 }
 
 // Every code at every position of a word (the other 7 codes random), decoded from the kernel order as the GPU
-// kernels decode it: exactly e2m1_value(code) * 2^-126 as bf16 and * 2^-14 as f16 (sign of zero included), in the
-// low half of pair p for value p < 4 and the high half of pair p - 4 otherwise; and the canonical decode (the
-// kernels' decode before issue 31) gives the same bits.
+// kernels decode it: exactly e2m1_value(code) * 2^-126 as bf16 and * 2^-14 as f16 (sign of zero included), in
+// pair position / 2, the low half for an even position and the high half for an odd one (adjacent columns share a
+// register, as they do in a row of activations); and the pair read straight from the canonical word (the
+// conversion's source) gives the same bits.
 TEST(Mxfp4KernelOrder, every_code_at_every_position_decodes_exactly_in_bf16_and_f16) {
   const std::vector<uint32_t> others = random_words(64, 33);
   for (uint32_t background : others) {
@@ -115,8 +116,8 @@ TEST(Mxfp4KernelOrder, every_code_at_every_position_decodes_exactly_in_bf16_and_
       for (int code = 0; code < 16; ++code) {
         const uint32_t canonical = with_code(background, position, code);
         const uint32_t kernel = mxfp4_word_to_kernel_order(canonical);
-        const int pair = position % 4;
-        const int shift = position < 4 ? 0 : 16;
+        const int pair = position / 2;
+        const int shift = position % 2 == 0 ? 0 : 16;
         const double value = e2m1_value(static_cast<uint8_t>(code));
         for (bool f16 : {false, true}) {
           const uint16_t bits = static_cast<uint16_t>(pair_bits(kernel, pair, f16) >> shift);
@@ -125,7 +126,7 @@ TEST(Mxfp4KernelOrder, every_code_at_every_position_decodes_exactly_in_bf16_and_
           ASSERT_EQ(decoded, expected) << "code " << code << " at " << position << (f16 ? " f16" : " bf16");
           ASSERT_EQ(std::signbit(decoded), std::signbit(expected)) << "code " << code << " at " << position;
         }
-        uint32_t before = 0;  // the canonical decode, pair by pair
+        uint32_t before = 0;  // the pair read from the canonical word
         switch (pair) {
           case 0:
             before = detail::mxfp4_canonical_pair_bits<0>(canonical);

@@ -38,8 +38,10 @@
 extern "C" {
 #endif
 
-/* Bumped whenever a function, struct or code below changes incompatibly. */
-#define LMOE_ABI_VERSION 2
+/* Bumped whenever a function, struct or code below changes incompatibly. Version 3: the kernel order
+ * (lmoe_mxfp4_to_kernel_order's result) pairs adjacent columns; codes converted by a version 2 library must be
+ * converted again from the canonical order. */
+#define LMOE_ABI_VERSION 3
 
 /* Status codes. */
 #define LMOE_OK 0
@@ -208,7 +210,7 @@ typedef struct lmoe_layer_weights {
   lmoe_tensor expert_gate, expert_up, expert_down;
   lmoe_tensor expert_gate_scale, expert_up_scale, expert_down_scale;
   lmoe_tensor shared_gate, shared_up, shared_down;
-  int32_t expert_code_order; /* MXFP4 codes: LMOE_MXFP4_ORDER_CANONICAL or _KERNEL (ABI version 2) */
+  int32_t expert_code_order; /* MXFP4 codes: LMOE_MXFP4_ORDER_CANONICAL or _KERNEL (since ABI version 2) */
 } lmoe_layer_weights;
 
 /* MXFP4 codes on a CUDA device (U8, contiguous: expert_gate, expert_up or expert_down of this rank) from the

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 OK = 0
 INVALID_ARGUMENT = 1

@@ -26,15 +26,15 @@ def on_device(*tensors):
 
 
 def kernel_order_word(w):
-    """The kernel order of one canonical 32-bit word, from docs/MXFP4.md's spec: pair k (values k, k + 4) at its bf16
+    """The kernel order of one canonical 32-bit word, from docs/MXFP4.md's spec: pair k (values 2k, 2k + 1) at its bf16
     target bits T = 0x81C081C0 rotated right by 6k for k < 3; pair 3's bits A = 0x80C080C0 by 2, B = 0x01000100 by 10."""
 
     def rotr(x, r):
         return ((x >> r) | (x << (32 - r))) & 0xFFFFFFFF if r else x
 
-    def pair_bits(k):  # nibble k's magnitude to bits 6..8, its sign to 15; nibble k + 4's to 22..24 and 31
+    def pair_bits(k):  # nibble 2k's magnitude to bits 6..8, its sign to 15; nibble 2k + 1's to 22..24 and 31
         bits = 0
-        for value, base in ((k, 0), (k + 4, 16)):
+        for value, base in ((2 * k, 0), (2 * k + 1, 16)):
             code = (w >> (4 * value)) & 0xF
             bits |= ((code & 7) << (6 + base)) | ((code >> 3) << (15 + base))
         return bits

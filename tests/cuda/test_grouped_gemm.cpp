@@ -498,15 +498,25 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mxfp4_rows, 0, 0, -1), nullptr), Error) << c.name;
     EXPECT_THROW(problem.run(GemmChoice(GemmVariant::mma_m, 0, 0, 1), nullptr), Error) << c.name;
   }
-  // mxfp4_rows with scale bytes past 128 among those its bf16 path folds into the operands (whole 128-column
-  // steps: the aligned scale words): the steps that hold one take the fp32 scale path; with and without
-  // split-K.
+  // Scale bytes past 128 among the others (whole 128-column steps: the aligned scale words). mxfp4_rows: the steps
+  // that hold one take the fp32 scale path instead of folding the scales into its bf16 operands, with and without
+  // split-K. The tile kernels' decode (mxfp4_decode8): a group with one takes the two-multiply path, the others
+  // the one-multiply path.
   for (int every : {5, 97}) {
     const Case c{"mxfp4_bf16_silu_t40_i256_l512_big_scales", DType::bf16, Activation::silu, 40, 3, 0, 2, 256, 512, -1};
     Problem problem(c, 7u + static_cast<uint32_t>(every), /*mxfp4=*/true, every);
-    check_choices(problem, c.name + " every " + std::to_string(every),
-                  {GemmChoice(GemmVariant::mxfp4_rows, 1), GemmChoice(GemmVariant::mxfp4_rows, 0, 3),
-                   GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 1), GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 4)});
+    std::vector<GemmChoice> choices = {GemmChoice(GemmVariant::mxfp4_rows, 1),
+                                       GemmChoice(GemmVariant::mxfp4_rows, 0, 3),
+                                       GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 1),
+                                       GemmChoice(GemmVariant::mxfp4_rows, 0, 0, 4),
+                                       GemmChoice(GemmVariant::mma_m),
+                                       GemmChoice(GemmVariant::mma_l4)};
+    if (detail::wgmma_available()) {
+      for (GemmVariant v :
+           {GemmVariant::wgmma, GemmVariant::wgmma_narrow, GemmVariant::wgmma_ws, GemmVariant::wgmma_ws_tall})
+        choices.push_back(GemmChoice(v));
+    }
+    check_choices(problem, c.name + " every " + std::to_string(every), choices);
   }
   // The automatic MXFP4 shape follows the rows per touched expert (kimi-k3 tp-shard 8: E 896, k 16).
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 9, 16, 896, 384, 3584), GemmVariant::mxfp4_rows);

@@ -23,10 +23,10 @@
 //   warp w: rows 16 w .. 16 w + 15 of the block; lane (g, t) holds rows g and g + 8 (the A fragment) and,
 //   per n8 tile c of the pass, the expert's row 8 c + g (the B fragment, at the same k slots).
 // k order: as mxfp4_decode_mma.cu: per scale group two MMAs; lane t takes code bytes 4t..4t+3 of the group
-//   for its rows (nibbles i and i + 4 form one register, e2m1_pair) and the activation values at the same
-//   eight columns, permuted the same way. Scales: with bf16 and aligned scale words, each row's scale is
-//   folded into its decoded values where every scale byte of the warp's step is <= 128 (exact; the MMAs
-//   then accumulate in place: run_step); otherwise each group's MMAs start from zero, and their fp32
+//   for its rows (nibbles 2i and 2i + 1 form one register, e2m1_pair) and the activation values at the same
+//   eight columns, whose 32-bit words are the same column pairs (no permute). Scales: with bf16 and aligned scale
+//   words, each row's scale is folded into its decoded values where every scale byte of the warp's step is <= 128
+//   (exact; the MMAs then accumulate in place: run_step); otherwise each group's MMAs start from zero, and their fp32
 //   result is multiplied by the row's scale (an exact power of two) and added to the accumulators.
 // Pipeline invariants (one __syncthreads a step): the copies of step i are committed as one group by
 //   every thread (empty groups included), so at the top of step i wait_group(kStages - 2) leaves step i
@@ -238,16 +238,15 @@ struct Loader {
   }
 };
 
-// The B fragments of group q, n8 tile c: the activation values at the lane's eight columns, permuted as the
-// codes' nibble pairs.
+// The B fragments of group q, n8 tile c: the activation values at the lane's eight columns, whose 32-bit words are
+// the column pairs the codes' nibble pairs decode to (the kernel order), so they feed the MMAs as loaded.
 struct BFragments {
   uint32_t b00, b01, b10, b11;
 };
 template <int kStride>
 __device__ __forceinline__ BFragments b_fragments(const uint8_t* acts, int c, int q, int g, int t) {
   const uint4 x = *reinterpret_cast<const uint4*>(&acts[(c * 8 + g) * kStride + q * 64 + 16 * t]);
-  return {__byte_perm(x.x, x.z, 0x5410), __byte_perm(x.x, x.z, 0x7632), __byte_perm(x.y, x.w, 0x5410),
-          __byte_perm(x.y, x.w, 0x7632)};
+  return {x.x, x.y, x.z, x.w};
 }
 
 // One step's MMAs for a warp, kTiles n8 tiles of the pass, every scale applied in fp32 after its group's two

@@ -48,7 +48,7 @@ __device__ __forceinline__ float group_dot(const uint8_t* packed_row, const uint
   for (int w = 0; w < 4; ++w) {
     const float2 p0 = e2m1_pair_float<0>(words[w]), p1 = e2m1_pair_float<1>(words[w]);
     const float2 p2 = e2m1_pair_float<2>(words[w]), p3 = e2m1_pair_float<3>(words[w]);
-    const float values[8] = {p0.x, p1.x, p2.x, p3.x, p0.y, p1.y, p2.y, p3.y};  // columns 8w .. 8w + 7
+    const float values[8] = {p0.x, p0.y, p1.x, p1.y, p2.x, p2.y, p3.x, p3.y};  // columns 8w .. 8w + 7
 #pragma unroll
     for (int c = 0; c < 8; ++c) partial = fmaf(values[c], to_float(xs[w * 8 + c]), partial);
   }

@@ -5,9 +5,10 @@
 // MMA's N): lane (g = lane / 4, t = lane % 4) loads, for scale group q, the 4 code bytes 4t..4t+3 of
 // rows g and g + 8 (8 E2M1 values each, physical columns 32q + 8t .. 32q + 8t + 7) and the 8 activation
 // values of token g at the same columns (16 bytes). The MMA's k order is a permutation of the physical
-// one, the same for A and B: the nibble pairs (0, 4), (1, 5) feed the first MMA's k slots {2t, 2t+1}
-// and {2t+8, 2t+9}, (2, 6), (3, 7) the second's, so a pair of nibbles 16 bits apart becomes one
-// 2-element register with two shifts and two masks (e2m1_pair).
+// one, the same for A and B: the column pairs (0, 1), (2, 3) of the eight feed the first MMA's k slots
+// {2t, 2t+1} and {2t+8, 2t+9}, (4, 5), (6, 7) the second's, so each pair is one register of decoded
+// codes (e2m1_pair: the kernel order, mxfp4_device.cuh) and one 32-bit word of the activation row as
+// loaded.
 //
 // Numerics: E2M1 values are exact in bf16 and f16. They are placed as the subnormal E2M1 * 2^-126
 // (bf16) or E2M1 * 2^-14 (f16) and multiplied by 2^126 / 2^14 (exact). The two MMAs of one group give
@@ -100,13 +101,11 @@ __device__ __forceinline__ uint32_t load_u32(const uint8_t* address) {
 template <class T>
 __device__ __forceinline__ void group_mma(float (&acc)[4], const GroupOperands& op, float factor_even,
                                           float factor_odd) {
-  const uint32_t b00 = __byte_perm(op.x.x, op.x.z, 0x5410), b01 = __byte_perm(op.x.x, op.x.z, 0x7632);
-  const uint32_t b10 = __byte_perm(op.x.y, op.x.w, 0x5410), b11 = __byte_perm(op.x.y, op.x.w, 0x7632);
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   mma_16x8x16<T>(d, e2m1_pair<T, 0>(op.code_lo), e2m1_pair<T, 0>(op.code_hi), e2m1_pair<T, 1>(op.code_lo),
-                 e2m1_pair<T, 1>(op.code_hi), b00, b01);
+                 e2m1_pair<T, 1>(op.code_hi), op.x.x, op.x.y);
   mma_16x8x16<T>(d, e2m1_pair<T, 2>(op.code_lo), e2m1_pair<T, 2>(op.code_hi), e2m1_pair<T, 3>(op.code_lo),
-                 e2m1_pair<T, 3>(op.code_hi), b10, b11);
+                 e2m1_pair<T, 3>(op.code_hi), op.x.z, op.x.w);
   const float scale_lo = e8m0_scale(op.scale_lo), scale_hi = e8m0_scale(op.scale_hi);
   acc[0] = fmaf(d[0], scale_lo * factor_even, acc[0]);
   acc[1] = fmaf(d[1], scale_lo * factor_odd, acc[1]);

@@ -26,10 +26,11 @@ __device__ __forceinline__ float e8m0_scale(uint32_t s) {
 // Every helper below that reads codes takes whole 32-bit words of codes in the *kernel order*
 // (core/mxfp4_kernel_order.h, docs/MXFP4.md "The kernel order"): the runner permutes the bits of every word once,
 // when the codes are put on the device. A word is 8 consecutive columns from a multiple of 8; "value i" is the
-// code of column i of the word (nibble i of the canonical word).
+// code of column i of the word (nibble i of the canonical word). Pair k is values 2k and 2k + 1: two adjacent
+// columns, in the order a row of activations holds them.
 
-// Values i and i + 4 of the kernel-order word `w` placed as the bits of a 2-element register of T (value i in the
-// low half) whose values are E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (f16), exactly: the magnitude bits become the
+// Values 2k and 2k + 1 of the kernel-order word `w` placed as the bits of a 2-element register of T (value 2k in
+// the low half) whose values are E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (f16), exactly: the magnitude bits become the
 // low exponent bits and the top mantissa bit, the sign the sign. bf16: one rotate and one mask per pair (pair 0:
 // the mask only, pair 3: two of each), 9 integer instructions a word; f16: 2 more per pair.
 template <class T, int kI>
@@ -41,8 +42,8 @@ __device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t w) {
   }
 }
 
-// Values i and i + 4 of the kernel-order word `w` (E2M1: a sign and a magnitude index) as a 2-element register
-// of T (value i in the low half), exact: e2m1_pair_bits, then one multiply by 2^126 (bf16) or 2^14 (f16).
+// Values 2k and 2k + 1 of the kernel-order word `w` (E2M1: a sign and a magnitude index) as a 2-element register
+// of T (value 2k in the low half), exact: e2m1_pair_bits, then one multiply by 2^126 (bf16) or 2^14 (f16).
 template <class T, int kI>
 __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -58,7 +59,7 @@ __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
   }
 }
 
-// Values i and i + 4 of the kernel-order word `w` times 2^(s - 127) for the scale byte s of `factor`, a bf16 pair of
+// Values 2k and 2k + 1 of the kernel-order word `w` times 2^(s - 127) for the scale byte s of `factor`, a bf16 pair of
 // 2^(s - 1) (scale_factor_bf16): exact for every s <= 128 (E2M1 * 2^-126 times 2^(s - 1); the smallest product, 2^-128,
 // is a bf16 subnormal).
 template <int kI>
@@ -76,7 +77,7 @@ __device__ __forceinline__ uint32_t scale_factor_bf16(uint32_t scales_plus_126) 
   return __byte_perm(scales_plus_126, 0u, 0x4040u | (kQ << 8) | kQ) << 7;
 }
 
-// Values i and i + 4 of the kernel-order word `w` as floats, exactly (the bf16 bits widened, times 2^126; the
+// Values 2k and 2k + 1 of the kernel-order word `w` as floats, exactly (the bf16 bits widened, times 2^126; the
 // smallest, 2^-127, is a float subnormal, which no flag flushes here).
 template <int kI>
 __device__ __forceinline__ float2 e2m1_pair_float(uint32_t w) {
@@ -94,15 +95,23 @@ __device__ __forceinline__ bool any_scale_above_128(uint32_t w) {
 // is a bf16 (every scale byte but 254 and 253 with the largest codes, which overflow to infinity); f16:
 // exact for products inside f16's range, smaller ones round to f16 subnormals or zero, larger ones
 // overflow (the scale is applied in fp32, then rounded once).
+// bf16 with s <= 128 (every scale a checkpoint is likely to hold): one multiply a pair, the raw pair bits times
+// 2^(s - 1) (e2m1_pair_scaled_bf16); larger s: two, the exact E2M1 values times 2^(s - 127). Both are exact, so the
+// two paths give the same bits wherever both apply.
 template <class T>
 __device__ __forceinline__ uint4 mxfp4_decode8(uint32_t code, uint32_t scale_byte) {
-  const uint32_t p0 = e2m1_pair<T, 0>(code), p1 = e2m1_pair<T, 1>(code);  // (v0, v4), (v1, v5)
-  const uint32_t p2 = e2m1_pair<T, 2>(code), p3 = e2m1_pair<T, 3>(code);  // (v2, v6), (v3, v7)
-  uint32_t words[4] = {__byte_perm(p0, p1, 0x5410), __byte_perm(p2, p3, 0x5410), __byte_perm(p0, p1, 0x7632),
-                       __byte_perm(p2, p3, 0x7632)};
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    // 2^(s - 127) as a bf16: exponent field s, or the subnormal 2^-127 for s = 0.
-    const uint16_t bits = static_cast<uint16_t>(scale_byte != 0 ? scale_byte << 7 : 0x0040u);
+    if (scale_byte <= 128u) {
+      const uint32_t factor = ((scale_byte + 126u) << 7) * 0x00010001u;  // (2^(s - 1), 2^(s - 1))
+      return make_uint4(e2m1_pair_scaled_bf16<0>(code, factor), e2m1_pair_scaled_bf16<1>(code, factor),
+                        e2m1_pair_scaled_bf16<2>(code, factor), e2m1_pair_scaled_bf16<3>(code, factor));
+    }
+  }
+  // The pairs are (v0, v1), (v2, v3), (v4, v5), (v6, v7): the 16 bytes in column order as they come.
+  uint32_t words[4] = {e2m1_pair<T, 0>(code), e2m1_pair<T, 1>(code), e2m1_pair<T, 2>(code), e2m1_pair<T, 3>(code)};
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    // 2^(s - 127) as a bf16: exponent field s (s > 128 here).
+    const uint16_t bits = static_cast<uint16_t>(scale_byte << 7);
     const __nv_bfloat162 scale(__ushort_as_bfloat16(bits), __ushort_as_bfloat16(bits));
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
