@@ -3,9 +3,10 @@
 # packages), then configures and builds into ${BUILD_DIR:-build}.
 #   LATENTMOE_CUDA=AUTO|ON|OFF  build the CUDA backend (AUTO: when nvcc is found)
 #   BUILD_TYPE=Release          CMake build type
-# Then the Python package (pyproject.toml, docs/PYTHON.md): PyTorch, pytest and numpy from PyPI (pip, only when
-# missing), and `pip install .` of the package with the CPU backend (LATENTMOE_PYTHON_CUDA=AUTO|ON builds
-# it with CUDA; the C++ build above already compiles every CUDA source). LATENTMOE_PYTHON=0 skips it.
+# Then the Python package (pyproject.toml, docs/PYTHON.md): `pip install ".[test]"`, the package with the CPU
+# backend and what pyproject.toml declares for it and its tests (PyTorch, pytest, numpy: from PyPI only when
+# missing). LATENTMOE_PYTHON_CUDA=AUTO|ON builds it with CUDA (the C++ build above already compiles every CUDA
+# source); LATENTMOE_PYTHON=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,14 +39,11 @@ cmake --build "$build_dir" -j"$(nproc)"
 if [ "${LATENTMOE_PYTHON:-1}" != 0 ]; then
   start=$(date +%s)
   source scripts/python_env.sh
-  # numpy: the tests' safetensors writer (python/tests/conftest.py; pyproject's `test` extra), which PyTorch's
-  # wheels no longer pull in.
-  if ! "$PYTHON" -c 'import torch, pytest, numpy, scikit_build_core' 2>/dev/null; then
-    echo "setup: installing torch, pytest, numpy and scikit-build-core from PyPI for $PYTHON"
-    "$PYTHON" -m pip install -q "torch>=2.6" pytest numpy scikit-build-core
-  fi
-  # The package's build keeps its folder (build-python/, pyproject.toml), so a second run rebuilds nothing.
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PYTHON" -m pip install -q --no-build-isolation --no-deps . \
+  # What the package and its tests need comes from pyproject.toml alone: PyTorch (dependencies), pytest and numpy
+  # (the `test` extra), each fetched from PyPI only when missing; scikit-build-core (build-system.requires) in pip's
+  # isolated build environment. The package's build keeps its folder (build-python/, pyproject.toml), so a second
+  # run rebuilds nothing.
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PYTHON" -m pip install -q ".[test]" \
     -C cmake.define.LATENTMOE_CUDA="${LATENTMOE_PYTHON_CUDA:-OFF}"
   echo "setup: Python package latentmoe installed for $PYTHON ($(($(date +%s) - start)) s)"
 fi
