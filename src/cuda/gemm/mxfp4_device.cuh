@@ -97,7 +97,9 @@ __device__ __forceinline__ bool any_scale_above_128(uint32_t w) {
 // overflow (the scale is applied in fp32, then rounded once).
 // bf16 with s <= 128 (every scale a checkpoint is likely to hold): one multiply a pair, the raw pair bits times
 // 2^(s - 1) (e2m1_pair_scaled_bf16); larger s: two, the exact E2M1 values times 2^(s - 127). Both are exact, so the
-// two paths give the same bits wherever both apply.
+// two paths give the same bits wherever both apply. The lanes of a warp may take different paths; ptxas brackets
+// the branch with a reconvergence barrier (BSSY/BSYNC in the sm_90a SASS), so the warp is converged again when
+// this returns, as the callers' warp-wide (.aligned) MMA and wgmma instructions need.
 template <class T>
 __device__ __forceinline__ uint4 mxfp4_decode8(uint32_t code, uint32_t scale_byte) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
