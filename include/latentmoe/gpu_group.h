@@ -95,7 +95,7 @@ std::chrono::milliseconds default_collective_timeout();
 // 75.3), the AR+RMSNorm of the latent likewise; so 512 tokens for two ranks. Larger groups keep 64
 // until they are measured. A group for layers of hidden size d and latent l then gets
 //   capacity_elements = min(T, one_shot_tokens) x (d + l),  max_elements = T x (d + l)
-// for T tokens (one_shot_group_elements below); tier 0, whose collective must be one-shot, runs up to
+// for T tokens (size_nccl_group below); tier 0, whose collective must be one-shot, runs up to
 // that many tokens. Simulated groups have no NCCL path and carry every message one-shot.
 inline constexpr int64_t kDefaultOneShotTokens = 64;
 inline constexpr int64_t kDefaultOneShotTokensTwoRanks = 512;

@@ -193,10 +193,11 @@ void CudaBackend::copy(const TensorView& src, const TensorView& dst) {
 }
 
 void CudaBackend::check_layer(const LayerConfig& config, DType dtype, int tp_size) {
-  // MXFP4 experts run on the decode kernels (gemm/mxfp4_decode.h) up to 8 tokens and, from 64 tokens with
-  // bf16/f16 activations, on the grouped tensor-core GEMMs (gemm/grouped_gemm.h), in between and for f32
-  // in batches of 8 on the decode kernels; decoded in registers or shared memory, never through a
-  // dequantised copy (four times the experts' memory). So no layer is refused for them here.
+  // MXFP4 experts run on the decode kernels (gemm/mxfp4_decode.h) up to 8 tokens and, above with bf16/f16
+  // activations, on the grouped tensor-core GEMMs (gemm/grouped_gemm.h: the rows kernel, then the tile kernels);
+  // f32, and shapes the grouped kernels do not take, in batches of 8 on the decode kernels; decoded in registers or
+  // shared memory, never through a dequantised copy (four times the experts' memory). So no layer is refused for
+  // them here.
   LATENTMOE_CHECK(tp_size >= 1, "CUDA backend: tp_size ", tp_size, " must be positive");
   LATENTMOE_CHECK(is_compute_dtype(dtype), "CUDA backend: ", dtype_name(dtype), " is not a compute dtype");
   // The kernels' own limits, reported when the runner is built rather than at the first forward.
