@@ -220,10 +220,17 @@ GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num
   // shape at 1024 and 4096 tokens, in its narrow shape (128 weight rows, two CTAs per SM): 3-8% faster than the 256-row
   // one at 256-4096 tokens, both presets (140c3c2, grouped_gemm_mxfp4_narrow_h200_140c3c2.json); else mma_m up to 48
   // rows, mma_l4 above. The tall wgmma tiles measured 1.6-1.8x slower than the 96-row ones with MXFP4 and are not
-  // chosen.
+  // chosen. Above kMxfp4WsTallMinMeanRows rows the persistent tall tiles (wgmma_ws_tall, whose producer decodes
+  // the codes while the consumers multiply) measured 1.11-1.24x faster than wgmma_narrow (grouped_gemm.h).
   (void)dtype, (void)gated;
   const int64_t mean_rows = mean_rows_per_touched_expert(num_tokens, top_k, num_experts);
   if (num_tokens <= 16 || mean_rows <= kMxfp4RowsMaxMeanRows) return GemmVariant::mxfp4_rows;
+  // wgmma_ws takes MXFP4 with n and k multiples of 32 (grouped_mxfp4_supported's condition) and at most
+  // kWgmmaWsMaxExperts experts.
+  if (mean_rows > kMxfp4WsTallMinMeanRows && wgmma_available() && num_experts <= gg::kWgmmaWsMaxExperts &&
+      intermediate % 32 == 0 && latent % 32 == 0) {
+    return GemmVariant::wgmma_ws_tall;
+  }
   const int64_t out_cols = down ? latent : intermediate;
   if (out_cols >= 384 && wgmma_available()) return GemmVariant::wgmma_narrow;
   if (mean_rows <= 48) return GemmVariant::mma_m;

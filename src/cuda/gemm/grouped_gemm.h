@@ -148,13 +148,21 @@ WsWeightL2 ws_weight_l2(int option, int64_t k);
 GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                            int64_t intermediate, int64_t latent);
 // The tile shape `automatic` takes with MXFP4 weights, by rows per touched expert: mxfp4_rows up to
-// kMxfp4RowsMaxMeanRows; above, wgmma_narrow on Hopper where at least 384 output columns, else mma_m up to 48
-// and mma_l4 above.
+// kMxfp4RowsMaxMeanRows; above, on Hopper, the persistent tall tiles (wgmma_ws_tall) above
+// kMxfp4WsTallMinMeanRows and wgmma_narrow below where at least 384 output columns; else mma_m up to 48 and
+// mma_l4 above.
 // 18: Kimi-K3 at 1024 tokens (18 rows per expert) took the rows kernel 1.21x faster than wgmma_narrow (H100,
 // 2b0f8f2, kimi-k3 tp-shard 8 gate/up + down 1731 against 2098 µs; at 512 tokens 1047 against 2000;
 // bench/results/issue31_h100_2b0f8f2.json); at 2048 tokens (36 rows) wgmma_narrow was 1.33x faster (H100, a1e373f,
 // 2243 against 2987 µs, issue31_h100_a1e373f.json); 19-35 rows are not measured.
 inline constexpr int64_t kMxfp4RowsMaxMeanRows = 18;
+// 128: on an H100 (session 25, 45766b8, grouped_gemm_bench --weights mxfp4, gate/up + down µs,
+// bench/results/issue32_h100_s25.json) wgmma_ws_tall against wgmma_narrow: Kimi-K3 tp-shard 8 at 146 rows (8192
+// tokens) 4550 against 5093, Nemotron3-super tp-shard 1 at 176 and 352 rows (4096, 8192 tokens) 3317 against 4103
+// and 6632 against 7806; at 88 rows (Nemotron, 2048 tokens) 2761 against 2303 and at 73 (Kimi-K3, 4096) 3864
+// against 2666, slower. The tall tiles hold 256 expert rows: from half full on they read each expert's weights once
+// where the 96-row tiles of wgmma_narrow read them two or more times.
+inline constexpr int64_t kMxfp4WsTallMinMeanRows = 128;
 GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                                  int64_t intermediate, int64_t latent);
 

@@ -64,6 +64,13 @@ __host__ __device__ constexpr int k_steps_of(int k) { return (k / kMxfp4Group + 
 // slower, the layer unchanged (H100, 801f95b against fc6ce31, issue31_h100_801f95b.json), and was reverted.
 constexpr int kStages = 4;
 constexpr int kCtasPerSm = 3;
+// The register bound of the kernel (__launch_bounds__' minimum CTAs per SM): the gated mode's ring (two matrices,
+// 63 KB) fits 3 CTAs per SM, the single-matrix modes' (down, relu2's gate/up: 42 KB) 4, which 128 registers a
+// thread allow. Left at 3, the down kernel took 130 registers once its B fragments lost their byte permutes
+// (45766b8) and ran at 3 CTAs per SM: 6-8% slower at 16-256 tokens (H100, session 25, ncu: 216.7 against 233.2
+// µs at 64 tokens, bench/results/issue31_h100_s25.json). The plan (plan_rows) still counts kCtasPerSm.
+template <Mode kMode>
+constexpr int kRegisterBoundCtasPerSm = kMode == Mode::gated ? 3 : 4;
 // How far past a copy's bytes the L2 fetches from DRAM on a miss (cp.async's prefetch size): a step reads 64 code
 // bytes and 4 scale bytes of each of its rows, rows K/2 (K/32) bytes apart, so without a hint DRAM sees short
 // scattered reads; 128 or 256 bytes bring the row's next steps into L2 with the first. GemmChoice::option of
@@ -447,9 +454,10 @@ __device__ __forceinline__ void gather_partials(const KernelArgs& a, const Walk&
 }
 
 // Grid (x_count * k_splits, E): blockIdx.x = x * k_splits + split, x the CTA's group of weight blocks.
-// CTAs per SM: what the shared memory allows (3: up to 170 registers).
+// CTAs per SM: what the shared memory allows (gated 3, up to 170 registers; the others 4, up to 128).
 template <class T, Mode kMode, int kWarps, bool kAligned, L2Fetch kFetch>
-__global__ void __launch_bounds__(32 * kWarps, kCtasPerSm) mxfp4_rows_kernel(KernelArgs a, int blocks_per_cta) {
+__global__ void __launch_bounds__(32 * kWarps, kRegisterBoundCtasPerSm<kMode>)
+    mxfp4_rows_kernel(KernelArgs a, int blocks_per_cta) {
   using S = Stage<kMode, kWarps, kAligned>;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ bool s_is_last;
