@@ -8,6 +8,7 @@ torch.distributed NCCL group (distributed_worker.py)."""
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -121,12 +122,27 @@ def simulated(config, named, tp, max_tokens=40):
 
 
 def run_on_streams(contexts, streams, body):
+    # Every rank enqueues its work before any rank blocks its host thread on a copy to pageable memory: such a
+    # copy waits for the rank's stream, whose collective waits for the peers, while holding the driver's staging
+    # of pageable copies; a peer that has not yet launched its work may need the driver there first, and the
+    # collective then times out (seen with graph replays: test_simulated_ranks_captured_per_rank, sessions 22
+    # and 25). An engine driving simulated ranks follows the same order (docs/PYTHON.md).
+    enqueued = threading.Barrier(len(contexts))
+
     def rank_body(rank, ctx):
         # The inputs were made on the default stream, which the ranks' (non-blocking) streams do not wait
         # for by themselves.
         streams[rank].wait_stream(torch.cuda.default_stream(DEVICE))
         with torch.cuda.stream(streams[rank]):
-            result = body(rank, ctx)
+            try:
+                result = body(rank, ctx)
+            except BaseException:
+                enqueued.abort()  # the peers stop waiting at once
+                raise
+            try:
+                enqueued.wait(timeout=60)
+            except threading.BrokenBarrierError:
+                raise RuntimeError(f"rank {rank}: another rank failed before enqueueing its work") from None
             result = [r.cpu() for r in result]  # waits for this rank's stream
         ctx.check()
         return result

@@ -531,9 +531,11 @@ TEST(Cuda_GroupedGemm, mxfp4_weights_match_fp64_reference_on_every_instance) {
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 4096, 16, 896, 384, 3584),
             hopper ? GemmVariant::wgmma_narrow : GemmVariant::mma_l4);
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 4096, 16, 896, 336, 3584), GemmVariant::mma_l4);
-  // Above 128 rows (kMxfp4WsTallMinMeanRows) the persistent tall tiles on Hopper: Kimi-K3 at 8192 tokens (146 rows),
-  // Nemotron3-super tp-shard 1 (E 512, k 22, I_r 2688, l 1024) at 4096 (176 rows), not at 2048 (88 rows); an
-  // intermediate that is not a multiple of 32 keeps the mma.sync tiles.
+  // Above 96 rows (kMxfp4WsTallMinMeanRows) the persistent tall tiles on Hopper: Kimi-K3 at 6144 and 8192 tokens (109,
+  // 146 rows), Nemotron3-super tp-shard 1 (E 512, k 22, I_r 2688, l 1024) at 4096 (176 rows), not at 2048 (88 rows);
+  // an intermediate that is not a multiple of 32 keeps the mma.sync tiles.
+  EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 6144, 16, 896, 384, 3584),
+            hopper ? GemmVariant::wgmma_ws_tall : GemmVariant::mma_l4);
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, false, true, 8192, 16, 896, 384, 3584),
             hopper ? GemmVariant::wgmma_ws_tall : GemmVariant::mma_l4);
   EXPECT_EQ(detail::choose_mxfp4_variant(DType::bf16, true, false, 8192, 16, 896, 384, 3584),

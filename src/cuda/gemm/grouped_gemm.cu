@@ -221,7 +221,7 @@ GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num
   // one at 256-4096 tokens, both presets (140c3c2, grouped_gemm_mxfp4_narrow_h200_140c3c2.json); else mma_m up to 48
   // rows, mma_l4 above. The tall wgmma tiles measured 1.6-1.8x slower than the 96-row ones with MXFP4 and are not
   // chosen. Above kMxfp4WsTallMinMeanRows rows the persistent tall tiles (wgmma_ws_tall, whose producer decodes
-  // the codes while the consumers multiply) measured 1.11-1.24x faster than wgmma_narrow (grouped_gemm.h).
+  // the codes while the consumers multiply) measured 1.09-1.24x faster than wgmma_narrow (grouped_gemm.h).
   (void)dtype, (void)gated;
   const int64_t mean_rows = mean_rows_per_touched_expert(num_tokens, top_k, num_experts);
   if (num_tokens <= 16 || mean_rows <= kMxfp4RowsMaxMeanRows) return GemmVariant::mxfp4_rows;

@@ -156,13 +156,14 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
 // bench/results/issue31_h100_2b0f8f2.json); at 2048 tokens (36 rows) wgmma_narrow was 1.33x faster (H100, a1e373f,
 // 2243 against 2987 µs, issue31_h100_a1e373f.json); 19-35 rows are not measured.
 inline constexpr int64_t kMxfp4RowsMaxMeanRows = 18;
-// 128: on an H100 (session 25, 45766b8, grouped_gemm_bench --weights mxfp4, gate/up + down µs,
-// bench/results/issue32_h100_s25.json) wgmma_ws_tall against wgmma_narrow: Kimi-K3 tp-shard 8 at 146 rows (8192
-// tokens) 4550 against 5093, Nemotron3-super tp-shard 1 at 176 and 352 rows (4096, 8192 tokens) 3317 against 4103
-// and 6632 against 7806; at 88 rows (Nemotron, 2048 tokens) 2761 against 2303 and at 73 (Kimi-K3, 4096) 3864
-// against 2666, slower. The tall tiles hold 256 expert rows: from half full on they read each expert's weights once
-// where the 96-row tiles of wgmma_narrow read them two or more times.
-inline constexpr int64_t kMxfp4WsTallMinMeanRows = 128;
+// 96: on an H100 (session 25, grouped_gemm_bench --weights mxfp4, gate/up + down µs,
+// bench/results/issue32_h100_s25.json) wgmma_ws_tall against wgmma_narrow: Kimi-K3 tp-shard 8 at 109 and 146 rows
+// (6144, 8192 tokens) 4237 against 4626-4649 and 4551-4611 against 5093-5216; tp-shard 1 at 146 rows 33338 against
+// 38605; Nemotron3-super tp-shard 1 at 132, 176 and 352 rows (3072, 4096, 8192 tokens) 3041-3062 against 3669,
+// 3315-3431 against 4103-4117 and 6632 against 7806; but at 88 rows (Nemotron, 2048 tokens) 2761 against 2303 and at 73
+// (Kimi-K3, 4096) 3864 against 2666. The bound lies between 88 and 109 (not measured inside): 96, where the 96-row
+// tiles of wgmma_narrow start to split an expert and read its weights twice, and the tall tiles' 256 rows are 38% full.
+inline constexpr int64_t kMxfp4WsTallMinMeanRows = 96;
 GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num_tokens, int top_k, int num_experts,
                                  int64_t intermediate, int64_t latent);
 
