@@ -794,8 +794,10 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
     EXPECT_NE(detail::choose_variant(DType::bf16, false, false, 1024, 22, 512, 336, 1024), GemmVariant::wgmma);
     // Nemotron (relu2, a latent of 1024): the warp-specialised tall tiles for the gate/up above 64 rows per expert
     // (2048, 4096, 8192 tokens: 88, 176, 352 rows; mma.sync at 1024 tokens, 44), and for the down projection above 32
-    // rows with a short reduction (tp-shard 8: I_r 336) and above 64 with a long one (tp-shard 1: 2688); mma.sync
-    // below 16 rows (256 tokens, 11).
+    // rows with a short reduction (tp-shard 8: I_r 336) and above 64 with a long one (tp-shard 1: 2688). From 8 to 16
+    // rows (256 tokens, 11) not the decode-sized mma_s_wide: the gate/up mma_m (336 columns) or wgmma (2688), the
+    // down wgmma_ws with a short reduction (up to 32 rows: 512 tokens, 22) and wgmma with a long one. Below 8 rows
+    // (128 tokens, 5) mma_s_wide.
     EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 2048, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 4096, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 8192, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
@@ -804,7 +806,16 @@ TEST(Cuda_GroupedGemm, automatic_choice_follows_dtype_and_shape) {
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 4096, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 1024, 22, 512, 336, 1024), GemmVariant::wgmma_ws_tall);
-    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 256, 22, 512, 336, 1024), GemmVariant::mma_s_wide);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 256, 22, 512, 336, 1024), GemmVariant::wgmma_ws);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 512, 22, 512, 336, 1024), GemmVariant::wgmma_ws);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 128, 22, 512, 336, 1024), GemmVariant::mma_s_wide);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 256, 22, 512, 336, 1024), GemmVariant::mma_m);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 128, 22, 512, 336, 1024), GemmVariant::mma_s_wide);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, false, 256, 22, 512, 2688, 1024), GemmVariant::wgmma);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 256, 22, 512, 2688, 1024), GemmVariant::wgmma);
+    // Kimi-K3 below 16 rows keeps mma_s_wide (256 tokens, 4 rows; 512, 9).
+    EXPECT_EQ(detail::choose_variant(DType::bf16, false, true, 512, 16, 896, 384, 3584), GemmVariant::mma_s_wide);
+    EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 512, 16, 896, 384, 3584), GemmVariant::mma_s_wide);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 8192, 22, 512, 2688, 1024), GemmVariant::wgmma_ws_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 2048, 22, 512, 2688, 1024), GemmVariant::wgmma_ws_tall);
     EXPECT_EQ(detail::choose_variant(DType::bf16, true, false, 1024, 22, 512, 2688, 1024), GemmVariant::wgmma);

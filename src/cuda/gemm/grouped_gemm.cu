@@ -190,6 +190,19 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
     if (!down && gated && mean_rows > 96) return GemmVariant::wgmma_ws;
     if (down && latent >= 2048 && intermediate <= 1024 && mean_rows > 64) return GemmVariant::wgmma_ws;
   }
+  // Nemotron's shapes (relu2's gate/up, a down projection into a latent under 2048) from 8 rows per touched expert,
+  // where the decode-sized tiles below (mma_s_wide up to 16 rows) measured 7-42% slower (session 25, H100,
+  // grouped_gemm_bench, bench/results/issue32_h100_s25.json, µs): at 256 tokens (11 rows) tp-shard 8 gate/up mma_m
+  // 123 against mma_s_wide's 132, down wgmma_ws 135 against 192; tp-shard 1 gate/up wgmma 965 against 1045, down 937
+  // against 1098; at 512 tokens (22 rows) tp-shard 8's down wgmma_ws 140 against wgmma's 187. So a short-reduction
+  // down (I_r <= 1024) takes the 160-row persistent tiles up to 32 rows (the tall ones above, the rule further up),
+  // and below 16 rows the others take what they take from 16 (wgmma from 384 output columns, else mma_m). Kimi-K3's
+  // shapes (gated, a latent of 3584) keep mma_s_wide below 16 rows: 0.98 of their floor at 256 tokens (4 rows).
+  const int64_t out_cols = down ? latent : intermediate;
+  if ((down ? latent < 2048 : !gated) && mean_rows >= 8) {
+    if (ws_ok && down && intermediate <= 1024 && mean_rows <= 32) return GemmVariant::wgmma_ws;
+    if (mean_rows < 16) return out_cols >= 384 && wgmma_available() ? GemmVariant::wgmma : GemmVariant::mma_m;
+  }
   // Hopper, more than 96 rows per touched expert, where the persistent kernels are not taken: the tall wgmma tiles
   // (up to 256 rows, an expert's weights read once) where they measured faster than the 96-row tiles (H200, 4096
   // and 8192 tokens, bench/results/grouped_gemm_tall_aabf667.json): relu2's gate/up (Nemotron: 2-18 %) and a down
@@ -202,7 +215,6 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
   }
   // Hopper, at least 16 rows per touched expert and 384 output columns: the wgmma kernel (5-23 % faster
   // than mma.sync at 1024 and 4096 tokens; at 336 columns, Nemotron's I/8, mma.sync stays ahead).
-  const int64_t out_cols = down ? latent : intermediate;
   if (mean_rows >= 16 && out_cols >= 384 && wgmma_available()) return GemmVariant::wgmma;
   if (mean_rows <= 16) return GemmVariant::mma_s_wide;
   if (mean_rows <= 48) return GemmVariant::mma_m;
