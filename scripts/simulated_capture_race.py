@@ -7,30 +7,13 @@
 # (bench/results/simulated_capture_race_h100_1024846.txt).
 import os
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests"))
 
 import torch  # noqa: E402
 import test_gpu  # noqa: E402
-from conftest import FAMILIES, make_inputs, make_weights, run_ranks  # noqa: E402
-
-
-def run(contexts, streams, body, barrier):
-    gate = threading.Barrier(len(contexts))
-
-    def rank_body(rank, ctx):
-        streams[rank].wait_stream(torch.cuda.default_stream(test_gpu.DEVICE))
-        with torch.cuda.stream(streams[rank]):
-            result = body(rank, ctx)
-            if barrier:
-                gate.wait(timeout=60)
-            result = [r.cpu() for r in result]
-        ctx.check()
-        return result
-
-    return run_ranks(contexts, rank_body)
+from conftest import FAMILIES, make_inputs, make_weights  # noqa: E402
 
 
 def one_try(barrier, tp=2, replays=3):
@@ -39,24 +22,11 @@ def one_try(barrier, tp=2, replays=3):
     contexts, layers, streams = test_gpu.simulated(config, named, tp)
     cpu_x, cpu_logits = make_inputs(config, 9, torch.bfloat16, seed=3)
     statics = [test_gpu.on_device(cpu_x, cpu_logits) for _ in range(tp)]
-    run(contexts, streams, lambda rank, ctx: list(layers[rank](*statics[rank])), barrier=True)
-    graphs, captured = [None] * tp, [None] * tp
-
-    def capture(rank, ctx):
-        graphs[rank] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[rank], stream=streams[rank], capture_error_mode="thread_local"):
-            captured[rank] = layers[rank](*statics[rank])
-        return []
-
-    run_ranks(contexts, capture)
+    test_gpu.run_on_streams(contexts, streams, lambda rank, ctx: list(layers[rank](*statics[rank])))
+    replay = test_gpu.capture_per_rank(contexts, layers, streams, statics)
     torch.cuda.synchronize()
-
-    def replay(rank, ctx):
-        graphs[rank].replay()
-        return list(captured[rank])
-
     for _ in range(replays):
-        run(contexts, streams, replay, barrier)
+        test_gpu.run_on_streams(contexts, streams, replay, enqueue_first=barrier)
 
 
 def main():

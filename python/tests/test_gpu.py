@@ -121,12 +121,13 @@ def simulated(config, named, tp, max_tokens=40):
     return contexts, layers, streams
 
 
-def run_on_streams(contexts, streams, body):
+def run_on_streams(contexts, streams, body, enqueue_first=True):
     # Every rank enqueues its work before any rank blocks its host thread on a copy to pageable memory: such a
     # copy waits for the rank's stream, whose collective waits for the peers, while holding the driver's staging
     # of pageable copies; a peer that has not yet launched its work may need the driver there first, and the
     # collective then times out (seen with graph replays: test_simulated_ranks_captured_per_rank, sessions 22
-    # and 25). An engine driving simulated ranks follows the same order (docs/PYTHON.md).
+    # and 25). An engine driving simulated ranks follows the same order (docs/PYTHON.md). enqueue_first=False
+    # drops the order (scripts/simulated_capture_race.py measures what that costs).
     enqueued = threading.Barrier(len(contexts))
 
     def rank_body(rank, ctx):
@@ -139,15 +140,36 @@ def run_on_streams(contexts, streams, body):
             except BaseException:
                 enqueued.abort()  # the peers stop waiting at once
                 raise
-            try:
-                enqueued.wait(timeout=60)
-            except threading.BrokenBarrierError:
-                raise RuntimeError(f"rank {rank}: another rank failed before enqueueing its work") from None
+            if enqueue_first:
+                try:
+                    enqueued.wait(timeout=60)
+                except threading.BrokenBarrierError:
+                    raise RuntimeError(f"rank {rank}: another rank failed before enqueueing its work") from None
             result = [r.cpu() for r in result]  # waits for this rank's stream
         ctx.check()
         return result
 
     return run_ranks(contexts, rank_body)
+
+
+def capture_per_rank(contexts, layers, streams, statics):
+    """Each rank captures its layer's forward of statics[rank] in a CUDA graph of its own (thread-local capture, on
+    its stream); returns the run_on_streams body that replays a rank's graph and gives its captured outputs."""
+    graphs, captured = [None] * len(contexts), [None] * len(contexts)
+
+    def capture(rank, ctx):
+        graphs[rank] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[rank], stream=streams[rank], capture_error_mode="thread_local"):
+            captured[rank] = layers[rank](*statics[rank])
+        return []
+
+    run_ranks(contexts, capture)
+
+    def replay(rank, ctx):
+        graphs[rank].replay()
+        return list(captured[rank])
+
+    return replay
 
 
 @pytest.mark.parametrize("tp", (2, 4, 8))
@@ -205,25 +227,12 @@ def test_simulated_ranks_captured_per_rank():
     cpu_x, cpu_logits = make_inputs(config, 9, torch.bfloat16, seed=3)
     statics = [on_device(cpu_x, cpu_logits) for _ in range(tp)]
     eager = run_on_streams(contexts, streams, lambda rank, ctx: list(layers[rank](*statics[rank])))
-    graphs, captured = [None] * tp, [None] * tp
-
-    def capture(rank, ctx):
-        graphs[rank] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[rank], stream=streams[rank], capture_error_mode="thread_local"):
-            captured[rank] = layers[rank](*statics[rank])
-        return []
-
-    run_ranks(contexts, capture)
+    replay = capture_per_rank(contexts, layers, streams, statics)
     new_x, new_logits = make_inputs(config, 9, torch.bfloat16, seed=4)
     for rank in range(tp):
         statics[rank][0].copy_(new_x)
         statics[rank][1].copy_(new_logits)
     torch.cuda.synchronize()
-
-    def replay(rank, ctx):
-        graphs[rank].replay()
-        return list(captured[rank])
-
     replayed = run_on_streams(contexts, streams, replay)
     expected = run_on_streams(contexts, streams, lambda rank, ctx: list(layers[rank](*statics[rank])))
     # Every mismatch named (rank, output, how many elements, the largest difference), so that a failure's one
