@@ -143,6 +143,11 @@ int64_t touched_experts(int64_t num_tokens, int top_k, int num_experts) {
 int64_t mean_rows_per_touched_expert(int64_t num_tokens, int top_k, int num_experts) {
   return num_tokens * top_k / touched_experts(num_tokens, top_k, num_experts);
 }
+// Whether the persistent warp-specialised kernels (wgmma_ws, wgmma_ws_tall) can take the call: Hopper with sm_90a
+// code, and at most kWgmmaWsMaxExperts experts (their per-expert prefix in shared memory).
+bool persistent_kernels_available(int num_experts) {
+  return wgmma_available() && num_experts <= gg::kWgmmaWsMaxExperts;
+}
 
 }  // namespace
 
@@ -183,7 +188,7 @@ GemmVariant choose_variant(DType dtype, bool down, bool gated, int64_t num_token
   //   bench/results/issue32_h200_s22.json: at 4096 tokens, 73 rows, 767 against wgmma's 906-907, and 905 with option
   //   16, the old L2 handling; 36 rows, 2048 tokens, not measured, so the bound stays above them). Kimi-K3 tp-shard
   //   1's down (a long reduction) keeps wgmma_tall (not measured on these kernels).
-  const bool ws_ok = wgmma_available() && num_experts <= gg::kWgmmaWsMaxExperts;
+  const bool ws_ok = persistent_kernels_available(num_experts);
   if (ws_ok) {
     if (!down && !gated && mean_rows > 64) return GemmVariant::wgmma_ws_tall;
     if (down && latent < 2048 && mean_rows > (intermediate <= 1024 ? 32 : 64)) return GemmVariant::wgmma_ws_tall;
@@ -234,13 +239,12 @@ GemmVariant choose_mxfp4_variant(DType dtype, bool down, bool gated, int64_t num
   // rows, mma_l4 above. The tall wgmma tiles measured 1.6-1.8x slower than the 96-row ones with MXFP4 and are not
   // chosen. Above kMxfp4WsTallMinMeanRows rows the persistent tall tiles (wgmma_ws_tall, whose producer decodes
   // the codes while the consumers multiply) measured 1.09-1.24x faster than wgmma_narrow (grouped_gemm.h).
-  (void)dtype, (void)gated;
+  (void)gated;
   const int64_t mean_rows = mean_rows_per_touched_expert(num_tokens, top_k, num_experts);
   if (num_tokens <= 16 || mean_rows <= kMxfp4RowsMaxMeanRows) return GemmVariant::mxfp4_rows;
-  // wgmma_ws takes MXFP4 with n and k multiples of 32 (grouped_mxfp4_supported's condition) and at most
-  // kWgmmaWsMaxExperts experts.
-  if (mean_rows > kMxfp4WsTallMinMeanRows && wgmma_available() && num_experts <= gg::kWgmmaWsMaxExperts &&
-      intermediate % 32 == 0 && latent % 32 == 0) {
+  // wgmma_ws takes MXFP4 where the grouped kernels do (n and k multiples of 32: grouped_mxfp4_supported).
+  if (mean_rows > kMxfp4WsTallMinMeanRows && persistent_kernels_available(num_experts) &&
+      grouped_mxfp4_supported(dtype, intermediate, latent)) {
     return GemmVariant::wgmma_ws_tall;
   }
   const int64_t out_cols = down ? latent : intermediate;

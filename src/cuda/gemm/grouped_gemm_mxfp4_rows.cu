@@ -70,7 +70,7 @@ constexpr int kCtasPerSm = 3;
 // (45766b8) and ran at 3 CTAs per SM: 6-8% slower at 16-256 tokens (H100, session 25, ncu: 216.7 against 233.2
 // µs at 64 tokens, bench/results/issue31_h100_s25.json). The plan (plan_rows) still counts kCtasPerSm.
 template <Mode kMode>
-constexpr int kRegisterBoundCtasPerSm = kMode == Mode::gated ? 3 : 4;
+constexpr int kRegisterBoundCtasPerSm = kMode == Mode::gated ? kCtasPerSm : 4;
 // How far past a copy's bytes the L2 fetches from DRAM on a miss (cp.async's prefetch size): a step reads 64 code
 // bytes and 4 scale bytes of each of its rows, rows K/2 (K/32) bytes apart, so without a hint DRAM sees short
 // scattered reads; 128 or 256 bytes bring the row's next steps into L2 with the first. GemmChoice::option of
