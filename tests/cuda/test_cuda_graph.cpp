@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <map>
 #include <set>
 #include <vector>
@@ -268,52 +269,57 @@ TEST(CudaGraph, run_overlapped_with_handoff_orders_exactly_the_named_steps) {
   gpu.synchronize();
   enum Step { before, main_first, aux_first, main_second, aux_second, after };
 
-  cudaGraph_t graph = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  try {
-    copy_into(before)();
-    gpu.run_overlapped_with_handoff(copy_into(main_first), copy_into(aux_first), copy_into(main_second),
-                                    copy_into(aux_second));
-    copy_into(after)();
-  } catch (...) {
-    cudaStreamEndCapture(stream.get(), &graph);
-    throw;
-  }
-  ASSERT_EQ(cudaStreamEndCapture(stream.get(), &graph), cudaSuccess);
+  // The copies before, between and after, captured from the caller's stream.
+  auto capture = [&](const std::function<void()>& second_main) {
+    cudaGraph_t graph = nullptr;
+    EXPECT_EQ(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    try {
+      copy_into(before)();
+      gpu.run_overlapped_with_handoff(copy_into(main_first), copy_into(aux_first), second_main, copy_into(aux_second));
+      copy_into(after)();
+    } catch (...) {
+      cudaStreamEndCapture(stream.get(), &graph);
+      throw;
+    }
+    EXPECT_EQ(cudaStreamEndCapture(stream.get(), &graph), cudaSuccess);
+    return graph;
+  };
+
+  cudaGraph_t graph = capture(copy_into(main_second));
+  ASSERT_NE(graph, nullptr);
   const auto ancestors = copy_ancestors(graph);
   ASSERT_EQ(ancestors.size(), 6u);
   auto depends = [&](Step later, Step earlier) {
     return ancestors.at(dst[later].view.data()).count(dst[earlier].view.data()) != 0;
   };
-  // The fork: both lanes start after what came before; the lanes do not wait for each other's first step
-  // except where the hand-off says so.
-  EXPECT_TRUE(depends(main_first, before));
-  EXPECT_TRUE(depends(aux_first, before));
-  EXPECT_FALSE(depends(main_first, aux_first));
-  EXPECT_FALSE(depends(aux_first, main_first));
-  // The hand-off: main_second waits for both first steps; aux_second for its own lane only.
-  EXPECT_TRUE(depends(main_second, main_first));
-  EXPECT_TRUE(depends(main_second, aux_first));
-  EXPECT_TRUE(depends(aux_second, aux_first));
-  EXPECT_FALSE(depends(aux_second, main_first));
-  EXPECT_FALSE(depends(aux_second, main_second));
-  EXPECT_FALSE(depends(main_second, aux_second));
-  // The join: what follows waits for both lanes.
-  EXPECT_TRUE(depends(after, main_second));
-  EXPECT_TRUE(depends(after, aux_second));
+  struct Expected {
+    Step later, earlier;
+    bool depends;
+  };
+  const Expected expected[] = {
+      // The fork: both lanes start after what came before, neither waiting for the other's first step.
+      {main_first, before, true},
+      {aux_first, before, true},
+      {main_first, aux_first, false},
+      {aux_first, main_first, false},
+      // The hand-off: main_second waits for both first steps; aux_second for its own lane only.
+      {main_second, main_first, true},
+      {main_second, aux_first, true},
+      {aux_second, aux_first, true},
+      {aux_second, main_first, false},
+      {aux_second, main_second, false},
+      {main_second, aux_second, false},
+      // The join: what follows waits for both lanes.
+      {after, main_second, true},
+      {after, aux_second, true},
+  };
+  for (const Expected& e : expected)
+    EXPECT_EQ(depends(e.later, e.earlier), e.depends) << "step " << e.later << " on step " << e.earlier;
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
 
   // Without a second main step there is no hand-off (run_overlapped's shape): the lanes stay independent.
-  ASSERT_EQ(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  try {
-    copy_into(before)();
-    gpu.run_overlapped_with_handoff(copy_into(main_first), copy_into(aux_first), {}, copy_into(aux_second));
-    copy_into(after)();
-  } catch (...) {
-    cudaStreamEndCapture(stream.get(), &graph);
-    throw;
-  }
-  ASSERT_EQ(cudaStreamEndCapture(stream.get(), &graph), cudaSuccess);
+  graph = capture({});
+  ASSERT_NE(graph, nullptr);
   const auto plain = copy_ancestors(graph);
   ASSERT_EQ(plain.size(), 5u);
   EXPECT_EQ(plain.at(dst[aux_second].view.data()).count(dst[main_first].view.data()), 0u);
