@@ -543,21 +543,5 @@ TEST(CpuBackend, unsupported_dtypes_throw) {
                Error);
 }
 
-TEST(CpuBackend, overlapped_lanes_run_in_an_order_that_keeps_the_hand_off) {
-  // One thread runs the lanes' steps in an order where main_second comes after aux_first; empty steps
-  // are skipped.
-  auto backend = detail::make_cpu_backend();
-  std::vector<int> order;
-  auto step = [&order](int id) { return [&order, id] { order.push_back(id); }; };
-  backend->run_overlapped_with_handoff(step(1), step(2), step(3), step(4));
-  EXPECT_EQ(order, (std::vector<int>{1, 2, 3, 4}));
-  order.clear();
-  backend->run_overlapped_with_handoff({}, step(2), step(3), {});
-  EXPECT_EQ(order, (std::vector<int>{2, 3}));
-  order.clear();
-  backend->run_overlapped(step(1), step(2));
-  EXPECT_EQ(order, (std::vector<int>{1, 2}));
-}
-
 }  // namespace
 }  // namespace latentmoe

@@ -103,14 +103,6 @@ void Backend::run_overlapped(const std::function<void()>& main, const std::funct
   aux();
 }
 
-void Backend::run_overlapped_with_handoff(const std::function<void()>& main_first,
-                                          const std::function<void()>& aux_first,
-                                          const std::function<void()>& main_second,
-                                          const std::function<void()>& aux_second) {
-  for (const auto* step : {&main_first, &aux_first, &main_second, &aux_second})
-    if (*step) (*step)();
-}
-
 #ifndef LATENTMOE_WITH_CUDA
 // Built without CUDA: no device, and asking for the backend is an error (src/cuda/backend/factory.cpp
 // defines both otherwise).

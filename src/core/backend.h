@@ -213,16 +213,6 @@ class Backend {
   // Runs `main` and `aux` so that they may overlap (CUDA: aux on a second stream joined by events).
   // The default runs main, then aux.
   virtual void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux);
-
-  // Two lanes that may overlap, two steps each, with one hand-off between them: the main lane runs
-  // `main_first` then `main_second`, the aux lane `aux_first` then `aux_second`, and `main_second` also
-  // waits for `aux_first` (the layer: W_down beside the routing, then the routed experts, which need
-  // both, beside the shared expert, which started as soon as the routing was done). An empty function
-  // is a step that does nothing. The default runs main_first, aux_first, main_second, aux_second.
-  virtual void run_overlapped_with_handoff(const std::function<void()>& main_first,
-                                           const std::function<void()>& aux_first,
-                                           const std::function<void()>& main_second,
-                                           const std::function<void()>& aux_second);
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

@@ -2,8 +2,6 @@
 // below are numbered as DESIGN section 1 numbers them; they run in the order the data allows.
 #include "core/layer_forward.h"
 
-#include <functional>
-
 namespace latentmoe::detail {
 namespace {
 
@@ -36,40 +34,41 @@ void run_layer(RunnerState& state, const ForwardInputs& inputs, const ForwardOut
 
   // Step 1, routing: the logits (unless given), then the top-k.
   TensorView logits = inputs.router_logits;
-  const bool logits_given = logits.defined();
-  if (!logits_given) logits = rows_of(state.logits, num_tokens);
+  if (!logits.defined()) {
+    logits = rows_of(state.logits, num_tokens);
+    backend.router_logits(x, state.gate.view, logits);
+  }
   const TensorView topk_ids = rows_of(state.topk_ids, num_tokens);
   const TensorView topk_weights = rows_of(state.topk_weights, num_tokens);
   const TensorView zero_weight_sum = state.zero_weight_sum.view.slice_rows(0, num_tokens);
   auto route = [&] {
-    if (!logits_given) backend.router_logits(x, state.gate.view, logits);
     backend.route(state.routing, logits, state.score_bias.view, topk_ids, topk_weights, zero_weight_sum);
   };
 
-  // Step 2, the latent down-projection, unless the caller already ran it.
+  // Step 2, the latent down-projection, unless the caller already ran it. Routing does not need it, so
+  // the two run side by side (on a GPU the routing kernel hides behind the weight stream of W_down).
   TensorView latent_in = inputs.latent_states;
-  const bool latent_given = latent_in.defined();
-  if (!latent_given) latent_in = rows_of(state.latent_in, num_tokens);
-  auto down_projection = [&] { backend.linear(x, state.down_proj.view, latent_in, /*accumulate=*/false); };
+  if (!latent_in.defined()) {
+    latent_in = rows_of(state.latent_in, num_tokens);
+    backend.run_overlapped([&] { backend.linear(x, state.down_proj.view, latent_in, /*accumulate=*/false); }, route);
+  } else {
+    route();
+  }
 
-  // Steps 3-4, this rank's routed experts: the un-reduced latent partial L_r; step 6, this rank's
-  // shared-expert shard: the un-reduced partial S_r, which needs only x. Tier column_parallel writes S_r
-  // straight into the output, which its tail then accumulates into and reduces in place.
+  // Steps 3-4, this rank's routed experts: the un-reduced latent partial L_r; beside them step 6, this
+  // rank's shared-expert shard: the un-reduced partial S_r, which needs only x. Tier column_parallel
+  // writes S_r straight into the output, which its tail then accumulates into and reduces in place.
   const TailTensors t = tail_tensors(state, tier, outputs.output, num_tokens);
   auto routed = [&] {
     backend.routed_experts(state.activation, latent_in, topk_ids, topk_weights, routed_expert_weights(state),
                            t.latent_partial);
   };
-  std::function<void()> shared;
-  if (state.config.has_shared_expert())
-    shared = [&] { backend.dense_mlp(state.activation, x, shared_expert_weights(state), t.shared_partial); };
-
-  // Two lanes (on a GPU, two streams): W_down, then the routed experts once the routing is done; beside
-  // them the routing, then the shared expert. The shared expert's weight stream thus runs beside W_down's
-  // and the routed experts' from the start, where at a few tokens each kernel alone leaves DRAM
-  // bandwidth unused; the routing hides behind W_down.
-  backend.run_overlapped_with_handoff(latent_given ? std::function<void()>() : std::function<void()>(down_projection),
-                                      route, routed, shared);
+  if (state.config.has_shared_expert()) {
+    backend.run_overlapped(
+        routed, [&] { backend.dense_mlp(state.activation, x, shared_expert_weights(state), t.shared_partial); });
+  } else {
+    routed();
+  }
 
   // Steps 5 and 8, the tail: R = norm(L) W_up^T and out = R + S, replicated on every rank.
   run_tail(state.tail_operands(), tier, t);

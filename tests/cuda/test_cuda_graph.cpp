@@ -1,15 +1,9 @@
 // The stream rules of the CUDA path, through the public API: Runner::forward enqueues everything on
 // the caller's stream, so an engine can capture it into a CUDA graph and replay it with new inputs,
 // bit-identical to eager runs; forward allocates no device memory; weights given as device views are
-// used in place; run_overlapped refuses to share a workspace between its two streams, and its hand-off
-// form orders exactly the steps it names.
+// used in place; run_overlapped refuses to share a workspace between its two streams.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
-
-#include <functional>
-#include <map>
-#include <set>
-#include <vector>
 
 #include "core/runner_state.h"
 #include "cuda_test_util.h"
@@ -215,118 +209,6 @@ TEST(CudaGraph, run_overlapped_refuses_one_workspace_on_both_streams) {
   EXPECT_NE(seen_in_aux, main_stream);
   EXPECT_EQ(gpu.stream(), main_stream);
   EXPECT_EQ(count_non_finite(download(gpu, out_a.view)), 0);
-}
-
-// Which memcpy nodes of a captured graph each memcpy node depends on (directly or through other nodes),
-// the nodes named by their copies' destinations.
-std::map<const void*, std::set<const void*>> copy_ancestors(cudaGraph_t graph) {
-  size_t num_edges = 0;
-  EXPECT_EQ(cudaGraphGetEdges(graph, nullptr, nullptr, nullptr, &num_edges), cudaSuccess);
-  std::vector<cudaGraphNode_t> from(num_edges), to(num_edges);
-  EXPECT_EQ(cudaGraphGetEdges(graph, from.data(), to.data(), nullptr, &num_edges), cudaSuccess);
-  size_t num_nodes = 0;
-  EXPECT_EQ(cudaGraphGetNodes(graph, nullptr, &num_nodes), cudaSuccess);
-  std::vector<cudaGraphNode_t> nodes(num_nodes);
-  EXPECT_EQ(cudaGraphGetNodes(graph, nodes.data(), &num_nodes), cudaSuccess);
-  std::map<cudaGraphNode_t, const void*> destination;
-  for (cudaGraphNode_t node : nodes) {
-    cudaGraphNodeType type{};
-    EXPECT_EQ(cudaGraphNodeGetType(node, &type), cudaSuccess);
-    if (type != cudaGraphNodeTypeMemcpy) continue;
-    cudaMemcpy3DParms params{};
-    EXPECT_EQ(cudaGraphMemcpyNodeGetParams(node, &params), cudaSuccess);
-    destination[node] = params.dstPtr.ptr;
-  }
-  std::map<cudaGraphNode_t, std::vector<cudaGraphNode_t>> parents;
-  for (size_t i = 0; i < num_edges; ++i) parents[to[i]].push_back(from[i]);
-  std::map<const void*, std::set<const void*>> ancestors;
-  for (const auto& [node, dst] : destination) {
-    std::set<cudaGraphNode_t> seen;
-    std::vector<cudaGraphNode_t> pending = parents[node];
-    while (!pending.empty()) {
-      const cudaGraphNode_t parent = pending.back();
-      pending.pop_back();
-      if (!seen.insert(parent).second) continue;
-      if (destination.count(parent) != 0) ancestors[dst].insert(destination[parent]);
-      for (cudaGraphNode_t grandparent : parents[parent]) pending.push_back(grandparent);
-    }
-    ancestors[dst];  // present even without ancestors
-  }
-  return ancestors;
-}
-
-TEST(CudaGraph, run_overlapped_with_handoff_orders_exactly_the_named_steps) {
-  LATENTMOE_REQUIRE_GPU();
-  CudaBackend gpu(0);
-  OwnStream stream;
-  gpu.bind_stream(stream.get());
-  // One copy per step, each into its own buffer, the first and last copies on the caller's stream.
-  const HostTensor host = random_tensor(DType::bf16, {64}, 7);
-  DeviceTensor src = upload(gpu, host);
-  std::vector<DeviceTensor> dst;
-  for (int i = 0; i < 6; ++i) dst.push_back(device_empty(gpu, DType::bf16, {64}));
-  auto copy_into = [&](int i) { return [&gpu, &src, &dst, i] { gpu.copy(src.view, dst[i].view); }; };
-  gpu.synchronize();
-  enum Step { before, main_first, aux_first, main_second, aux_second, after };
-
-  // The copies before, between and after, captured from the caller's stream.
-  auto capture = [&](const std::function<void()>& second_main) {
-    cudaGraph_t graph = nullptr;
-    EXPECT_EQ(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    try {
-      copy_into(before)();
-      gpu.run_overlapped_with_handoff(copy_into(main_first), copy_into(aux_first), second_main, copy_into(aux_second));
-      copy_into(after)();
-    } catch (...) {
-      cudaStreamEndCapture(stream.get(), &graph);
-      throw;
-    }
-    EXPECT_EQ(cudaStreamEndCapture(stream.get(), &graph), cudaSuccess);
-    return graph;
-  };
-
-  cudaGraph_t graph = capture(copy_into(main_second));
-  ASSERT_NE(graph, nullptr);
-  const auto ancestors = copy_ancestors(graph);
-  ASSERT_EQ(ancestors.size(), 6u);
-  auto depends = [&](Step later, Step earlier) {
-    return ancestors.at(dst[later].view.data()).count(dst[earlier].view.data()) != 0;
-  };
-  struct Expected {
-    Step later, earlier;
-    bool depends;
-  };
-  const Expected expected[] = {
-      // The fork: both lanes start after what came before, neither waiting for the other's first step.
-      {main_first, before, true},
-      {aux_first, before, true},
-      {main_first, aux_first, false},
-      {aux_first, main_first, false},
-      // The hand-off: main_second waits for both first steps; aux_second for its own lane only.
-      {main_second, main_first, true},
-      {main_second, aux_first, true},
-      {aux_second, aux_first, true},
-      {aux_second, main_first, false},
-      {aux_second, main_second, false},
-      {main_second, aux_second, false},
-      // The join: what follows waits for both lanes.
-      {after, main_second, true},
-      {after, aux_second, true},
-  };
-  for (const Expected& e : expected)
-    EXPECT_EQ(depends(e.later, e.earlier), e.depends) << "step " << e.later << " on step " << e.earlier;
-  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
-
-  // Without a second main step there is no hand-off (run_overlapped's shape): the lanes stay independent.
-  graph = capture({});
-  ASSERT_NE(graph, nullptr);
-  const auto plain = copy_ancestors(graph);
-  ASSERT_EQ(plain.size(), 5u);
-  EXPECT_EQ(plain.at(dst[aux_second].view.data()).count(dst[main_first].view.data()), 0u);
-  EXPECT_EQ(plain.at(dst[after].view.data()).count(dst[main_first].view.data()), 1u);
-  EXPECT_EQ(plain.at(dst[after].view.data()).count(dst[aux_second].view.data()), 1u);
-  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
-  gpu.bind_stream(nullptr);
 }
 
 }  // namespace

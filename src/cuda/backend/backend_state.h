@@ -78,7 +78,6 @@ struct CudaBackend::State {
   cudaStream_t current = nullptr;
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
-  cudaEvent_t handoff = nullptr;  // run_overlapped_with_handoff: aux_first done, main_second may start
   std::unique_ptr<Blas> blas;
   DeviceBuffer blas_workspace[2];  // [0]: main stream, [1]: aux stream
   DeviceBuffer push_workspace[2];  // tier 0's pushing GEMM's split-K (dense_push_gemm.h), per stream

@@ -51,7 +51,6 @@ CudaBackend::CudaBackend(int device_ordinal) : state_(std::make_unique<State>())
   LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.aux_stream, cudaStreamNonBlocking));
   LATENTMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
   LATENTMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
-  LATENTMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.handoff, cudaEventDisableTiming));
   s.bound = s.current = s.main_stream;
   s.blas = std::make_unique<Blas>();
   for (auto& buffer : s.blas_workspace) buffer = s.device_alloc(kBlasWorkspaceBytes);
@@ -75,7 +74,6 @@ CudaBackend::~CudaBackend() {
   for (auto& buffer : s.blas_workspace) buffer = {};
   for (auto& buffer : s.push_workspace) buffer = {};
   s.blas.reset();
-  if (s.handoff != nullptr) (void)cudaEventDestroy(s.handoff);
   if (s.join != nullptr) (void)cudaEventDestroy(s.join);
   if (s.fork != nullptr) (void)cudaEventDestroy(s.fork);
   if (s.aux_stream != nullptr) (void)cudaStreamDestroy(s.aux_stream);
@@ -210,13 +208,6 @@ void CudaBackend::check_layer(const LayerConfig& config, DType dtype, int tp_siz
 }
 
 void CudaBackend::run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) {
-  run_overlapped_with_handoff(main, aux, {}, {});
-}
-
-void CudaBackend::run_overlapped_with_handoff(const std::function<void()>& main_first,
-                                              const std::function<void()>& aux_first,
-                                              const std::function<void()>& main_second,
-                                              const std::function<void()>& aux_second) {
   State& s = *state_;
   LATENTMOE_CHECK(!s.overlapping, "CUDA backend: run_overlapped cannot be nested");
   {
@@ -235,21 +226,11 @@ void CudaBackend::run_overlapped_with_handoff(const std::function<void()>& main_
     LATENTMOE_CUDA_CHECK(cudaEventRecord(s.join, s.aux_stream));
     LATENTMOE_CUDA_CHECK(cudaStreamWaitEvent(s.bound, s.join, 0));
   };
-  // Each step is enqueued in this order on the host, so the hand-off's record precedes its wait.
-  auto on = [&s](cudaStream_t stream, const std::function<void()>& step) {
-    s.current = stream;
-    if (step) step();
-  };
   try {
-    on(s.bound, main_first);
-    on(s.aux_stream, aux_first);
-    if (main_second) {
-      DeviceGuard guard(s.ordinal);
-      LATENTMOE_CUDA_CHECK(cudaEventRecord(s.handoff, s.aux_stream));
-      LATENTMOE_CUDA_CHECK(cudaStreamWaitEvent(s.bound, s.handoff, 0));
-    }
-    on(s.bound, main_second);
-    on(s.aux_stream, aux_second);
+    s.current = s.bound;
+    main();
+    s.current = s.aux_stream;
+    aux();
   } catch (...) {
     try {
       finish();

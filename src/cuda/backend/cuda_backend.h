@@ -92,11 +92,6 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // main stream with events (capturable). routed_experts and dense_mlp each own one workspace, so
   // each may run on one of the two streams per call, not on both (checked).
   void run_overlapped(const std::function<void()>& main, const std::function<void()>& aux) override;
-  // The same streams and checks, the hand-off an event recorded on the aux stream after `aux_first`
-  // that the main stream waits for before `main_second`.
-  void run_overlapped_with_handoff(const std::function<void()>& main_first, const std::function<void()>& aux_first,
-                                   const std::function<void()>& main_second,
-                                   const std::function<void()>& aux_second) override;
 
   // With a GPU group (cuda/comm/lamport_communicator.h) and a gamma: one Lamport kernel sums the
   // partials of every rank in rank order and normalises each row (fp32 throughout, one rounding);
