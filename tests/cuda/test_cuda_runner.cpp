@@ -81,7 +81,8 @@ void set_edge_scales(HostTensor& scales) {
 
 // MXFP4 routed experts (issue 16), decoded in registers: the whole layer at tp 1 and on 2 simulated
 // ranks against the CPU runner (which decodes exactly), situ and silu with a gate, relu2 without,
-// 1..8 tokens on the decode kernels (bf16, f16: tensor cores; f32: CUDA cores; tokens sharing experts),
+// 1..8 tokens on the decode kernels (bf16, f16: tensor cores, down with four items in flight at one token and two at
+// 3 and 8; f32: CUDA cores; tokens sharing experts),
 // 9, 37 and 150 tokens on the grouped GEMMs (above kMxfp4DecodeTokens: the rows kernel, the tile kernels; f32 in
 // batches of 8 on the decode kernels at every count), a latent long enough for the unrolled loop and its remainder (544
 // = 17 groups over 8 warps; a partial last k-tile of the grouped GEMM), edge scale bytes.

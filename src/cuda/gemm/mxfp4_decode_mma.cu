@@ -78,6 +78,16 @@ constexpr int kMinCtasPerSm = 3;
 // with ncu on nemotron3-super at 8 tokens (docs/MXFP4.md): at 70 registers (3 CTAs) it ran 23% slower than at
 // 62 (4 CTAs).
 constexpr int kMinCtasPerSmUngated = 4;
+// The down kernel keeps kInFlight work items of a warp in registers (a ring): 2 (79 registers, 3 CTAs per SM) or 4
+// (127-128 registers, 2 CTAs per SM). At one token (Kimi-K3 tp-shard 8, 224 clusters) only 13 of an SM's warps are
+// resident, so each warp's loads in flight bound the bytes in flight (ncu, docs/MXFP4.md). Measured on an H100
+// (session 27, bench layer alternating, three rounds; docs/MXFP4.md, "Eighth measurement"): four in flight make the
+// routed experts alone 8-10% faster at 1-8 tokens, but the layer graph only at one token (4%); at 2 and 4 tokens it
+// was 4-5% slower, its registers leaving no room on the SMs for the shared expert that runs beside it. So: four at
+// one token.
+constexpr int kDownDeepTokens = 1;
+constexpr int down_in_flight(int64_t tokens) { return tokens <= kDownDeepTokens ? 4 : 2; }
+constexpr int down_min_ctas_per_sm(int in_flight) { return in_flight == 4 ? 2 : kMinCtasPerSm; }
 
 // One lane's share of one scale group: the code words of rows g and g + 8, their scale bytes, and the
 // 8 activation values of token g (zero for a token beyond the call's or one that does not take part).
@@ -350,8 +360,10 @@ __device__ void build_expert_list(const Mxfp4DownCall& p, ExpertList& list, int*
   __syncthreads();
 }
 
-template <class T>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
+template <class T, int kInFlight>
+__global__ void __launch_bounds__(kThreads, down_min_ctas_per_sm(kInFlight))
+    mxfp4_mma_down_kernel(Mxfp4DownCall p, int split) {
+  static_assert(kInFlight >= 2);
   extern __shared__ int first_pair[];  // [num_experts]
   __shared__ ExpertList list;
   __shared__ int slot_of_pair[kMaxPairs];
@@ -365,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel
   const int64_t groups = p.down.cols / kGroup;
   // Work items (touched expert, chunk of kChunk consecutive groups) in expert-major order; each warp of
   // the cluster takes one contiguous range of them (so it walks an expert's chunks in order, one division
-  // per warp), double-buffered (78 registers, within kMinCtasPerSm's budget).
+  // per warp), kInFlight of them loaded in a ring of registers.
   const int chunks = static_cast<int>((groups + kChunk - 1) / kChunk);
   const int items = list.count * chunks;  // 32-bit: count <= 256 pairs, chunks <= INT_MAX / 256 (host check)
   const int warps_total = split * kWarps;
@@ -416,16 +428,24 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) mxfp4_mma_down_kernel
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) group_mma<T>(acc, op[j], weight.x, weight.y);
   };
-  GroupOperands a[kChunk], b[kChunk];
-  float2 weight_a = make_float2(0.0f, 0.0f), weight_b = weight_a;
-  int item = begin;
-  if (item < end) load(a, weight_a);
-  for (; item < end; item += 2) {
-    if (item + 1 < end) load(b, weight_b);
-    compute(a, weight_a);
-    if (item + 1 >= end) break;
-    if (item + 2 < end) load(a, weight_a);
-    compute(b, weight_b);
+  // The ring: slot s holds item `base + s`. Items are loaded in order (load() walks them), each kInFlight - 1
+  // ahead of the one computed; a slot is loaded again only after its item was computed. Indices are constants
+  // (the loop over slots is unrolled), so the ring stays in registers.
+  GroupOperands ring[kInFlight][kChunk];
+  float2 ring_weight[kInFlight];
+#pragma unroll
+  for (int s = 0; s < kInFlight - 1; ++s) {
+    if (begin + s < end) load(ring[s], ring_weight[s]);
+  }
+  for (int base = begin; base < end; base += kInFlight) {
+#pragma unroll
+    for (int s = 0; s < kInFlight; ++s) {
+      constexpr int kAhead = kInFlight - 1;
+      if (base + s < end) {
+        if (base + s + kAhead < end) load(ring[(s + kAhead) % kInFlight], ring_weight[(s + kAhead) % kInFlight]);
+        compute(ring[s], ring_weight[s]);
+      }
+    }
   }
   for (int i = 0; i < 4; ++i) partial[warp][i][lane] = acc[i];
   cluster_barrier(split);
@@ -453,6 +473,10 @@ void open_shared(Kernel kernel, size_t bytes) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   }
 }
+
+// The down kernel's instances, as ctas_per_sm's tags.
+template <class T, int kInFlight>
+struct DownInstance {};
 
 // Resident CTAs per SM of `kernel` with `shared` dynamic bytes on the current device, queried once per (device,
 // instance) and again only when `shared` (the model's expert count) changes: the down launcher asks on every decode
@@ -551,7 +575,8 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
   LATENTMOE_CHECK((call.down.cols / kGroup + kChunk - 1) / kChunk <= INT_MAX / kMaxPairs,
                   "MXFP4 down: ", call.down.cols, " columns exceed the kernel's 32-bit work count");
   const size_t shared = static_cast<size_t>(call.num_experts) * sizeof(int);
-  auto launch = [&](auto type, auto kernel) {
+  // Tag: one occupancy cache per kernel instance (ctas_per_sm).
+  auto launch = [&](auto tag, auto kernel) {
     open_shared(kernel, shared);
     // Clusters of up to 8 CTAs share a tile (sm_90 and later): the most that still run in one wave, so that no
     // last partial wave runs alone. Before (session 17) the clusters gave at least two CTAs per SM: Kimi-K3's 224
@@ -561,7 +586,7 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
     // tokens (one run). At 4 CTAs per SM (64 registers, spilling; 448 CTAs in one wave) it was no faster.
     int split = 1;
     if (current_compute_capability() >= 90) {
-      const int per_sm = ctas_per_sm<decltype(type)>(kernel, shared);
+      const int per_sm = ctas_per_sm<decltype(tag)>(kernel, shared);
       const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * current_sm_count();
       while (split < 8 && tiles * split * 2 <= resident) split *= 2;
     }
@@ -570,10 +595,18 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
                             dim3(static_cast<unsigned>(tiles * split)), dim3(kThreads), shared, stream, call, split);
   };
   check_expert_offsets(call.down, "down");
+  auto launch_depth = [&](auto type) {
+    using T = decltype(type);
+    if (down_in_flight(call.tokens) == 4) {
+      launch(DownInstance<T, 4>{}, mxfp4_mma_down_kernel<T, 4>);
+    } else {
+      launch(DownInstance<T, 2>{}, mxfp4_mma_down_kernel<T, 2>);
+    }
+  };
   if (call.dtype == DType::bf16) {
-    launch(__nv_bfloat16{}, mxfp4_mma_down_kernel<__nv_bfloat16>);
+    launch_depth(__nv_bfloat16{});
   } else {
-    launch(__half{}, mxfp4_mma_down_kernel<__half>);
+    launch_depth(__half{});
   }
 }
 
