@@ -82,9 +82,9 @@ constexpr int kMinCtasPerSmUngated = 4;
 // (127-128 registers, 2 CTAs per SM). At one token (Kimi-K3 tp-shard 8, 224 clusters) only 13 of an SM's warps are
 // resident, so each warp's loads in flight bound the bytes in flight (ncu, docs/MXFP4.md). Measured on an H100
 // (session 27, bench layer alternating, three rounds; docs/MXFP4.md, "Eighth measurement"): four in flight make the
-// routed experts alone 8-10% faster at 1-8 tokens, but the layer graph only at one token (4%); at 2 and 4 tokens it
-// was 4-5% slower, its registers leaving no room on the SMs for the shared expert that runs beside it. So: four at
-// one token.
+// routed experts alone 8-10% faster at 1-8 tokens, but the layer graph only at one token (1-4%, three calls); at 2
+// and 4 tokens it was 4-5% slower, its registers leaving no room on the SMs for the shared expert that runs beside
+// it. So: four at one token.
 constexpr int kDownDeepTokens = 1;
 constexpr int down_in_flight(int64_t tokens) { return tokens <= kDownDeepTokens ? 4 : 2; }
 constexpr int down_min_ctas_per_sm(int in_flight) { return in_flight == 4 ? 2 : kMinCtasPerSm; }
