@@ -16,8 +16,9 @@
 #                       tail.png); ~3-4 min expected, stopped by --max-seconds 400 (then listed as skipped)
 #                       and by a 540 s timeout: give it a call of its own (run after bench_no_gemv)
 #   bench_ab            latentmoe bench layer alternating with a baseline build (BASE_BIN: the folder of its latentmoe),
-#                       two rounds, dense and MXFP4 experts, tp-shard 8: behaviour-preserving changes are checked
-#                       against the baseline in the same call (layer_ab_{new,base}_{dense,mxfp4}_{1,2}.json)
+#                       two rounds (the second in the reverse order), dense and MXFP4 experts, tp-shard 8:
+#                       behaviour-preserving changes are checked against the baseline in the same call (layer_ab_{new,base}_{dense,mxfp4}_{1,2}.json; their
+#                       medians and ratios by scripts/layer_ab_table.py: layer_ab_table.txt)
 #   grouped_gemm        grouped_gemm_bench, the library's variant choice, every phase (grouped_gemm.json)
 #   grouped_gemm_sweep  grouped_gemm_bench, every tensor-core variant, gate_up and down (grouped_gemm_sweep.json)
 #   gemv                gemv_bench: the decode GEMV against cuBLAS and a plain read (gemv.json)
@@ -63,8 +64,9 @@ if has bench; then
 fi
 if has bench_ab; then
   for round in 1 2; do
+    order="new base"; [[ $round == 2 ]] && order="base new"  # the order inside a round is worth ~1%: reversed
     for experts in dense mxfp4; do
-      for which in new base; do
+      for which in $order; do
         b=$bin; [[ $which == base ]] && b=${BASE_BIN:?bench_ab needs BASE_BIN}
         timeout 120 "$b/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8 --tokens 1,8,64,1024 \
           --experts "$experts" --commit "$commit-$which" --json "$out/layer_ab_${which}_${experts}_$round.json" \
@@ -73,6 +75,7 @@ if has bench_ab; then
       done
     done
   done
+  python3 scripts/layer_ab_table.py "$out" | tee "$out/layer_ab_table.txt"  # medians per build, new/base
 fi
 if has bench_decode; then  # the decode token counts only
   timeout 90 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,8 \
