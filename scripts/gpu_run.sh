@@ -17,8 +17,9 @@
 #                       and by a 540 s timeout: give it a call of its own (run after bench_no_gemv)
 #   bench_ab            latentmoe bench layer alternating with a baseline build (BASE_BIN: the folder of its latentmoe),
 #                       two rounds (the second in the reverse order), dense and MXFP4 experts, tp-shard 8:
-#                       behaviour-preserving changes are checked against the baseline in the same call (layer_ab_{new,base}_{dense,mxfp4}_{1,2}.json; their
-#                       medians and ratios by scripts/layer_ab_table.py: layer_ab_table.txt)
+#                       behaviour-preserving changes are checked against the baseline in the same call
+#                       (layer_ab_{new,base}_{dense,mxfp4}_{1,2}.json; their medians and ratios by
+#                       scripts/layer_ab_table.py: layer_ab_table.txt)
 #   grouped_gemm        grouped_gemm_bench, the library's variant choice, every phase (grouped_gemm.json)
 #   grouped_gemm_sweep  grouped_gemm_bench, every tensor-core variant, gate_up and down (grouped_gemm_sweep.json)
 #   gemv                gemv_bench: the decode GEMV against cuBLAS and a plain read (gemv.json)
