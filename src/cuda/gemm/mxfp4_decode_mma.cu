@@ -24,7 +24,8 @@
 //   once) and writes act row p' = the first pair by which each token names it; other CTAs of that expert
 //   exit. The `split` warps of a tile (8, 2 or 1: choose_gate_up_split) share the groups of K.
 // down: one cluster of `split` CTAs per 16-row tile of the output; each warp of the cluster takes a
-//   contiguous range of the (touched expert, chunk of groups) work items; each item's products are
+//   contiguous range of the (touched expert, chunk of groups) work items, loaded ahead in a ring of registers
+//   (four items in flight at one token, two above: down_in_flight); each item's products are
 //   weighted by the routing weight of each token (summed over the pairs by which a token names the
 //   expert), and the cluster's partial sums are added in a fixed order through distributed shared
 //   memory.
