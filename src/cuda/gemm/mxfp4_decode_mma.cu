@@ -25,7 +25,7 @@
 //   exit. The `split` warps of a tile (8, 2 or 1: choose_gate_up_split) share the groups of K.
 // down: one cluster of `split` CTAs per 16-row tile of the output; each warp of the cluster takes a
 //   contiguous range of the (touched expert, chunk of groups) work items, loaded ahead in a ring of registers
-//   (four items in flight at one token, two above: down_in_flight); each item's products are
+//   (four items in flight at one token, two above: kDownDeepTokens); each item's products are
 //   weighted by the routing weight of each token (summed over the pairs by which a token names the
 //   expert), and the cluster's partial sums are added in a fixed order through distributed shared
 //   memory.
@@ -86,9 +86,10 @@ constexpr int kMinCtasPerSmUngated = 4;
 // routed experts alone 8-10% faster at 1-8 tokens, but the layer graph only at one token (1-4%, three calls); at 2
 // and 4 tokens it was 4-5% slower, its registers leaving no room on the SMs for the shared expert that runs beside
 // it. So: four at one token.
-constexpr int kDownDeepTokens = 1;
-constexpr int down_in_flight(int64_t tokens) { return tokens <= kDownDeepTokens ? 4 : 2; }
-constexpr int down_min_ctas_per_sm(int in_flight) { return in_flight == 4 ? 2 : kMinCtasPerSm; }
+constexpr int kDownDeepTokens = 1;    // calls of up to this many tokens take the deep ring
+constexpr int kDownInFlightDeep = 4;  // 2 CTAs per SM
+constexpr int kDownInFlight = 2;      // kMinCtasPerSm
+constexpr int down_min_ctas_per_sm(int in_flight) { return in_flight == kDownInFlightDeep ? 2 : kMinCtasPerSm; }
 
 // One lane's share of one scale group: the code words of rows g and g + 8, their scale bytes, and the
 // 8 activation values of token g (zero for a token beyond the call's or one that does not take part).
@@ -598,10 +599,10 @@ void mxfp4_mma_down(const Mxfp4DownCall& call, cudaStream_t stream) {
   check_expert_offsets(call.down, "down");
   auto launch_depth = [&](auto type) {
     using T = decltype(type);
-    if (down_in_flight(call.tokens) == 4) {
-      launch(DownInstance<T, 4>{}, mxfp4_mma_down_kernel<T, 4>);
+    if (call.tokens <= kDownDeepTokens) {
+      launch(DownInstance<T, kDownInFlightDeep>{}, mxfp4_mma_down_kernel<T, kDownInFlightDeep>);
     } else {
-      launch(DownInstance<T, 2>{}, mxfp4_mma_down_kernel<T, 2>);
+      launch(DownInstance<T, kDownInFlight>{}, mxfp4_mma_down_kernel<T, kDownInFlight>);
     }
   };
   if (call.dtype == DType::bf16) {
