@@ -5,7 +5,8 @@
 //   read      a plain read of the same 51 MB (16-byte loads, 8 in flight per thread, grid of 4 CTAs of
 //             512 threads per SM): the ceiling of a one-pass kernel of this size
 //   cublas    cublasGemmEx, bf16 in, fp32 compute (what CudaBackend::linear runs without the GEMV)
-//   gemv w/s  gemv() with w warps per CTA and clusters of s CTAs (0: the launcher's choice)
+//   gemv w/s  gemv()'s ring kernel with w warps per CTA and clusters of s CTAs (0: the launcher's choice)
+//   gemv warp-rows w    gemv()'s warp-rows kernel (the default since session 28), w warps per CTA
 // and, to find what separates the GEMV from the plain read (session 28), the same bytes read in other
 // orders and a GEMV candidate with a warp per row:
 //   read warp-ranges c   each warp reads its own contiguous range (the GEMV's order), 8 loads in flight
@@ -244,11 +245,26 @@ int run(int argc, char** argv) {
     };
     candidate(gemv_warp_rows_kernel<7>, 7);
     candidate(gemv_warp_rows_kernel<14>, 14);
+    for (int warps : {8, 16}) {
+      latentmoe::cuda::GemvShape shape;
+      shape.warps = warps;
+      shape.kernel = latentmoe::cuda::GemvKernel::warp_rows;
+      auto launch = [&] {
+        latentmoe::cuda::gemv(latentmoe::DType::bf16, x.get(), s.k, 1, w.get(), s.k, s.n, s.k, y.get(), s.n, false,
+                              stream, shape);
+      };
+      launch();
+      LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const double diff = max_abs_difference(y.get(), y_ref.get(), s.n);
+      report_row("gemv warp-rows " + std::to_string(warps), timer.median_us(stream, launch));
+      report["rows"].back()["max_abs_diff_vs_cublas"] = diff;
+    }
     for (int warps : {8, 12, 16}) {
       for (int split : {0, 1, 2}) {
         latentmoe::cuda::GemvShape shape;
         shape.warps = warps;
         shape.split = split;
+        shape.kernel = latentmoe::cuda::GemvKernel::ring;
         report_row("gemv " + std::to_string(warps) + "/" + std::to_string(split), timer.median_us(stream, [&] {
           latentmoe::cuda::gemv(latentmoe::DType::bf16, x.get(), s.k, 1, w.get(), s.k, s.n, s.k, y.get(), s.n, false,
                                 stream, shape);

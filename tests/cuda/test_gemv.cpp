@@ -1,8 +1,9 @@
 // The decode GEMV (cuda/gemm/gemv.h) against the CPU reference (double sums, one rounding): bf16 and f16,
 // 1..kGemvMaxRows rows, n = 1, 7, 100, 3592, k = 8, 264, 3584, 7168 and the limit kGemvMaxK, row strides
 // longer than the rows (their padding NaN, so a read past k shows), accumulation on and off, outputs
-// poisoned around the written block; every launch path (short and long rows, one warp to 16, clusters
-// of 1 to 8 CTAs, more clusters than rows); the same bits on every run; graph capture behind an RMSNorm
+// poisoned around the written block; every launch path (short and long rows, both long-row kernels: the
+// ring and the warp rows, one warp to 16, clusters of 1 to 8 CTAs, more clusters than rows); the same bits
+// on every run and, for the warp rows, on every grid; graph capture behind an RMSNorm
 // (a programmatic-launch predecessor) replayed with new inputs; rejected inputs; and CudaBackend::linear
 // taking it at one token (gemv_max_tokens), after the skinny kernels' precedence, and leaving it off.
 // Every test skips itself without a GPU.
@@ -81,7 +82,8 @@ class Gemv : public ::testing::Test {
     SCOPED_TRACE(name_of(dtype) + ", rows " + std::to_string(rows) + ", n " + std::to_string(n) + ", k " +
                  std::to_string(k) + ", ldx " + std::to_string(ldx) + ", ldw " + std::to_string(ldw) + ", ldy " +
                  std::to_string(ldy) + (accumulate ? ", accumulate" : "") + ", shape {" + std::to_string(shape.warps) +
-                 ", " + std::to_string(shape.split) + ", " + std::to_string(shape.clusters) + "}");
+                 ", " + std::to_string(shape.split) + ", " + std::to_string(shape.clusters) + ", kernel " +
+                 std::to_string(static_cast<int>(shape.kernel)) + "}");
     const HostTensor x = padded_random(dtype, rows, k, ldx, seed, -1.0f, 1.0f);
     // y: the block [rows, n] random when accumulating (poisoned otherwise), everything else poisoned.
     HostTensor y0(dtype, {rows + 1, ldy});
@@ -159,22 +161,38 @@ TEST_F(Gemv, matches_the_reference_for_every_shape_dtype_and_row_count) {
   }
 }
 
-// k at the limit: x takes 128 KiB of shared memory at four rows.
+// k at the limit: x takes 128 KiB of shared memory at four rows; both long-row kernels.
 TEST_F(Gemv, runs_at_the_longest_reduction) {
   for (DType dtype : {DType::bf16, DType::f16}) {
     auto [w, dw] = weights(dtype, 37, kGemvMaxK, kGemvMaxK, 5);
-    for (int64_t rows : {1, kGemvMaxRows})
-      check({dtype, rows, 37, kGemvMaxK, kGemvMaxK, kGemvMaxK, 40, true}, w, dw, 6);
+    for (GemvKernel kernel : {GemvKernel::ring, GemvKernel::warp_rows}) {
+      for (int64_t rows : {1, kGemvMaxRows}) {
+        check({dtype, rows, 37, kGemvMaxK, kGemvMaxK, kGemvMaxK, 40, true}, w, dw, 6, {0, 0, 0, kernel});
+      }
+    }
   }
 }
 
-// Every launch path: short rows (k < 256) and long rows; one warp to 16; split rows within a CTA and,
-// on sm_90, across clusters of 2, 4 and 8 CTAs; more clusters than rows (CTAs with nothing to do);
-// ranges shorter than a warp step. Each against the reference; every shape twice gives the same bits.
+// Every launch path: short rows (k < 256) and long rows on both long-row kernels; one warp to 16; for
+// the ring kernel split rows within a CTA and, on sm_90, across clusters of 2, 4 and 8 CTAs; more
+// clusters (CTAs) than rows (CTAs with nothing to do); ranges shorter than a warp step; one CTA walking
+// every row (warp rows). Each against the reference; every shape twice gives the same bits.
 TEST_F(Gemv, every_launch_shape_matches_the_reference) {
-  std::vector<GemvShape> shapes = {{1, 1, 1}, {3, 1, 5}, {16, 1, 0}, {0, 1, 0}, {5, 1, 7}, {2, 1, 300}, {0, 0, 0}};
+  const std::vector<GemvShape> one_cta_shapes = {{1, 1, 1}, {3, 1, 5},   {16, 1, 0}, {0, 1, 0},
+                                                 {5, 1, 7}, {2, 1, 300}, {0, 0, 0}};
+  std::vector<GemvShape> shapes;
+  for (GemvKernel kernel : {GemvKernel::ring, GemvKernel::warp_rows, GemvKernel::automatic}) {
+    for (GemvShape shape : one_cta_shapes) {
+      shape.kernel = kernel;
+      shapes.push_back(shape);
+    }
+  }
   if (current_compute_capability() >= 90) {
-    shapes.insert(shapes.end(), {{4, 2, 3}, {0, 2, 0}, {8, 4, 0}, {2, 8, 3}, {16, 8, 1}, {0, 8, 0}, {1, 8, 200}});
+    for (GemvShape shape :
+         std::vector<GemvShape>{{4, 2, 3}, {0, 2, 0}, {8, 4, 0}, {2, 8, 3}, {16, 8, 1}, {0, 8, 0}, {1, 8, 200}}) {
+      shape.kernel = GemvKernel::ring;
+      shapes.push_back(shape);
+    }
   }
   const std::vector<std::pair<int64_t, int64_t>> problems = {{100, 264},  {7, 3584}, {1, 7168}, {33, 8},
                                                              {300, 1000}, {5, 256},  {64, 248}, {9, 136}};
@@ -197,8 +215,8 @@ TEST_F(Gemv, gives_the_same_bits_on_every_run) {
   auto [w, dw] = weights(DType::bf16, n, k, k, 31);
   const HostTensor x = random_tensor(DType::bf16, {rows, k}, 32);
   DeviceTensor dx = upload(*gpu_, x);
-  std::vector<GemvShape> shapes = {{}, {7, 1, 0}};
-  if (current_compute_capability() >= 90) shapes.push_back({0, 2, 0});
+  std::vector<GemvShape> shapes = {{}, {7, 1, 0, GemvKernel::ring}, {7, 1, 0, GemvKernel::warp_rows}};
+  if (current_compute_capability() >= 90) shapes.push_back({0, 2, 0, GemvKernel::ring});
   for (const GemvShape& shape : shapes) {
     HostTensor previous;
     for (int run = 0; run < 3; ++run) {
@@ -208,6 +226,35 @@ TEST_F(Gemv, gives_the_same_bits_on_every_run) {
       EXPECT_EQ(count_non_finite(out), 0);
       if (run > 0) EXPECT_TRUE(bytes_equal(out, previous)) << "run " << run;
       previous = std::move(out);
+    }
+  }
+}
+
+// The warp-rows kernel sums each row in an order fixed by k alone, so every grid gives the same bits: one
+// CTA of one warp walking all rows, a few CTAs, more CTAs than rows, and the default; at one and four x
+// rows, accumulating.
+TEST_F(Gemv, warp_rows_give_the_same_bits_on_every_grid) {
+  const int64_t n = 1000, k = 7168 + 8;
+  auto [w, dw] = weights(DType::bf16, n, k, k, 33);
+  for (int64_t rows : {1, kGemvMaxRows}) {
+    const HostTensor x = random_tensor(DType::bf16, {rows, k}, 34);
+    const HostTensor y0 = random_tensor(DType::bf16, {rows, n}, 35);
+    DeviceTensor dx = upload(*gpu_, x);
+    HostTensor first;
+    for (const GemvShape& shape : std::vector<GemvShape>{{0, 0, 0, GemvKernel::warp_rows},
+                                                         {1, 0, 1, GemvKernel::warp_rows},
+                                                         {3, 1, 7, GemvKernel::warp_rows},
+                                                         {16, 0, 500, GemvKernel::warp_rows}}) {
+      DeviceTensor dy = upload(*gpu_, y0);
+      gemv(DType::bf16, dx.view.data(), k, rows, dw.view.data(), k, n, k, dy.view.data(), n, true, stream(), shape);
+      HostTensor out = download(*gpu_, dy.view);
+      EXPECT_EQ(count_non_finite(out), 0);
+      if (first.numel() == 0) {
+        first = std::move(out);
+      } else {
+        EXPECT_TRUE(bytes_equal(out, first)) << "rows " << rows << ": warps " << shape.warps << ", CTAs "
+                                             << shape.clusters << " differ from the default grid";
+      }
     }
   }
 }
@@ -304,6 +351,11 @@ TEST_F(Gemv, rejects_what_it_does_not_take_and_names_the_problem) {
   expect_error(call(DType::bf16, 2, 16, 64, base, 64, base, 64, 64, {17, 0, 0}), "warps");
   expect_error(call(DType::bf16, 2, 16, 64, base, 64, base, 64, 64, {0, 3, 0}), "split 3");
   expect_error(call(DType::bf16, 2, 16, 64, base, 64, base, 64, 64, {0, 0, -1}), "clusters");
+  if (current_compute_capability() >= 90) {  // split 2 itself needs sm_90; the warp-rows kernel takes none
+    expect_error(call(DType::bf16, 2, 16, 256, base, 256, base, 256, 64, {0, 2, 0, GemvKernel::warp_rows}),
+                 "ring kernel only");
+    expect_error(call(DType::bf16, 2, 16, 256, base, 256, base, 256, 64, {0, 2, 0}), "ring kernel only");
+  }
   ASSERT_EQ(cudaStreamSynchronize(stream()), cudaSuccess);  // nothing was launched, nothing failed
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
 }

@@ -420,10 +420,81 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_short_kernel(const Gem
   }
 }
 
+// Warp rows (GemvKernel::warp_rows, long rows): row r is warp r % W's (W the grid's warps), which reads
+// it kWarpRowsLoads steps of 32 vectors at a time, each lane keeping its vectors of the step in
+// registers, then multiplies them with x from shared memory. A lane adds its products in column order,
+// the lanes' sums are added by the butterfly of warp_sum, and lane t writes y[t, r]: the order of every
+// sum is fixed by k alone, so the bits do not depend on the grid. No split rows, no partials, no barrier
+// but stage_x's. The launch protocol is the long-row kernel's: the first batch of a warp's first row is
+// issued before pdl_wait().
+constexpr int kWarpRowsLoads = 8;   // steps (16 bytes a lane each) in flight per warp
+constexpr int kWarpRowsWarps = 16;  // warps per CTA by default
+// 512-thread CTAs per SM the kernel is compiled for: two (64 registers a thread) up to two x rows; at
+// three and four rows 64 registers spilled (ptxas), so one with more registers.
+constexpr int warp_rows_ctas_per_sm(int rows) { return rows <= 2 ? 2 : 1; }
+
+template <class T, int kRows>
+__global__ void __launch_bounds__(kMaxWarps * 32, warp_rows_ctas_per_sm(kRows))
+    gemv_warp_rows_kernel(const GemvParams p) {
+  extern __shared__ uint4 smem[];  // x [kRows][kv] vectors
+  const int lane = static_cast<int>(threadIdx.x) & 31, warps_per_cta = static_cast<int>(blockDim.x) >> 5;
+  const int64_t warps = int64_t{gridDim.x} * warps_per_cta;
+  const int64_t first_row = int64_t{blockIdx.x} * warps_per_cta + (static_cast<int>(threadIdx.x) >> 5);
+  const int kv = p.kv;
+  const int64_t ldw = p.ldw / 8;
+  const uint4* w = static_cast<const uint4*>(p.w);
+  const uint64_t policy = gg::evict_first_policy();
+  uint4 batch[kWarpRowsLoads];
+  // This lane's vectors of the step batch starting at column c0 (its own column: c0 + 32 j).
+  auto load = [&](int64_t row, int c0) {
+    const uint4* source = w + row * ldw;
+#pragma unroll
+    for (int j = 0; j < kWarpRowsLoads; ++j) {
+      if (c0 + 32 * j < kv) batch[j] = stream_load(source + c0 + 32 * j, policy);
+    }
+  };
+  bool preloaded = first_row < p.n;
+  if (preloaded) load(first_row, lane);  // before the wait: W is never written in a forward
+
+  pdl_wait();  // x and y: the previous kernel's
+  pdl_trigger();
+  const uint4* xs = smem;
+  stage_x<kRows>(p, smem);
+
+  for (int64_t row = first_row; row < p.n; row += warps) {
+    const float old = p.accumulate && lane < kRows ? load_y<T>(p, lane, row) : 0.0f;
+    float acc[kRows];
+#pragma unroll
+    for (int t = 0; t < kRows; ++t) acc[t] = 0.0f;
+#pragma unroll 1
+    for (int c0 = lane; c0 < kv; c0 += 32 * kWarpRowsLoads) {
+      if (!preloaded) load(row, c0);
+      preloaded = false;
+#pragma unroll
+      for (int j = 0; j < kWarpRowsLoads; ++j) {
+        if (c0 + 32 * j < kv) {
+          float d[kRows];
+          dot8<T, kRows>(d, batch[j], xs, c0 + 32 * j, kv);
+#pragma unroll
+          for (int t = 0; t < kRows; ++t) acc[t] += d[t];
+        }
+      }
+    }
+    float mine = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kRows; ++t) {
+      const float sum = warp_sum(acc[t]);
+      if (lane == t) mine = sum;
+    }
+    if (lane < kRows) store_y<T>(p, lane, row, mine, old);
+  }
+}
+
 // --- launcher --------------------------------------------------------------------------------------
 
 struct Plan {
   bool short_rows = false;
+  bool warp_rows = false;  // GemvKernel::warp_rows (long rows only); clusters then counts CTAs
   int warps = kDefaultWarps;
   int split = 1;
   int clusters = 1;
@@ -486,10 +557,37 @@ int choose_split(int64_t n, int64_t kv, int64_t grid) {
   return best;
 }
 
+// The warp-rows plan: shape.warps per CTA (default 16), as many CTAs as the rows need, at most two per SM
+// (fewer when x leaves room for one), or shape.clusters CTAs.
+Plan choose_warp_rows_plan(int64_t rows, int64_t n, int64_t kv, const GemvShape& shape) {
+  Plan plan;
+  plan.warp_rows = true;
+  plan.warps = shape.warps > 0 ? shape.warps : kWarpRowsWarps;
+  plan.split = 1;
+  plan.shared = static_cast<size_t>(rows * kv) * sizeof(uint4);
+  const size_t optin = static_cast<size_t>(current_shared_memory_optin());
+  LATENTMOE_CHECK(plan.shared <= optin, "GEMV: x takes ", plan.shared,
+                  " bytes of shared memory, more than the device's ", optin);
+  // CTAs of one SM share its shared memory (optin is what one CTA may take, about the SM's whole).
+  const int compiled_for = warp_rows_ctas_per_sm(static_cast<int>(rows));
+  const int per_sm = plan.shared * compiled_for <= optin ? compiled_for : 1;
+  const int64_t needed = (n + plan.warps - 1) / plan.warps;
+  const int64_t ctas =
+      shape.clusters > 0 ? shape.clusters : std::clamp<int64_t>(needed, 1, int64_t{current_sm_count()} * per_sm);
+  LATENTMOE_CHECK(ctas <= INT_MAX, "GEMV: ", ctas, " CTAs exceed the grid");
+  plan.clusters = static_cast<int>(ctas);
+  return plan;
+}
+
 Plan choose_plan(int64_t rows, int64_t n, int64_t k, const GemvShape& shape) {
   check_cluster_shape("GEMV", shape.warps, kMaxWarps, shape.split, shape.clusters);
-  Plan plan;
   const int64_t kv = k / 8;
+  if (kv >= kLongRowVectors && shape.kernel != GemvKernel::ring) {
+    LATENTMOE_CHECK(shape.split <= 1, "GEMV: split ", shape.split,
+                    " applies to the ring kernel only (GemvKernel::ring); the warp-rows kernel splits no row");
+    return choose_warp_rows_plan(rows, n, kv, shape);
+  }
+  Plan plan;
   plan.short_rows = kv < kLongRowVectors;
   // Shared memory: x, and for long rows each warp's ring and two partial sums per x row.
   const size_t optin = static_cast<size_t>(current_shared_memory_optin());
@@ -536,6 +634,15 @@ void open_shared_memory(const void* kernel, std::atomic<uint64_t>* devices_done)
 
 template <class T, int kRows>
 void launch(const GemvParams& params, const Plan& plan, cudaStream_t stream) {
+  if (plan.warp_rows) {
+    static std::atomic<uint64_t> warp_rows_done{0};
+    auto* kernel = gemv_warp_rows_kernel<T, kRows>;
+    open_shared_memory(reinterpret_cast<const void*>(kernel), &warp_rows_done);
+    launch_kernel_clustered("gemv_warp_rows_kernel", pdl_supported(), 1, kernel,
+                            dim3(static_cast<unsigned>(plan.clusters)), dim3(static_cast<unsigned>(plan.warps * 32)),
+                            plan.shared, stream, params);
+    return;
+  }
   static std::atomic<uint64_t> rows_done{0}, short_done{0};
   auto* kernel = plan.short_rows ? gemv_short_kernel<T, kRows> : gemv_rows_kernel<T, kRows>;
   open_shared_memory(reinterpret_cast<const void*>(kernel), plan.short_rows ? &short_done : &rows_done);

@@ -36,13 +36,23 @@ inline constexpr int kGemvMaxRows = 4;
 // each CTA's shared memory.
 inline constexpr int64_t kGemvMaxK = 16384;
 
+// Which kernel runs rows of k >= 256 (gemv.cu; rows shorter than that always take the short-row kernel).
+//   ring       each warp streams a contiguous range of W through a cp.async ring in shared memory; rows
+//              split between warps and CTAs (clusters) are summed from partials. The shape below applies.
+//   warp_rows  a warp per row, the rows dealt round-robin over the grid's warps, a batch of loads in
+//              flight per lane in registers; no split rows, so every launch gives the same bits. Only
+//              GemvShape::warps (per CTA) and clusters (the CTA count) apply.
+//   automatic  warp_rows.
+enum class GemvKernel { automatic, ring, warp_rows };
+
 // How a call is spread over the GPU; 0 lets the launcher choose (gemv.cu, "Work split"). Tests force
 // other shapes to reach every path; shapes agree within rounding, and one shape gives the same bits
 // on every run.
 struct GemvShape {
   int warps = 0;     // warps per CTA, 1..16
-  int split = 0;     // CTAs per cluster that share whole rows: 1, or 2, 4, 8 on sm_90 and later
-  int clusters = 0;  // clusters in the grid
+  int split = 0;     // CTAs per cluster that share whole rows: 1, or 2, 4, 8 on sm_90 and later (ring)
+  int clusters = 0;  // clusters in the grid (warp_rows: CTAs)
+  GemvKernel kernel = GemvKernel::automatic;
 };
 
 // True when gemv() takes these operands: bf16 or f16, 1..kGemvMaxRows rows, n >= 1, k a multiple of 8
