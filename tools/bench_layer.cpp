@@ -429,7 +429,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   bench::Repro repro("latentmoe bench layer");
   repro.flag("--preset", options.presets).flag("--tp-shard", options.tp_shards).flag("--tokens", options.tokens);
   if (options.skinny_max_tokens != 8) repro.flag("--skinny-max-tokens", options.skinny_max_tokens);
-  if (options.gemv_max_tokens != 0) repro.flag("--gemv-max-tokens", options.gemv_max_tokens);
+  if (options.gemv_max_tokens != 1) repro.flag("--gemv-max-tokens", options.gemv_max_tokens);
   if (options.experts != "dense") repro.flag("--experts", options.experts);
   repro.print();
   report["repro"] = repro.line();

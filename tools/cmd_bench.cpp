@@ -32,7 +32,7 @@ void register_bench_command(CLI::App& app) {
       ->check(CLI::Range(0, 8));
   layer
       ->add_option("--gemv-max-tokens", options->gemv_max_tokens,
-                   "largest token count whose dense linears take the decode GEMV (0: never)")
+                   "largest token count whose dense linears take the decode GEMV (default 1; 0: never)")
       ->check(CLI::Range(0, 4));
   layer->add_option("--experts", options->experts, "dense (default) or mxfp4: the routed experts' weights")
       ->check(CLI::IsMember({"dense", "mxfp4"}));

@@ -100,7 +100,7 @@ struct CudaBackend::State {
   bool skinny_always = false;
   SkinnyShape skinny_shape;  // {}: each call chooses
   // Rows up to which linear takes the decode GEMV (0: never).
-  int gemv_max_tokens = 0;  // off: slower than cuBLASLt as measured (cuda_backend.h)
+  int gemv_max_tokens = 1;  // one token: the warp-rows GEMV (cuda_backend.h has the measurement)
   // Rows up to which tier 0's up-projection pushes into the peers from its epilogue (0: never).
   int fused_up_projection_max_tokens = kDefaultFusedUpProjectionMaxTokens;
   // The longest latent it pushes with; -1: the decode dispatch's measured rule.

@@ -138,11 +138,10 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   void set_skinny_shape(const SkinnyShape& shape);
   void set_skinny_always(bool always);
   // Up to how many rows (tokens) linear() runs on the decode GEMV (cuda/gemm/gemv.h) instead of cuBLASLt:
-  // 0..kGemvMaxRows (4), default 0 (off): on the H200 it streams a 51 MB one-row linear in 20.7-22.4 µs
-  // against cuBLASLt's 18.4-18.9 (bench/results/gemv_bench_1fe0158.json), and the one-token layer is
-  // 109.6 µs with it against 96.5 without. It stays for the benchmark (--gemv-max-tokens) and for the
-  // decode tails, whose up-projection follows a collective that leaves the memory idle: there its
-  // weight stream starting before the collective ends is what pays. Throws Error outside that range. Within it a call
+  // 0..kGemvMaxRows (4), default 1. Measured on an H100 (session 28, docs/CUDA_BACKEND.md "Decode GEMV"):
+  // at one row its warp-rows kernel streams Kimi-K3's 51 MB W_down faster than cuBLASLt and W_up about
+  // as fast, and the one-token layer graph is no slower with it; at 2-4 rows the layer was slower, so
+  // those stay on cuBLASLt. Throws Error outside that range. Within it a call
   // takes the GEMV when x, w and y share a 16-bit dtype (f32 stays on cuBLASLt's true-fp32 path) and gemv_supported()
   // holds; the skinny kernels, where set_skinny_always sends a linear to them, come first.
   void set_gemv_max_tokens(int tokens);

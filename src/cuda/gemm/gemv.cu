@@ -420,18 +420,21 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_short_kernel(const Gem
   }
 }
 
-// Warp rows (GemvKernel::warp_rows, long rows): row r is warp r % W's (W the grid's warps), which reads
-// it kWarpRowsLoads steps of 32 vectors at a time, each lane keeping its vectors of the step in
-// registers, then multiplies them with x from shared memory. A lane adds its products in column order,
+// Warp rows (GemvKernel::warp_rows, long rows): row r is warp r % W's (W the grid's warps). A warp walks
+// its rows as a sequence of batches of kWarpRowsLoads steps (32 vectors a step, a lane's vectors of the
+// batch in registers), with two batches in flight: the loads of batch i + 1 (of the same row or the
+// warp's next) are issued before batch i is multiplied with x from shared memory, so a warp never waits
+// for a whole round trip between batches, nor between rows. A lane adds its products in column order,
 // the lanes' sums are added by the butterfly of warp_sum, and lane t writes y[t, r]: the order of every
 // sum is fixed by k alone, so the bits do not depend on the grid. No split rows, no partials, no barrier
-// but stage_x's. The launch protocol is the long-row kernel's: the first batch of a warp's first row is
-// issued before pdl_wait().
-constexpr int kWarpRowsLoads = 8;   // steps (16 bytes a lane each) in flight per warp
+// but stage_x's. The launch protocol is the long-row kernel's: a warp's first batch is issued before
+// pdl_wait().
+constexpr int kWarpRowsLoads = 4;   // steps (16 bytes a lane each) per batch; two batches in flight
 constexpr int kWarpRowsWarps = 16;  // warps per CTA by default
-// 512-thread CTAs per SM the kernel is compiled for: two (64 registers a thread) up to two x rows; at
-// three and four rows 64 registers spilled (ptxas), so one with more registers.
-constexpr int warp_rows_ctas_per_sm(int rows) { return rows <= 2 ? 2 : 1; }
+
+// 512-thread CTAs per SM the kernel is compiled for: two (64 registers a thread) at one x row; from two
+// rows 64 registers spilled (ptxas), so one with more registers.
+constexpr int warp_rows_ctas_per_sm(int rows) { return rows == 1 ? 2 : 1; }
 
 template <class T, int kRows>
 __global__ void __launch_bounds__(kMaxWarps * 32, warp_rows_ctas_per_sm(kRows))
@@ -439,54 +442,72 @@ __global__ void __launch_bounds__(kMaxWarps * 32, warp_rows_ctas_per_sm(kRows))
   extern __shared__ uint4 smem[];  // x [kRows][kv] vectors
   const int lane = static_cast<int>(threadIdx.x) & 31, warps_per_cta = static_cast<int>(blockDim.x) >> 5;
   const int64_t warps = int64_t{gridDim.x} * warps_per_cta;
-  const int64_t first_row = int64_t{blockIdx.x} * warps_per_cta + (static_cast<int>(threadIdx.x) >> 5);
   const int kv = p.kv;
   const int64_t ldw = p.ldw / 8;
   const uint4* w = static_cast<const uint4*>(p.w);
   const uint64_t policy = gg::evict_first_policy();
-  uint4 batch[kWarpRowsLoads];
-  // This lane's vectors of the step batch starting at column c0 (its own column: c0 + 32 j).
-  auto load = [&](int64_t row, int c0) {
-    const uint4* source = w + row * ldw;
+  // A batch: this lane's vectors (start + lane + 32 j, j < kWarpRowsLoads) of a row. `start` is the
+  // batch's first column, the same in every lane, so every branch on it is warp-uniform.
+  auto load = [&](uint4(&batch)[kWarpRowsLoads], int64_t row, int start) {
+    const uint4* source = w + row * ldw + start + lane;
 #pragma unroll
     for (int j = 0; j < kWarpRowsLoads; ++j) {
-      if (c0 + 32 * j < kv) batch[j] = stream_load(source + c0 + 32 * j, policy);
+      if (start + lane + 32 * j < kv) batch[j] = stream_load(source + 32 * j, policy);
     }
   };
-  bool preloaded = first_row < p.n;
-  if (preloaded) load(first_row, lane);  // before the wait: W is never written in a forward
+  // The batch after (row, start) in this warp's walk.
+  auto advance = [&](int64_t& row, int& start) {
+    start += 32 * kWarpRowsLoads;
+    if (start >= kv) {
+      start = 0;
+      row += warps;
+    }
+  };
+  int64_t row = int64_t{blockIdx.x} * warps_per_cta + (static_cast<int>(threadIdx.x) >> 5);
+  int start = 0;
+  uint4 current[kWarpRowsLoads], upcoming[kWarpRowsLoads];
+  if (row < p.n) load(current, row, start);  // before the wait: W is never written in a forward
 
   pdl_wait();  // x and y: the previous kernel's
   pdl_trigger();
   const uint4* xs = smem;
   stage_x<kRows>(p, smem);
 
-  for (int64_t row = first_row; row < p.n; row += warps) {
-    const float old = p.accumulate && lane < kRows ? load_y<T>(p, lane, row) : 0.0f;
-    float acc[kRows];
+  int64_t next_row = row;
+  int next_start = start;
+  advance(next_row, next_start);
+  float old = p.accumulate && lane < kRows && row < p.n ? load_y<T>(p, lane, row) : 0.0f;
+  float acc[kRows];
 #pragma unroll
-    for (int t = 0; t < kRows; ++t) acc[t] = 0.0f;
-#pragma unroll 1
-    for (int c0 = lane; c0 < kv; c0 += 32 * kWarpRowsLoads) {
-      if (!preloaded) load(row, c0);
-      preloaded = false;
+  for (int t = 0; t < kRows; ++t) acc[t] = 0.0f;
+  while (row < p.n) {
+    if (next_row < p.n) load(upcoming, next_row, next_start);  // in flight while `current` is multiplied
 #pragma unroll
-      for (int j = 0; j < kWarpRowsLoads; ++j) {
-        if (c0 + 32 * j < kv) {
-          float d[kRows];
-          dot8<T, kRows>(d, batch[j], xs, c0 + 32 * j, kv);
+    for (int j = 0; j < kWarpRowsLoads; ++j) {
+      const int column = start + lane + 32 * j;
+      if (column < kv) {
+        float d[kRows];
+        dot8<T, kRows>(d, current[j], xs, column, kv);
 #pragma unroll
-          for (int t = 0; t < kRows; ++t) acc[t] += d[t];
-        }
+        for (int t = 0; t < kRows; ++t) acc[t] += d[t];
       }
     }
-    float mine = 0.0f;
+    if (next_row != row) {  // the row's last batch: add the lanes' sums and write the row
+      float mine = 0.0f;
 #pragma unroll
-    for (int t = 0; t < kRows; ++t) {
-      const float sum = warp_sum(acc[t]);
-      if (lane == t) mine = sum;
+      for (int t = 0; t < kRows; ++t) {
+        const float sum = warp_sum(acc[t]);
+        if (lane == t) mine = sum;
+        acc[t] = 0.0f;
+      }
+      if (lane < kRows) store_y<T>(p, lane, row, mine, old);
+      if (p.accumulate && lane < kRows && next_row < p.n) old = load_y<T>(p, lane, next_row);
     }
-    if (lane < kRows) store_y<T>(p, lane, row, mine, old);
+    row = next_row;
+    start = next_start;
+#pragma unroll
+    for (int j = 0; j < kWarpRowsLoads; ++j) current[j] = upcoming[j];
+    advance(next_row, next_start);
   }
 }
 
