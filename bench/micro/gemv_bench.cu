@@ -1,12 +1,13 @@
-// Why is the decode GEMV (src/cuda/gemm/gemv.h) slower than cuBLASLt at one row? A measurement for
-// docs/CUDA_BACKEND.md: the two Kimi-K3 linears at one token (W_down [3584, 7168], W_up [7168, 3584],
-// bf16, 51 MB each), each timed alone after an L2 flush (a read of 512 MB), CUDA events, median of 30
-// after 3 warm-ups:
+// The decode GEMV (src/cuda/gemm/gemv.h) against cuBLAS at one row, a measurement for docs/CUDA_BACKEND.md:
+// the two Kimi-K3 linears at one token (W_down [3584, 7168], W_up [7168, 3584], bf16, 51 MB each) and
+// Nemotron 3 Super's (n_W_down [1024, 4096], n_W_up [4096, 1024], 8 MB each), each timed alone after an
+// L2 flush (a read of 512 MB), CUDA events, median of 30 after 3 warm-ups:
 //   read      a plain read of the same 51 MB (16-byte loads, 8 in flight per thread, grid of 4 CTAs of
 //             512 threads per SM): the ceiling of a one-pass kernel of this size
 //   cublas    cublasGemmEx, bf16 in, fp32 compute (what CudaBackend::linear runs without the GEMV)
 //   gemv w/s  gemv()'s ring kernel with w warps per CTA and clusters of s CTAs (0: the launcher's choice)
-//   gemv warp-rows w    gemv()'s warp-rows kernel (the default since session 28), w warps per CTA
+//   gemv warp-rows w    gemv()'s warp-rows kernel (the default since session 28), w warps per CTA (0: the
+//                       launcher's choice)
 // and, to find what separates the GEMV from the plain read (session 28), the same bytes read in other
 // orders and a GEMV candidate with a warp per row:
 //   read warp-ranges c   each warp reads its own contiguous range (the GEMV's order), 8 loads in flight
@@ -176,7 +177,8 @@ int run(int argc, char** argv) {
     const char* name;
     int64_t n, k;
   };
-  const Shape shapes[] = {{"W_down", 3584, 7168}, {"W_up", 7168, 3584}};
+  const Shape shapes[] = {
+      {"W_down", 3584, 7168}, {"W_up", 7168, 3584}, {"n_W_down", 1024, 4096}, {"n_W_up", 4096, 1024}};
   nlohmann::json report;
   report["bench"] = "gemv_bench";
   report["rows"] = nlohmann::json::array();
@@ -245,7 +247,7 @@ int run(int argc, char** argv) {
     };
     candidate(gemv_warp_rows_kernel<7>, 7);
     candidate(gemv_warp_rows_kernel<14>, 14);
-    for (int warps : {8, 16}) {
+    for (int warps : {0, 8, 16}) {
       latentmoe::cuda::GemvShape shape;
       shape.warps = warps;
       shape.kernel = latentmoe::cuda::GemvKernel::warp_rows;

@@ -578,12 +578,15 @@ int choose_split(int64_t n, int64_t kv, int64_t grid) {
   return best;
 }
 
-// The warp-rows plan: shape.warps per CTA (default 16), as many CTAs as the rows need, at most two per SM
-// (fewer when x leaves room for one), or shape.clusters CTAs.
+// The warp-rows plan: shape.warps per CTA, by default 16, or fewer when the rows are too few to give every
+// SM a CTA of 16 (Nemotron's W_down, 1024 rows: 8 warps, 128 CTAs rather than 64 CTAs on half the SMs);
+// as many CTAs as the rows need, at most two per SM (one when x leaves room for one), or shape.clusters.
 Plan choose_warp_rows_plan(int64_t rows, int64_t n, int64_t kv, const GemvShape& shape) {
   Plan plan;
   plan.warp_rows = true;
-  plan.warps = shape.warps > 0 ? shape.warps : kWarpRowsWarps;
+  const int64_t sms = current_sm_count();
+  plan.warps =
+      shape.warps > 0 ? shape.warps : static_cast<int>(std::clamp<int64_t>((n + sms - 1) / sms, 1, kWarpRowsWarps));
   plan.split = 1;
   plan.shared = static_cast<size_t>(rows * kv) * sizeof(uint4);
   const size_t optin = static_cast<size_t>(current_shared_memory_optin());
@@ -593,8 +596,7 @@ Plan choose_warp_rows_plan(int64_t rows, int64_t n, int64_t kv, const GemvShape&
   const int compiled_for = warp_rows_ctas_per_sm(static_cast<int>(rows));
   const int per_sm = plan.shared * compiled_for <= optin ? compiled_for : 1;
   const int64_t needed = (n + plan.warps - 1) / plan.warps;
-  const int64_t ctas =
-      shape.clusters > 0 ? shape.clusters : std::clamp<int64_t>(needed, 1, int64_t{current_sm_count()} * per_sm);
+  const int64_t ctas = shape.clusters > 0 ? shape.clusters : std::clamp<int64_t>(needed, 1, sms * per_sm);
   LATENTMOE_CHECK(ctas <= INT_MAX, "GEMV: ", ctas, " CTAs exceed the grid");
   plan.clusters = static_cast<int>(ctas);
   return plan;
