@@ -1,8 +1,11 @@
-// The decode GEMV of gemv.h: two kernels (long rows, short rows) and their launcher.
+// The decode GEMV of gemv.h: three kernels (long rows: warp rows, the default, or the ring; short rows)
+// and their launcher. The warp-rows kernel's comment (below) has its split and protocol; what follows
+// describes the ring and the short rows.
 //
 // Work split. W is read as 16-byte *vectors* of 8 elements; k is a multiple of 8, so a vector never
 // straddles two rows: vector v is row v / kv, elements 8 (v % kv) .. 8 (v % kv) + 7, kv = k / 8.
-//   - Long rows (kv >= 32, k >= 256; gemv_rows_kernel). The grid is `clusters` clusters of `split`
+//   - Long rows, ring (kv >= 32, k >= 256; gemv_rows_kernel, GemvKernel::ring). The grid is `clusters` clusters of
+//   `split`
 //     CTAs of `warps` warps. Cluster c owns the whole rows [n c / clusters, n (c + 1) / clusters);
 //     their vectors are cut into split * warps equal contiguous ranges, one per warp (a *worker*), so
 //     every warp of a cluster streams the same bytes to within one vector, and clusters differ by at
@@ -36,7 +39,8 @@
 // distributed shared memory on sm_90) and writes it. A second cluster barrier keeps every CTA's shared
 // memory alive until then. So no atomics, no global workspace, and the same bits on every run.
 //
-// Programmatic dependent launch (src/cuda/common/pdl.cuh). Invariants of both kernels:
+// Programmatic dependent launch (src/cuda/common/pdl.cuh). Invariants of all three kernels (warp rows: its first batch
+// is its first copies):
 //   1. Before pdl_wait() a thread only computes its range and issues its first weight copies (long
 //      rows: kRingSteps - 1 steps into its ring; short rows: kBatch loads into registers): W is never
 //      written by any kernel of a forward (rule 1 of pdl.cuh).

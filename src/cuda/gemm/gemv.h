@@ -1,10 +1,12 @@
 // The decode GEMV: a dense linear of 1..kGemvMaxRows rows that streams its weight matrix once, at the
 // read bandwidth, and starts streaming before the kernel before it on the stream has finished.
 //
-// Why it exists while off by default (CudaBackend::set_gemv_max_tokens): standalone it is slower than
-// cuBLASLt (bench/results/gemv_bench_1fe0158.json: 20.7-22.4 µs against 18.4-18.9 for a 51 MB one-row
-// linear). It is kept for the decode tails: tier 0/2's sharded up-projection follows a collective that
-// leaves the memory idle, and there its weight stream, started before the wait, is what pays.
+// CudaBackend::linear takes it at one row by default (set_gemv_max_tokens): on an H100 its warp-rows
+// kernel reads Kimi-K3's 51 MB W_down in 21.2 µs against cuBLAS's 23.4 and W_up in 22.0 against 22.4
+// (bench/results/gemv_bench_h100_172fc2b.json), and the one-token layer graph is 3-5% faster with it
+// (layer_ab_h100_session28.json); at 2-4 rows it made the layer slower. It is also what the decode tails
+// want: their up-projection follows a collective that leaves the memory idle, and a weight stream that
+// starts before the collective ends is what pays there.
 //
 //   y[r, :] = x[r, :] · W^T  (+ y[r, :] when accumulate)   for r < rows
 //
