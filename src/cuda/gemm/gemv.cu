@@ -39,11 +39,10 @@
 // distributed shared memory on sm_90) and writes it. A second cluster barrier keeps every CTA's shared
 // memory alive until then. So no atomics, no global workspace, and the same bits on every run.
 //
-// Programmatic dependent launch (src/cuda/common/pdl.cuh). Invariants of all three kernels (warp rows: its first batch
-// is its first copies):
-//   1. Before pdl_wait() a thread only computes its range and issues its first weight copies (long
-//      rows: kRingSteps - 1 steps into its ring; short rows: kBatch loads into registers): W is never
-//      written by any kernel of a forward (rule 1 of pdl.cuh).
+// Programmatic dependent launch (src/cuda/common/pdl.cuh). Invariants of all three kernels:
+//   1. Before pdl_wait() a thread only computes its range and issues its first weight copies (ring:
+//      kRingSteps - 1 steps into its ring; short rows: kBatch loads into registers; warp rows: its first
+//      batch): W is never written by any kernel of a forward (rule 1 of pdl.cuh).
 //   2. x, the old y and y are read or written only after pdl_wait() (x staged into shared memory, y
 //      written by whichever worker finishes a row). Every thread of every CTA calls pdl_wait(), also
 //      those with an empty range, so the kernel never completes before its predecessor.
