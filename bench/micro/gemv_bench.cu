@@ -37,53 +37,32 @@
 
 namespace {
 
-// Reads n 16-byte vectors, 8 loads in flight per thread, and keeps one xor so nothing is dropped.
+// The order in which read_kernel's threads cover the n vectors.
+enum class ReadOrder {
+  sweep,       // the whole grid sweeps the vectors: thread t reads t, t + T, t + 2T, ... (T threads)
+  cta_ranges,  // each CTA a contiguous range, its threads interleaved
+  warp_ranges  // each warp a contiguous range (the ring GEMV's order)
+};
+
+// Reads n 16-byte vectors in kOrder, 8 loads in flight per thread, and keeps one xor so nothing is dropped.
+template <ReadOrder kOrder>
 __global__ void read_kernel(const uint4* p, size_t n, uint32_t* sink) {
+  size_t i = 0, end = n, stride = 0;
+  if constexpr (kOrder == ReadOrder::sweep) {
+    stride = size_t{gridDim.x} * blockDim.x;
+    i = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
+  } else if constexpr (kOrder == ReadOrder::cta_ranges) {
+    stride = blockDim.x;
+    i = n * blockIdx.x / gridDim.x + threadIdx.x;
+    end = n * (blockIdx.x + 1) / gridDim.x;
+  } else {
+    const size_t warps = size_t{gridDim.x} * blockDim.x / 32;
+    const size_t warp = (blockIdx.x * size_t{blockDim.x} + threadIdx.x) / 32;
+    stride = 32;
+    i = n * warp / warps + (threadIdx.x & 31);
+    end = n * (warp + 1) / warps;
+  }
   uint32_t acc = 0;
-  const size_t stride = size_t{gridDim.x} * blockDim.x;
-  size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
-  for (; i + 7 * stride < n; i += 8 * stride) {
-    uint4 v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = __ldcs(p + i + j * stride);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-  }
-  for (; i < n; i += stride) {
-    const uint4 v = __ldcs(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) *sink = acc;
-}
-
-// Each warp reads its own contiguous range of the n vectors, 8 loads in flight per lane.
-__global__ void read_warp_ranges_kernel(const uint4* p, size_t n, uint32_t* sink) {
-  const size_t warps = size_t{gridDim.x} * blockDim.x / 32;
-  const size_t warp = (blockIdx.x * size_t{blockDim.x} + threadIdx.x) / 32;
-  const unsigned lane = threadIdx.x & 31;
-  const size_t begin = n * warp / warps, end = n * (warp + 1) / warps;
-  uint32_t acc = 0;
-  size_t i = begin + lane;
-  for (; i + 7 * 32 < end; i += 8 * 32) {
-    uint4 v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = __ldcs(p + i + j * 32);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-  }
-  for (; i < end; i += 32) {
-    const uint4 v = __ldcs(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) *sink = acc;
-}
-
-// Each CTA reads its own contiguous range, its threads interleaved, 8 loads in flight per thread.
-__global__ void read_cta_ranges_kernel(const uint4* p, size_t n, uint32_t* sink) {
-  const size_t begin = n * blockIdx.x / gridDim.x, end = n * (blockIdx.x + 1) / gridDim.x;
-  const size_t stride = blockDim.x;
-  uint32_t acc = 0;
-  size_t i = begin + threadIdx.x;
   for (; i + 7 * stride < end; i += 8 * stride) {
     uint4 v[8];
 #pragma unroll
@@ -202,7 +181,8 @@ int run(int argc, char** argv) {
                                 {"tb_per_s", bytes / us * 1e-6}});
     };
     report_row("read", timer.median_us(stream, [&] {
-      read_kernel<<<sms * 4, 512, 0, stream>>>(w.as<const uint4>(), elements / 8, sink.as<uint32_t>());
+      read_kernel<ReadOrder::sweep>
+          <<<sms * 4, 512, 0, stream>>>(w.as<const uint4>(), elements / 8, sink.as<uint32_t>());
       LATENTMOE_CUDA_CHECK_LAUNCH("read_kernel");
     }));
     const float one = 1.0f, zero = 0.0f;
@@ -215,13 +195,15 @@ int run(int argc, char** argv) {
     }));
     for (int ctas : {1, 4}) {
       report_row("read warp-ranges " + std::to_string(ctas), timer.median_us(stream, [&] {
-        read_warp_ranges_kernel<<<sms * ctas, 512, 0, stream>>>(w.as<const uint4>(), elements / 8, sink.as<uint32_t>());
-        LATENTMOE_CUDA_CHECK_LAUNCH("read_warp_ranges_kernel");
+        read_kernel<ReadOrder::warp_ranges>
+            <<<sms * ctas, 512, 0, stream>>>(w.as<const uint4>(), elements / 8, sink.as<uint32_t>());
+        LATENTMOE_CUDA_CHECK_LAUNCH("read_kernel (warp ranges)");
       }));
     }
     report_row("read cta-ranges", timer.median_us(stream, [&] {
-      read_cta_ranges_kernel<<<sms * 4, 512, 0, stream>>>(w.as<const uint4>(), elements / 8, sink.as<uint32_t>());
-      LATENTMOE_CUDA_CHECK_LAUNCH("read_cta_ranges_kernel");
+      read_kernel<ReadOrder::cta_ranges>
+          <<<sms * 4, 512, 0, stream>>>(w.as<const uint4>(), elements / 8, sink.as<uint32_t>());
+      LATENTMOE_CUDA_CHECK_LAUNCH("read_kernel (CTA ranges)");
     }));
     // cuBLAS's y, the reference for the candidate's (both fp32 sums of the same products, rounded once).
     const DeviceMemory y_ref(s.n * 2);
