@@ -314,6 +314,36 @@ TEST_F(Gemv, replays_in_a_cuda_graph_with_new_inputs) {
   cudaGraphExecDestroy(exec);
 }
 
+// The warp-rows launch rule (gemv_warp_rows_launch), host-only: it runs without a GPU (in CI).
+// 132 SMs and 227 KiB of shared memory a CTA, the H100's and H200's.
+TEST(Cuda_Gemv, warp_rows_launch_follows_the_rows_and_the_shared_memory) {
+  constexpr size_t kOptin = 227 * 1024;
+  auto launch = [](int64_t rows, int64_t n, int64_t k, const GemvShape& shape = {}) {
+    return gemv_warp_rows_launch(rows, n, k, 132, kOptin, shape);
+  };
+  auto is = [](const GemvWarpRowsLaunch& got, int warps, int ctas, size_t shared) {
+    return got.warps == warps && got.ctas == ctas && got.shared_bytes == shared;
+  };
+  // Kimi-K3's W_down: 3584 rows of 7168, 16 warps a CTA, 224 CTAs (two per SM fit 264); x 14 KiB.
+  EXPECT_TRUE(is(launch(1, 3584, 7168), 16, 224, 14336));
+  // W_up: 7168 rows, more than two CTAs of 16 warps per SM hold: 264 CTAs, most warps take two rows.
+  EXPECT_TRUE(is(launch(1, 7168, 3584), 16, 264, 7168));
+  // Nemotron 3 Super's W_down, 1024 rows: 8 warps a CTA so that 128 SMs get one, not 64 CTAs of 16.
+  EXPECT_TRUE(is(launch(1, 1024, 4096), 8, 128, 8192));
+  // Few rows: one warp a CTA, a CTA a row.
+  EXPECT_TRUE(is(launch(1, 37, 256), 1, 37, 512));
+  // From two x rows the kernel is compiled for one 512-thread CTA per SM: at most 132 CTAs.
+  EXPECT_TRUE(is(launch(2, 7168, 3584), 16, 132, 14336));
+  // Four rows at the longest reduction: x takes 128 KiB, so one CTA per SM whatever the rows.
+  EXPECT_TRUE(is(launch(kGemvMaxRows, 100000, kGemvMaxK), 16, 132, 131072));
+  // Forced shapes are taken as given.
+  EXPECT_TRUE(is(launch(1, 3584, 7168, {3, 0, 5, GemvKernel::warp_rows}), 3, 5, 14336));
+  EXPECT_TRUE(is(launch(1, 3584, 7168, {1, 0, 0, GemvKernel::warp_rows}), 1, 264, 14336));
+  // x larger than a CTA's shared memory, or no problem at all: refused with the reason.
+  expect_error([&] { gemv_warp_rows_launch(4, 10, kGemvMaxK, 132, 64 * 1024, {}); }, "bytes of shared memory");
+  expect_error([&] { launch(0, 10, 64); }, "no warp-rows launch");
+}
+
 TEST_F(Gemv, rejects_what_it_does_not_take_and_names_the_problem) {
   DeviceTensor buffer = device_empty(*gpu_, DType::bf16, {8, kGemvMaxK + 64});
   DeviceTensor out = device_empty(*gpu_, DType::bf16, {8, 64});

@@ -581,27 +581,16 @@ int choose_split(int64_t n, int64_t kv, int64_t grid) {
   return best;
 }
 
-// The warp-rows plan: shape.warps per CTA, by default 16, or fewer when the rows are too few to give every
-// SM a CTA of 16 (Nemotron's W_down, 1024 rows: 8 warps, 128 CTAs rather than 64 CTAs on half the SMs);
-// as many CTAs as the rows need, at most two per SM (one when x leaves room for one), or shape.clusters.
-Plan choose_warp_rows_plan(int64_t rows, int64_t n, int64_t kv, const GemvShape& shape) {
+// The warp-rows plan: gemv_warp_rows_launch (below) on this GPU.
+Plan choose_warp_rows_plan(int64_t rows, int64_t n, int64_t k, const GemvShape& shape) {
+  const GemvWarpRowsLaunch launch =
+      gemv_warp_rows_launch(rows, n, k, current_sm_count(), static_cast<size_t>(current_shared_memory_optin()), shape);
   Plan plan;
   plan.warp_rows = true;
-  const int64_t sms = current_sm_count();
-  plan.warps =
-      shape.warps > 0 ? shape.warps : static_cast<int>(std::clamp<int64_t>((n + sms - 1) / sms, 1, kWarpRowsWarps));
+  plan.warps = launch.warps;
   plan.split = 1;
-  plan.shared = static_cast<size_t>(rows * kv) * sizeof(uint4);
-  const size_t optin = static_cast<size_t>(current_shared_memory_optin());
-  LATENTMOE_CHECK(plan.shared <= optin, "GEMV: x takes ", plan.shared,
-                  " bytes of shared memory, more than the device's ", optin);
-  // CTAs of one SM share its shared memory (optin is what one CTA may take, about the SM's whole).
-  const int compiled_for = warp_rows_ctas_per_sm(static_cast<int>(rows));
-  const int per_sm = plan.shared * compiled_for <= optin ? compiled_for : 1;
-  const int64_t needed = (n + plan.warps - 1) / plan.warps;
-  const int64_t ctas = shape.clusters > 0 ? shape.clusters : std::clamp<int64_t>(needed, 1, sms * per_sm);
-  LATENTMOE_CHECK(ctas <= INT_MAX, "GEMV: ", ctas, " CTAs exceed the grid");
-  plan.clusters = static_cast<int>(ctas);
+  plan.shared = launch.shared_bytes;
+  plan.clusters = launch.ctas;
   return plan;
 }
 
@@ -611,7 +600,7 @@ Plan choose_plan(int64_t rows, int64_t n, int64_t k, const GemvShape& shape) {
   if (kv >= kLongRowVectors && shape.kernel != GemvKernel::ring) {
     LATENTMOE_CHECK(shape.split <= 1, "GEMV: split ", shape.split,
                     " applies to the ring kernel only (GemvKernel::ring); the warp-rows kernel splits no row");
-    return choose_warp_rows_plan(rows, n, kv, shape);
+    return choose_warp_rows_plan(rows, n, k, shape);
   }
   Plan plan;
   plan.short_rows = kv < kLongRowVectors;
@@ -693,6 +682,30 @@ void launch_rows(int64_t rows, const GemvParams& params, const Plan& plan, cudaS
 }
 
 }  // namespace
+
+// shape.warps per CTA, by default 16, or fewer when the rows are too few to give every SM a CTA of 16
+// (Nemotron's W_down, 1024 rows: 8 warps, 128 CTAs rather than 64 CTAs on half the SMs); as many CTAs as
+// the rows need, at most as many per SM as the kernel is compiled for (one when x leaves room for one),
+// or shape.clusters.
+GemvWarpRowsLaunch gemv_warp_rows_launch(int64_t rows, int64_t n, int64_t k, int64_t sms, size_t shared_optin,
+                                         const GemvShape& shape) {
+  LATENTMOE_CHECK(rows >= 1 && rows <= kGemvMaxRows && n >= 1 && k >= 8 && sms >= 1, "GEMV: no warp-rows launch for ",
+                  rows, " rows of a [", n, ", ", k, "] W on ", sms, " SMs");
+  GemvWarpRowsLaunch launch;
+  launch.warps =
+      shape.warps > 0 ? shape.warps : static_cast<int>(std::clamp<int64_t>((n + sms - 1) / sms, 1, kWarpRowsWarps));
+  launch.shared_bytes = static_cast<size_t>(rows * (k / 8)) * sizeof(uint4);
+  LATENTMOE_CHECK(launch.shared_bytes <= shared_optin, "GEMV: x takes ", launch.shared_bytes,
+                  " bytes of shared memory, more than the device's ", shared_optin);
+  // CTAs of one SM share its shared memory (optin is what one CTA may take, about the SM's whole).
+  const int compiled_for = warp_rows_ctas_per_sm(static_cast<int>(rows));
+  const int per_sm = launch.shared_bytes * compiled_for <= shared_optin ? compiled_for : 1;
+  const int64_t needed = (n + launch.warps - 1) / launch.warps;
+  const int64_t ctas = shape.clusters > 0 ? shape.clusters : std::clamp<int64_t>(needed, 1, sms * per_sm);
+  LATENTMOE_CHECK(ctas <= INT_MAX, "GEMV: ", ctas, " CTAs exceed the grid");
+  launch.ctas = static_cast<int>(ctas);
+  return launch;
+}
 
 bool gemv_supported(DType dtype, int64_t rows, int64_t n, int64_t k, const void* x, int64_t ldx, const void* w,
                     int64_t ldw) {

@@ -26,6 +26,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "latentmoe/dtype.h"
@@ -68,5 +69,16 @@ bool gemv_supported(DType dtype, int64_t rows, int64_t n, int64_t k, const void*
 // impossible shape. Nothing is launched then.
 void gemv(DType dtype, const void* x, int64_t ldx, int64_t rows, const void* w, int64_t ldw, int64_t n, int64_t k,
           void* y, int64_t ldy, bool accumulate, cudaStream_t stream, const GemvShape& shape = {});
+
+// The warp-rows kernel's launch (gemv.cu has the rule), a pure function of the problem, the GPU's SM
+// count and the shared memory a CTA may take: what gemv() launches, exposed so that tests check the rule
+// without a GPU.
+struct GemvWarpRowsLaunch {
+  int warps = 0;            // per CTA
+  int ctas = 0;             // in the grid
+  size_t shared_bytes = 0;  // per CTA: x
+};
+GemvWarpRowsLaunch gemv_warp_rows_launch(int64_t rows, int64_t n, int64_t k, int64_t sms, size_t shared_optin,
+                                         const GemvShape& shape);
 
 }  // namespace latentmoe::cuda
