@@ -4,10 +4,10 @@
 #   scripts/gpu_run.sh BIN_DIR COMMIT STEPS
 # BIN_DIR holds latentmoe and latentmoe_cuda_tests built on the workstation (scripts/gpu_build.sh), and
 # grouped_gemm_bench and gemv_bench (build-gpu/bench/) for the steps that run them;
-# STEPS is a comma list of: tests, nccl, demo, sanitize_comm, sanitize, bench, bench_ab, bench_decode, bench_no_skinny,
-# bench_no_gemv, bench_mxfp4, bench_tail, grouped_gemm, grouped_gemm_sweep, gemv, peers (run in that order: tests,
-# nccl, bench, bench_decode, bench_no_skinny, bench_no_gemv, bench_mxfp4, bench_tail, grouped_gemm,
-# grouped_gemm_sweep, gemv, peers, sanitize).
+# STEPS is a comma list of: tests, nccl, demo, sanitize_comm, sanitize, bench, bench_ab, bench_gemv_ab, bench_decode,
+# bench_no_skinny, bench_no_gemv, bench_mxfp4, bench_tail, grouped_gemm, grouped_gemm_sweep, gemv, peers (run in that
+# order: tests, nccl, bench, bench_ab, bench_gemv_ab, bench_decode, bench_no_skinny, bench_no_gemv, bench_mxfp4,
+# bench_tail, grouped_gemm, grouped_gemm_sweep, gemv, peers, sanitize).
 #   nccl  the NCCL group tests (NcclGroup*: one GPU and every GPU present) against PyTorch's libnccl, the
 #         release latentmoe is built against (the machine's default libnccl is older; NCCL's device API
 #         has no ABI compatibility across releases), with the GPU links and NCCL's version recorded
@@ -20,6 +20,10 @@
 #                       behaviour-preserving changes are checked against the baseline in the same call
 #                       (layer_ab_{new,base}_{dense,mxfp4}_{1,2}.json; their medians and ratios by
 #                       scripts/layer_ab_table.py: layer_ab_table.txt)
+#   bench_gemv_ab       the decode GEMV's rule (gemv_max_tokens, default 1): bench layer with --gemv-max-tokens 0
+#                       (cuBLASLt), 1 and 4 alternating in one binary, three rounds (the second reversed), both
+#                       presets, bf16, tp-shard 8, 1-4 tokens (gemv_ab/layer_ab_g{0,1,4}_dense_*.json; medians
+#                       and ratios against g0: gemv_ab_table.txt)
 #   grouped_gemm        grouped_gemm_bench, the library's variant choice, every phase (grouped_gemm.json)
 #   grouped_gemm_sweep  grouped_gemm_bench, every tensor-core variant, gate_up and down (grouped_gemm_sweep.json)
 #   gemv                gemv_bench: the decode GEMV against cuBLAS and a plain read (gemv.json)
@@ -77,6 +81,19 @@ if has bench_ab; then
     done
   done
   python3 scripts/layer_ab_table.py "$out" | tee "$out/layer_ab_table.txt"  # medians per build, new/base
+fi
+if has bench_gemv_ab; then
+  mkdir -p "$out/gemv_ab"  # a folder of its own: layer_ab_table.py reads every layer_ab_* file of a folder
+  for round in 1 2 3; do
+    order="g0 g1 g4"; [[ $round == 2 ]] && order="g4 g1 g0"
+    for which in $order; do
+      timeout 90 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8 --tokens 1,2,3,4 \
+        --gemv-max-tokens "${which#g}" --commit "$commit-$which" --json "$out/gemv_ab/layer_ab_${which}_dense_$round.json" \
+        > "$out/gemv_ab/layer_ab_${which}_dense_$round.log" 2>&1
+      echo "bench gemv ab $which round $round rc=$?"
+    done
+  done
+  python3 scripts/layer_ab_table.py "$out/gemv_ab" --base g0 | tee "$out/gemv_ab_table.txt"
 fi
 if has bench_decode; then  # the decode token counts only
   timeout 90 "$bin/latentmoe" bench layer --preset kimi-k3,nemotron3-super --tp-shard 8,1 --tokens 1,8 \
