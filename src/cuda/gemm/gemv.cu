@@ -4,9 +4,8 @@
 //
 // Work split. W is read as 16-byte *vectors* of 8 elements; k is a multiple of 8, so a vector never
 // straddles two rows: vector v is row v / kv, elements 8 (v % kv) .. 8 (v % kv) + 7, kv = k / 8.
-//   - Long rows, ring (kv >= 32, k >= 256; gemv_rows_kernel, GemvKernel::ring). The grid is `clusters` clusters of
-//   `split`
-//     CTAs of `warps` warps. Cluster c owns the whole rows [n c / clusters, n (c + 1) / clusters);
+//   - Long rows, ring (kv >= 32, k >= 256; gemv_rows_kernel, GemvKernel::ring). The grid is `clusters`
+//     clusters of `split` CTAs of `warps` warps. Cluster c owns the whole rows [n c / clusters, n (c + 1) / clusters);
 //     their vectors are cut into split * warps equal contiguous ranges, one per warp (a *worker*), so
 //     every warp of a cluster streams the same bytes to within one vector, and clusters differ by at
 //     most one row. A worker's range covers whole rows, plus at most a part of a row at each end that
@@ -430,7 +429,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_short_kernel(const Gem
 // for a whole round trip between batches, nor between rows. A lane adds its products in column order,
 // the lanes' sums are added by the butterfly of warp_sum, and lane t writes y[t, r]: the order of every
 // sum is fixed by k alone, so the bits do not depend on the grid. No split rows, no partials, no barrier
-// but stage_x's. The launch protocol is the long-row kernel's: a warp's first batch is issued before
+// but stage_x's. The launch protocol is the file comment's: a warp's first batch is issued before
 // pdl_wait().
 constexpr int kWarpRowsLoads = 4;   // steps (16 bytes a lane each) per batch; two batches in flight
 constexpr int kWarpRowsWarps = 16;  // warps per CTA by default
