@@ -7,7 +7,8 @@
 //   cublas    cublasGemmEx, bf16 in, fp32 compute (what CudaBackend::linear runs without the GEMV)
 //   gemv w/s  gemv()'s ring kernel with w warps per CTA and clusters of s CTAs (0: the launcher's choice)
 //   gemv warp-rows w    gemv()'s warp-rows kernel (the default since session 28), w warps per CTA (0: the
-//                       launcher's choice)
+//                       launcher's choice; 14: Kimi-K3's rows spread evenly over the SMs, at most 28 W_down
+//                       rows an SM instead of 32, not yet measured)
 // and, to find what separates the GEMV from the plain read (session 28), the same bytes read in other
 // orders and a GEMV candidate with a warp per row:
 //   read warp-ranges c   each warp reads its own contiguous range (the GEMV's order), 8 loads in flight
@@ -229,7 +230,7 @@ int run(int argc, char** argv) {
     };
     candidate(gemv_warp_rows_kernel<7>, 7);
     candidate(gemv_warp_rows_kernel<14>, 14);
-    for (int warps : {0, 8, 16}) {
+    for (int warps : {0, 8, 14, 16}) {
       latentmoe::cuda::GemvShape shape;
       shape.warps = warps;
       shape.kernel = latentmoe::cuda::GemvKernel::warp_rows;
