@@ -10,12 +10,13 @@
 //                       launcher's choice; 14: Kimi-K3's rows spread evenly over the SMs, at most 28 W_down
 //                       rows an SM instead of 32, not yet measured)
 // and, to find what separates the GEMV from the plain read (session 28), the same bytes read in other
-// orders and a GEMV candidate with a warp per row:
+// orders:
 //   read warp-ranges c   each warp reads its own contiguous range (the GEMV's order), 8 loads in flight
 //                        per lane, c CTAs of 512 threads per SM
 //   read cta-ranges      each CTA reads its own contiguous range, its threads interleaved
-//   rows L               a warp per row (rows dealt round-robin over the grid's warps), L loads in flight
-//                        per lane, x from L1; its output is compared with cuBLAS's (max |difference|)
+// Each GEMV's output is compared with cuBLAS's (max |difference|, in the JSON). Session 28 also timed a
+// bench-only warp-per-row kernel with non-coherent loads and x from L1 (27.6 µs for W_down,
+// gemv_bench_h100_172fc2b.json's "rows 7"/"rows 14"); it was removed once the library had its own (145a6be has it).
 // Timing (L2 flush by reading, events, warm-ups, median), the repro line and the JSON: the benchmark
 // harness (bench/harness/timing.h). Build: the gemv_bench target (bench/CMakeLists.txt).
 // Usage: gemv_bench [--json FILE]
@@ -76,47 +77,6 @@ __global__ void read_kernel(const uint4* p, size_t n, uint32_t* sink) {
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x12345678u) *sink = acc;
-}
-
-__device__ __forceinline__ float dot8_bf16(const uint4& w, const uint4& x) {
-  const uint32_t ws[4] = {w.x, w.y, w.z, w.w}, xs[4] = {x.x, x.y, x.z, x.w};
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    sum = fmaf(__uint_as_float(ws[i] << 16), __uint_as_float(xs[i] << 16), sum);
-    sum = fmaf(__uint_as_float(ws[i] & 0xffff0000u), __uint_as_float(xs[i] & 0xffff0000u), sum);
-  }
-  return sum;
-}
-
-// A GEMV candidate: y[row] = W[row] . x, one row per warp (rows dealt round-robin over the grid's warps),
-// kLoads 16-byte weight loads in flight per lane (not allocated in L1), x read through L1.
-template <int kLoads>
-__global__ void __launch_bounds__(512)
-    gemv_warp_rows_kernel(const uint4* w, const uint4* x, __nv_bfloat16* y, int n, int kv) {
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int warps = static_cast<int>(gridDim.x * blockDim.x / 32);
-  for (int row = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32); row < n; row += warps) {
-    const uint4* wr = w + static_cast<size_t>(row) * kv;
-    float acc = 0.0f;
-    for (int c0 = lane; c0 < kv; c0 += 32 * kLoads) {
-      uint4 v[kLoads];
-#pragma unroll
-      for (int j = 0; j < kLoads; ++j) {
-        if (c0 + 32 * j < kv) {
-          asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(v[j].x), "=r"(v[j].y), "=r"(v[j].z), "=r"(v[j].w)
-                       : "l"(wr + c0 + 32 * j));
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kLoads; ++j) {
-        if (c0 + 32 * j < kv) acc += dot8_bf16(v[j], __ldg(x + c0 + 32 * j));
-      }
-    }
-    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (lane == 0) y[row] = __float2bfloat16(acc);
-  }
 }
 
 // The largest |a - b| over n bf16 values on the device (copied to the host).
@@ -206,30 +166,12 @@ int run(int argc, char** argv) {
           <<<sms * 4, 512, 0, stream>>>(w.as<const uint4>(), elements / 8, sink.as<uint32_t>());
       LATENTMOE_CUDA_CHECK_LAUNCH("read_kernel (CTA ranges)");
     }));
-    // cuBLAS's y, the reference for the candidate's (both fp32 sums of the same products, rounded once).
+    // cuBLAS's y, the reference for the GEMV's (both fp32 sums of the same products, rounded once).
     const DeviceMemory y_ref(s.n * 2);
     LATENTMOE_CUBLAS_CHECK(cublasGemmEx(handle.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n), 1,
                                         static_cast<int>(s.k), &one, w.get(), CUDA_R_16BF, static_cast<int>(s.k),
                                         x.get(), CUDA_R_16BF, static_cast<int>(s.k), &zero, y_ref.get(), CUDA_R_16BF,
                                         static_cast<int>(s.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    auto candidate = [&](auto kernel, int loads) {
-      int per_sm = 0;
-      LATENTMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 512, 0));
-      auto launch = [&] {
-        kernel<<<sms * per_sm, 512, 0, stream>>>(w.as<const uint4>(), x.as<const uint4>(), y.as<__nv_bfloat16>(),
-                                                 static_cast<int>(s.n), static_cast<int>(s.k / 8));
-        LATENTMOE_CUDA_CHECK_LAUNCH("gemv_warp_rows_kernel");
-      };
-      launch();
-      LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const double diff = max_abs_difference(y.get(), y_ref.get(), s.n);
-      std::printf("  %-7s rows %d: %d CTAs per SM, max |y - cuBLAS y| %.3g\n", s.name, loads, per_sm, diff);
-      report_row("rows " + std::to_string(loads), timer.median_us(stream, launch));
-      report["rows"].back()["ctas_per_sm"] = per_sm;
-      report["rows"].back()["max_abs_diff_vs_cublas"] = diff;
-    };
-    candidate(gemv_warp_rows_kernel<7>, 7);
-    candidate(gemv_warp_rows_kernel<14>, 14);
     for (int warps : {0, 8, 14, 16}) {
       latentmoe::cuda::GemvShape shape;
       shape.warps = warps;
