@@ -531,29 +531,33 @@ bool aligned_rows(const void* data, int64_t ld, int64_t rows) {
 // Why gemv() does not take these operands, or "" when it does.
 std::string unsupported(DType dtype, int64_t rows, int64_t n, int64_t k, const void* x, int64_t ldx, const void* w,
                         int64_t ldw) {
-  std::ostringstream why;
-  if (dtype != DType::bf16 && dtype != DType::f16) {
-    why << "dtype " << dtype_name(dtype) << " (bf16 or f16 only)";
-  } else if (rows < 1 || rows > kGemvMaxRows) {
-    why << rows << " rows (1.." << kGemvMaxRows << ", kGemvMaxRows)";
-  } else if (n < 1 || n > INT_MAX) {
-    why << "n = " << n << " output columns (1.." << INT_MAX << ")";
-  } else if (k < 8 || k % 8 != 0) {
-    why << "k = " << k << " is not a positive multiple of 8";
-  } else if (k > kGemvMaxK) {
-    why << "k = " << k << " exceeds the limit kGemvMaxK = " << kGemvMaxK << " (x is staged in shared memory)";
-  } else if (x == nullptr || w == nullptr) {
-    why << (x == nullptr ? "x" : "W") << " is null";
-  } else if (ldx < k || ldw < k) {
-    why << (ldx < k ? "x" : "W") << " row stride " << (ldx < k ? ldx : ldw) << " is shorter than k = " << k;
-  } else if (!aligned_rows(x, ldx, rows)) {
-    why << "x rows are not 16-byte aligned (address " << x << ", row stride " << ldx << " elements)";
-  } else if (!aligned_rows(w, ldw, n)) {
-    why << "W rows are not 16-byte aligned (address " << w << ", row stride " << ldw << " elements)";
-  } else if (current_compute_capability() < 80) {
-    why << "compute capability " << current_compute_capability() << " (8.0 or later)";
+  // The message is formatted only when a rule fails: linear() asks on every decode call, where all hold.
+  auto why = [](const auto&... parts) {
+    std::ostringstream message;
+    (message << ... << parts);
+    return message.str();
+  };
+  if (dtype != DType::bf16 && dtype != DType::f16) return why("dtype ", dtype_name(dtype), " (bf16 or f16 only)");
+  if (rows < 1 || rows > kGemvMaxRows) return why(rows, " rows (1..", kGemvMaxRows, ", kGemvMaxRows)");
+  if (n < 1 || n > INT_MAX) return why("n = ", n, " output columns (1..", INT_MAX, ")");
+  if (k < 8 || k % 8 != 0) return why("k = ", k, " is not a positive multiple of 8");
+  if (k > kGemvMaxK) {
+    return why("k = ", k, " exceeds the limit kGemvMaxK = ", kGemvMaxK, " (x is staged in shared memory)");
   }
-  return why.str();
+  if (x == nullptr || w == nullptr) return why(x == nullptr ? "x" : "W", " is null");
+  if (ldx < k || ldw < k) {
+    return why(ldx < k ? "x" : "W", " row stride ", ldx < k ? ldx : ldw, " is shorter than k = ", k);
+  }
+  if (!aligned_rows(x, ldx, rows)) {
+    return why("x rows are not 16-byte aligned (address ", x, ", row stride ", ldx, " elements)");
+  }
+  if (!aligned_rows(w, ldw, n)) {
+    return why("W rows are not 16-byte aligned (address ", w, ", row stride ", ldw, " elements)");
+  }
+  if (current_compute_capability() < 80) {
+    return why("compute capability ", current_compute_capability(), " (8.0 or later)");
+  }
+  return {};
 }
 
 // Vectors of the most loaded CTA with `split` CTAs per cluster over `grid` CTAs (long rows).
