@@ -16,6 +16,7 @@
 
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/common/device.h"
+#include "cuda/gemm/gemv.h"
 #include "cuda/kernels/routing.h"
 #include "cuda_test_util.h"
 #include "latentmoe/error.h"
@@ -531,9 +532,13 @@ TEST_F(CudaOps, f32_linear_is_not_tf32) {
 // The shared expert on both of its paths: cuBLASLt + the elementwise activation (skinny kernels off;
 // f32, bf16, f16 up to 133 tokens) and the skinny kernels (every decode-sized call; 16-bit only, 1-8
 // tokens, n and k odd multiples of 8).
+// Which path a suite forces: cuBLASLt (skinny kernels and GEMV off), the skinny kernels (always), or the
+// decode GEMV pair (gemv_max_tokens up to 4, the skinny kernels off).
+enum class MlpPath { cublaslt, skinny, gemv };
+
 struct DenseMlpSuite {
   const char* name;
-  bool skinny;
+  MlpPath path;
   std::vector<DType> dtypes;
   std::vector<int64_t> tokens;
   int64_t d, intermediate;
@@ -553,10 +558,18 @@ class DenseMlp : public ::testing::TestWithParam<DenseMlpSuite> {
 
 TEST_P(DenseMlp, matches_cpu_for_every_activation_and_dtype) {
   const DenseMlpSuite& suite = GetParam();
-  if (suite.skinny) {
-    gpu_->set_skinny_always(true);
-  } else {
-    gpu_->set_skinny_max_tokens(0);
+  switch (suite.path) {
+    case MlpPath::cublaslt:
+      gpu_->set_skinny_max_tokens(0);
+      gpu_->set_gemv_max_tokens(0);
+      break;
+    case MlpPath::skinny:
+      gpu_->set_skinny_always(true);
+      break;
+    case MlpPath::gemv:
+      gpu_->set_skinny_max_tokens(0);
+      gpu_->set_gemv_max_tokens(kGemvMaxRows);
+      break;
   }
   WorkspaceSpec spec;
   spec.max_tokens = *std::max_element(suite.tokens.begin(), suite.tokens.end());
@@ -572,12 +585,15 @@ TEST_P(DenseMlp, matches_cpu_for_every_activation_and_dtype) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Paths, DenseMlp,
-                         ::testing::Values(
-                             DenseMlpSuite{
-                                 "cublaslt", false, {DType::f32, DType::bf16, DType::f16}, {1, 17, 133}, 336, 192, 600},
-                             DenseMlpSuite{"skinny", true, {DType::bf16, DType::f16}, {1, 4, 8}, 520, 336, 200}),
-                         [](const ::testing::TestParamInfo<DenseMlpSuite>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    Paths, DenseMlp,
+    ::testing::Values(
+        DenseMlpSuite{
+            "cublaslt", MlpPath::cublaslt, {DType::f32, DType::bf16, DType::f16}, {1, 17, 133}, 336, 192, 600},
+        DenseMlpSuite{"skinny", MlpPath::skinny, {DType::bf16, DType::f16}, {1, 4, 8}, 520, 336, 200},
+        DenseMlpSuite{"gemv", MlpPath::gemv, {DType::bf16, DType::f16}, {1, 2, 3, 4}, 520, 336, 800},
+        DenseMlpSuite{"gemv_team", MlpPath::gemv, {DType::bf16, DType::f16}, {1, 4}, 4096, 672, 900}),
+    [](const ::testing::TestParamInfo<DenseMlpSuite>& info) { return info.param.name; });
 
 // --- RMSNorm, add, add_scaled_rows ----------------------------------------------------------------
 

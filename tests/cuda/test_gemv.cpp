@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/activation.h"
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/common/device.h"
 #include "cuda/gemm/gemv.h"
@@ -28,6 +29,7 @@ namespace latentmoe::cuda::testing {
 namespace {
 
 using ::latentmoe::detail::make_cpu_backend;
+namespace cpu = ::latentmoe::detail::cpu;
 
 constexpr uint16_t kPoison = 0xffff;  // NaN in bf16 and f16
 
@@ -261,6 +263,162 @@ TEST_F(Gemv, warp_rows_give_the_same_bits_on_every_grid) {
   }
 }
 
+// Teams (a row shared by 2 to 16 warps of a CTA, what the launch rule picks where rows are few): against
+// the reference, with members whose segment is empty (k = 264: 33 vectors, so from team 4 on some
+// members hold none), accumulating; a team gives the same bits on every grid of its CTAs.
+TEST_F(Gemv, teams_match_the_reference_and_give_the_same_bits_on_every_grid) {
+  const std::vector<std::pair<int64_t, int64_t>> problems = {{100, 7168 + 8}, {37, 1032}, {300, 264}};
+  uint32_t seed = 2500;
+  for (const auto& [n, k] : problems) {
+    auto [w, dw] = weights(DType::bf16, n, k, k, seed += 11);
+    for (int team : {2, 4, 8, 16}) {
+      for (int64_t rows : {1, 3}) {
+        const Problem problem{DType::bf16, rows, n, k, k, k, n, rows == 3};
+        HostTensor first;
+        bool have_first = false;
+        for (const GemvShape& shape : std::vector<GemvShape>{{0, 0, 0, GemvKernel::warp_rows, team},
+                                                             {16, 0, 3, GemvKernel::warp_rows, team},
+                                                             {team, 0, 1, GemvKernel::warp_rows, team}}) {
+          HostTensor out = check(problem, w, dw, seed + 1, shape);
+          if (!have_first) {
+            first = std::move(out);
+            have_first = true;
+          } else {
+            EXPECT_TRUE(bytes_equal(out, first))
+                << "n " << n << ", k " << k << ", team " << team << ": warps " << shape.warps << ", CTAs "
+                << shape.clusters << " differ from the default grid";
+          }
+        }
+      }
+    }
+  }
+}
+
+// --- gemv_gate_up ------------------------------------------------------------------------------------
+
+class GemvGateUp : public Gemv {
+ protected:
+  // gemv_gate_up on x [rows, k] (ldx = k + 8, padding NaN) and gate/up [n, ldw] against the activation of
+  // the double sums (cpu/activation.h); the output [rows + 1, n + 3] as downloaded (the block [rows, n]
+  // written, the rest left poisoned: checked).
+  HostTensor check_gate_up(DType dtype, Activation activation, int64_t rows, int64_t n, int64_t k, int64_t ldw,
+                           uint32_t seed, const GemvShape& shape = {}) {
+    SCOPED_TRACE(std::string(to_string(activation)) + ", " + name_of(dtype) + ", rows " + std::to_string(rows) +
+                 ", n " + std::to_string(n) + ", k " + std::to_string(k) + ", team " + std::to_string(shape.team) +
+                 ", warps " + std::to_string(shape.warps) + ", CTAs " + std::to_string(shape.clusters));
+    ::latentmoe::detail::ActivationParams params;
+    params.activation = activation;
+    const bool gated = activation != Activation::relu2;
+    const int64_t ldx = k + 8, ldy = n + 3;
+    const HostTensor x = padded_random(dtype, rows, k, ldx, seed, -1.0f, 1.0f);
+    const HostTensor gate = padded_random(dtype, n, k, ldw, seed + 1, -0.25f, 0.25f);
+    const HostTensor up = padded_random(dtype, n, k, ldw, seed + 2, -0.25f, 0.25f);
+    DeviceTensor dx = upload(*gpu_, x), dgate = upload(*gpu_, gate), dup = upload(*gpu_, up);
+    DeviceTensor dy = poisoned(*gpu_, dtype, {rows + 1, ldy});
+    gemv_gate_up(dtype, params, dx.view.data(), ldx, rows, gated ? dgate.view.data() : nullptr, dup.view.data(), ldw, n,
+                 k, dy.view.data(), ldy, stream(), shape);
+    HostTensor got = download(*gpu_, dy.view);
+    // The fast activations (tanh.approx: about 2^-11 relative per factor; __expf) on top of fp32 sums.
+    const double approx = activation == Activation::situ ? 0x1p-9 : activation == Activation::silu ? 0x1p-18 : 0.0;
+    int64_t bad = 0;
+    for (int64_t r = 0; r <= rows; ++r) {
+      for (int64_t c = 0; c < ldy; ++c) {
+        const float out = value_at(got, r * ldy + c);
+        if (r == rows || c >= n) {
+          if (!std::isnan(out) && ++bad <= 5) ADD_FAILURE() << "(" << r << ", " << c << ") outside the block written";
+          continue;
+        }
+        double g = 0.0, u = 0.0, scale_g = 0.0, scale_u = 0.0;
+        for (int64_t e = 0; e < k; ++e) {
+          const double xe = value_at(x, r * ldx + e), ge = value_at(gate, c * ldw + e), ue = value_at(up, c * ldw + e);
+          g += xe * ge;
+          u += xe * ue;
+          scale_g += std::abs(xe * ge);
+          scale_u += std::abs(xe * ue);
+        }
+        const double expected = cpu::activate(params, g, u);
+        // fp32 sums in another order move g and u by up to eg, eu; the activation moves with them
+        // (bounded by its values at the corners of that box), then one rounding of the output.
+        const double eg = 4.0 * 0x1p-24 * std::sqrt(double(k)) * scale_g + 0x1p-30;
+        const double eu = 4.0 * 0x1p-24 * std::sqrt(double(k)) * scale_u + 0x1p-30;
+        double moved = 0.0;
+        for (double sg : {-1.0, 0.0, 1.0}) {
+          for (double su : {-1.0, 0.0, 1.0}) {
+            moved = std::max(moved, std::abs(cpu::activate(params, g + sg * eg, u + su * eu) - expected));
+          }
+        }
+        const double bound = ulp_rel(dtype) * std::abs(expected) + moved + approx * (std::abs(expected) + 1e-3);
+        if (!(std::abs(out - expected) <= bound) && ++bad <= 5) {
+          ADD_FAILURE() << "y(" << r << ", " << c << ") = " << out << ", reference " << expected << ", bound " << bound;
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0);
+    return got;
+  }
+};
+
+// Every activation and dtype, 1..kGemvMaxRows rows, rows shorter than a warp step (k = 8, 136) and long
+// (7168: Kimi-K3's shared expert at tp 8 is 768 rows of it, where the rule picks a team of 4), a
+// gate/up boundary inside a batch (k = 520: 65 vectors), padded weight rows; the default launch and
+// teams of 1 to 16. Each team gives the same bits on every grid.
+TEST_F(GemvGateUp, matches_the_reference_for_every_activation_team_and_row_count) {
+  uint32_t seed = 3000;
+  for (Activation activation : {Activation::silu, Activation::situ, Activation::relu2}) {
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{7, 8}, {100, 520}, {33, 136}}) {
+        for (int64_t rows = 1; rows <= kGemvMaxRows; ++rows) {
+          check_gate_up(dtype, activation, rows, n, k, k + (rows % 2) * 8, seed += 5);
+        }
+      }
+      check_gate_up(dtype, activation, 1, 768, 7168, 7168, seed += 5);
+    }
+    for (int team : {1, 2, 4, 8, 16}) {
+      for (int64_t rows : {1, kGemvMaxRows}) {
+        const HostTensor first =
+            check_gate_up(DType::bf16, activation, rows, 60, 1032, 1032, 3100, {0, 0, 0, GemvKernel::warp_rows, team});
+        const HostTensor second =
+            check_gate_up(DType::bf16, activation, rows, 60, 1032, 1032, 3100, {16, 0, 2, GemvKernel::warp_rows, team});
+        EXPECT_TRUE(bytes_equal(first, second)) << "team " << team << ", rows " << rows << ": grids differ";
+      }
+    }
+  }
+}
+
+TEST_F(GemvGateUp, rejects_what_it_does_not_take_and_names_the_problem) {
+  DeviceTensor buffer = device_empty(*gpu_, DType::bf16, {64, 1024});
+  void* base = buffer.view.data();
+  const void* unaligned = static_cast<const char*>(base) + 2;
+  ::latentmoe::detail::ActivationParams silu, relu2;
+  silu.activation = Activation::silu;
+  relu2.activation = Activation::relu2;
+  EXPECT_TRUE(gemv_gate_up_supported(DType::bf16, Activation::silu, 1, 16, 64, base, 64, base, base, 64));
+  EXPECT_TRUE(gemv_gate_up_supported(DType::bf16, Activation::relu2, 2, 16, 64, base, 64, nullptr, base, 64));
+  EXPECT_FALSE(gemv_gate_up_supported(DType::bf16, Activation::silu, 1, 16, 64, base, 64, nullptr, base, 64));
+  EXPECT_FALSE(gemv_gate_up_supported(DType::bf16, Activation::relu2, 1, 16, 64, base, 64, base, base, 64));
+  EXPECT_FALSE(gemv_gate_up_supported(DType::bf16, Activation::situ, 1, 16, 64, base, 64, unaligned, base, 64));
+  EXPECT_FALSE(gemv_gate_up_supported(DType::bf16, Activation::situ, 1, 16, 60, base, 64, base, base, 64));
+  EXPECT_FALSE(gemv_gate_up_supported(DType::f32, Activation::situ, 1, 16, 64, base, 64, base, base, 64));
+  auto call = [&](const ::latentmoe::detail::ActivationParams& activation, const void* gate, const void* up, int64_t k,
+                  int64_t ldy, const GemvShape& shape = {}) {
+    return [=, this] {
+      gemv_gate_up(DType::bf16, activation, base, 1024, 1, gate, up, 1024, 16, k, base, ldy, stream(), shape);
+    };
+  };
+  expect_error(call(silu, nullptr, base, 64, 64), "the gate matrix is null (silu is gated)");
+  expect_error(call(relu2, base, base, 64, 64), "a gate matrix was given for relu2");
+  expect_error(call(silu, unaligned, base, 64, 64), "gate rows are not 16-byte aligned");
+  expect_error(call(silu, base, unaligned, 64, 64), "W rows are not 16-byte aligned");
+  expect_error(call(silu, base, base, 60, 64), "not a positive multiple of 8");
+  expect_error(call(silu, base, base, 64, 8), "y row stride 8 is shorter than n");
+  expect_error(call(silu, base, base, 256, 64, {0, 0, 0, GemvKernel::ring}), "warp-rows kernel only");
+  expect_error(call(silu, base, base, 256, 64, {0, 2, 0}), "warp-rows kernel only");
+  expect_error(call(silu, base, base, 256, 64, {0, 0, 0, GemvKernel::warp_rows, 3}), "a power of two");
+  expect_error(call(silu, base, base, 256, 64, {4, 0, 0, GemvKernel::warp_rows, 8}), "does not divide");
+  ASSERT_EQ(cudaStreamSynchronize(stream()), cudaSuccess);  // nothing was launched, nothing failed
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
 // RMSNorm (launched as a programmatic dependent itself) -> GEMV -> GEMV accumulating into the same y,
 // captured once and replayed with new inputs written into the same buffers: bit-identical to eager runs
 // and right against the reference on the normalised x the GPU produced.
@@ -318,30 +476,40 @@ TEST_F(Gemv, replays_in_a_cuda_graph_with_new_inputs) {
 // 132 SMs and 227 KiB of shared memory a CTA, the H100's and H200's.
 TEST(Cuda_Gemv, warp_rows_launch_follows_the_rows_and_the_shared_memory) {
   constexpr size_t kOptin = 227 * 1024;
-  auto launch = [](int64_t rows, int64_t n, int64_t k, const GemvShape& shape = {}) {
-    return gemv_warp_rows_launch(rows, n, k, 132, kOptin, shape);
+  auto launch = [](int64_t rows, int64_t n, int64_t k, const GemvShape& shape = {}, bool gate_up = false) {
+    return gemv_warp_rows_launch(rows, n, k, gate_up, 132, kOptin, shape);
   };
-  auto is = [](const GemvWarpRowsLaunch& got, int warps, int ctas, size_t shared) {
-    return got.warps == warps && got.ctas == ctas && got.shared_bytes == shared;
+  auto is = [](const GemvWarpRowsLaunch& got, int warps, int ctas, size_t shared, int team = 1, int segment = -1) {
+    return got.warps == warps && got.ctas == ctas && got.shared_bytes == shared && got.team == team &&
+           (segment < 0 || got.segment == segment);
   };
-  // Kimi-K3's W_down: 3584 rows of 7168, 16 warps a CTA, 224 CTAs (two per SM fit 264); x 14 KiB.
-  EXPECT_TRUE(is(launch(1, 3584, 7168), 16, 224, 14336));
+  // Kimi-K3's W_down: 3584 rows of 7168, 16 warps a CTA, 224 CTAs (two per SM fit 264); x 14 KiB; a warp a row.
+  EXPECT_TRUE(is(launch(1, 3584, 7168), 16, 224, 14336, 1, 896));
   // W_up: 7168 rows, more than two CTAs of 16 warps per SM hold: 264 CTAs, most warps take two rows.
   EXPECT_TRUE(is(launch(1, 7168, 3584), 16, 264, 7168));
-  // Nemotron 3 Super's W_down, 1024 rows: 8 warps a CTA so that 128 SMs get one, not 64 CTAs of 16.
-  EXPECT_TRUE(is(launch(1, 1024, 4096), 8, 128, 8192));
-  // Few rows: one warp a CTA, a CTA a row.
+  // Nemotron 3 Super's W_down, 1024 rows of 512 vectors: 4096 warps fit the 4224 slots, so teams of 4,
+  // each member one batch (128 vectors); 16 warps a CTA, 256 CTAs; the partial sums after x.
+  EXPECT_TRUE(is(launch(1, 1024, 4096), 16, 256, 8192 + 2 * 16 * 4, 4, 128));
+  // Kimi-K3's shared expert at tp 8: gate/up 768 rows of 2 x 896 vectors, teams of 4 (448 vectors each);
+  // its down projection, 7168 rows of 96 vectors, a warp a row.
+  EXPECT_TRUE(is(launch(1, 768, 7168, {}, true), 16, 192, 14336 + 2 * 16 * 2 * 4, 4, 448));
+  EXPECT_TRUE(is(launch(1, 7168, 768), 16, 264, 1536, 1));
+  // Few short rows: one warp a CTA, a CTA a row (a team would hold less than a batch each).
   EXPECT_TRUE(is(launch(1, 37, 256), 1, 37, 512));
   // From two x rows the kernel is compiled for one 512-thread CTA per SM: at most 132 CTAs.
   EXPECT_TRUE(is(launch(2, 7168, 3584), 16, 132, 14336));
   // Four rows at the longest reduction: x takes 128 KiB, so one CTA per SM whatever the rows.
   EXPECT_TRUE(is(launch(kGemvMaxRows, 100000, kGemvMaxK), 16, 132, 131072));
-  // Forced shapes are taken as given.
+  // Forced shapes are taken as given; a forced team sets the CTA's warps to a multiple of it.
   EXPECT_TRUE(is(launch(1, 3584, 7168, {3, 0, 5, GemvKernel::warp_rows}), 3, 5, 14336));
   EXPECT_TRUE(is(launch(1, 3584, 7168, {1, 0, 0, GemvKernel::warp_rows}), 1, 264, 14336));
-  // x larger than a CTA's shared memory, or no problem at all: refused with the reason.
-  expect_error([&] { gemv_warp_rows_launch(4, 10, kGemvMaxK, 132, 64 * 1024, {}); }, "bytes of shared memory");
+  EXPECT_TRUE(is(launch(1, 100, 7168, {0, 0, 0, GemvKernel::warp_rows, 8}), 8, 100, 14336 + 2 * 8 * 4, 8, 128));
+  // x larger than a CTA's shared memory, no problem at all, or a team that is not a power of two or does
+  // not divide the CTA's warps: refused with the reason.
+  expect_error([&] { gemv_warp_rows_launch(4, 10, kGemvMaxK, false, 132, 64 * 1024, {}); }, "bytes of shared memory");
   expect_error([&] { launch(0, 10, 64); }, "no warp-rows launch");
+  expect_error([&] { launch(1, 10, 1024, {0, 0, 0, GemvKernel::warp_rows, 6}); }, "a power of two");
+  expect_error([&] { launch(1, 10, 1024, {4, 0, 0, GemvKernel::warp_rows, 8}); }, "does not divide");
 }
 
 TEST_F(Gemv, rejects_what_it_does_not_take_and_names_the_problem) {
@@ -468,6 +636,42 @@ TEST_F(GemvBackend, gemv_max_tokens_chooses_who_runs_a_linear) {
   EXPECT_THROW(gpu_->set_gemv_max_tokens(kGemvMaxRows + 1), Error);
   EXPECT_THROW(gpu_->set_gemv_max_tokens(-1), Error);
   EXPECT_EQ(gpu_->gemv_max_tokens(), 1);  // a rejected value leaves the setting as it was
+}
+
+// dense_mlp (the shared expert) at one token runs the GEMV pair, gemv_gate_up then gemv, bit for bit,
+// for every activation, with Kimi-K3's shape at tp 8 (a team of 4 for gate/up) and an odd one; it
+// matches the CPU backend (check_dense_mlp). With gemv_max_tokens 0 it leaves the GEMV.
+TEST_F(GemvBackend, dense_mlp_takes_the_gemv_pair_at_one_token) {
+  for (Activation act : {Activation::silu, Activation::situ, Activation::relu2}) {
+    for (const auto& [d, inter] : std::vector<std::pair<int64_t, int64_t>>{{7168, 768}, {1032, 200}}) {
+      SCOPED_TRACE(std::string(to_string(act)) + ", d " + std::to_string(d) + ", Is " + std::to_string(inter));
+      WorkspaceSpec spec;
+      spec.max_tokens = 4;
+      spec.dense_intermediate = inter;
+      gpu_->prepare(spec);
+      check_dense_mlp(*gpu_, *cpu_, act, DType::bf16, 1, d, inter, 40);
+      ::latentmoe::detail::ActivationParams activation;
+      activation.activation = act;
+      const bool gated = act != Activation::relu2;
+      DeviceTensor x = upload(*gpu_, random_tensor(DType::bf16, {1, d}, 41, -2.0f, 2.0f));
+      DeviceTensor gate = upload(*gpu_, random_tensor(DType::bf16, {inter, d}, 42, -0.15f, 0.15f));
+      DeviceTensor up = upload(*gpu_, random_tensor(DType::bf16, {inter, d}, 43, -0.15f, 0.15f));
+      DeviceTensor down = upload(*gpu_, random_tensor(DType::bf16, {d, inter}, 44, -0.15f, 0.15f));
+      const ::latentmoe::detail::MlpWeights mlp{gated ? gate.view : TensorView(), up.view, down.view};
+      DeviceTensor by_backend = poisoned(*gpu_, DType::bf16, {1, d});
+      gpu_->dense_mlp(activation, x.view, mlp, by_backend.view);
+      DeviceTensor act_rows = poisoned(*gpu_, DType::bf16, {1, inter}), direct = poisoned(*gpu_, DType::bf16, {1, d});
+      gemv_gate_up(DType::bf16, activation, x.view.data(), d, 1, gated ? gate.view.data() : nullptr, up.view.data(), d,
+                   inter, d, act_rows.view.data(), inter, stream());
+      gemv(DType::bf16, act_rows.view.data(), inter, 1, down.view.data(), inter, d, inter, direct.view.data(), d, false,
+           stream());
+      const HostTensor pair = download(*gpu_, direct.view);
+      EXPECT_TRUE(bytes_equal(download(*gpu_, by_backend.view), pair));
+      gpu_->set_gemv_max_tokens(0);
+      check_dense_mlp(*gpu_, *cpu_, act, DType::bf16, 1, d, inter, 45);
+      gpu_->set_gemv_max_tokens(1);
+    }
+  }
 }
 
 // The skinny kernels keep their precedence: forced on (set_skinny_always), a one-row linear runs on

@@ -99,7 +99,7 @@ struct CudaBackend::State {
   // false: the measured rule (decode_dispatch.h); true: every call within skinny_max_tokens (tests).
   bool skinny_always = false;
   SkinnyShape skinny_shape;  // {}: each call chooses
-  // Rows up to which linear takes the decode GEMV (0: never).
+  // Rows up to which linear and dense_mlp take the decode GEMV (0: never).
   int gemv_max_tokens = 1;  // one token: the warp-rows GEMV (cuda_backend.h has the measurement)
   // Rows up to which tier 0's up-projection pushes into the peers from its epilogue (0: never).
   int fused_up_projection_max_tokens = kDefaultFusedUpProjectionMaxTokens;

@@ -107,6 +107,21 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
   auto* base = static_cast<char*>(s.dense_workspace.get());
   const bool one_dtype = up.dtype == x.dtype() && down.dtype == x.dtype() && out.dtype() == x.dtype() &&
                          (!gated || gate.dtype == x.dtype());
+  // Decode: the gate/up GEMV (both matrices and the activation in one launch) and the down projection's
+  // GEMV, each weight read once (cuda/gemm/gemv.h); the skinny kernels, where set_skinny_always sends the
+  // MLP to them, come first.
+  const void* gate_data = gated ? gate.data : nullptr;
+  if (!(s.skinny_always && s.skinny(num_tokens)) && num_tokens <= s.gemv_max_tokens && one_dtype &&
+      x.dtype() != DType::f32 && (!gated || up.ld == gate.ld) &&
+      gemv_gate_up_supported(x.dtype(), activation.activation, num_tokens, intermediate, input.cols, input.data,
+                             input.ld, gate_data, up.data, up.ld) &&
+      gemv_supported(x.dtype(), num_tokens, down.rows, intermediate, base, intermediate, down.data, down.ld)) {
+    gemv_gate_up(x.dtype(), activation, input.data, input.ld, num_tokens, gate_data, up.data, up.ld, intermediate,
+                 input.cols, base, intermediate, s.current);
+    gemv(x.dtype(), base, intermediate, num_tokens, down.data, down.ld, down.rows, intermediate, output.data, output.ld,
+         /*accumulate=*/false, s.current);
+    return;
+  }
   if (s.skinny(num_tokens) &&
       (s.skinny_always || skinny_pays(*s.dispatch, SkinnyOp::dense_mlp, num_tokens, input.cols, intermediate)) &&
       one_dtype && (!gated || up.ld == gate.ld) &&

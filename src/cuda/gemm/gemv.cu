@@ -59,6 +59,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/common/activation.cuh"
 #include "cuda/common/cluster.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.h"
@@ -98,6 +99,14 @@ struct GemvParams {
   int split = 1;  // CTAs per cluster (long rows)
   int group = 1;  // lanes per row (short rows): the power of two >= kv
   bool accumulate = false;
+  // Warp rows: warps per row (a power of two dividing the CTA's warps) and the vectors of each one's
+  // segment of a row (a multiple of 32).
+  int team = 1;
+  int segment = 0;
+  // Gate/up (warp rows): the gate matrix (row stride ldw, like w, the up matrix), and the gated activation.
+  const void* gate = nullptr;
+  bool situ = false;
+  float situ_beta = 0.0f, situ_linear_beta = 0.0f;
 };
 
 // 16 bytes of weights: not allocated in L1, evict-first in L2. A weak ld.global, not ld.global.nc:
@@ -422,51 +431,102 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_short_kernel(const Gem
   }
 }
 
-// Warp rows (GemvKernel::warp_rows, long rows): row r is warp r % W's (W the grid's warps). A warp walks
-// its rows as a sequence of batches of kWarpRowsLoads steps (32 vectors a step, a lane's vectors of the
-// batch in registers), with two batches in flight: the loads of batch i + 1 (of the same row or the
-// warp's next) are issued before batch i is multiplied with x from shared memory, so a warp never waits
-// for a whole round trip between batches, nor between rows. A lane adds its products in column order,
-// the lanes' sums are added by the butterfly of warp_sum, and lane t writes y[t, r]: the order of every
-// sum is fixed by k alone, so the bits do not depend on the grid. No split rows, no partials, no barrier
-// but stage_x's. The launch protocol is the file comment's: a warp's first batch is issued before
-// pdl_wait().
-constexpr int kWarpRowsLoads = 4;   // steps (16 bytes a lane each) per batch; two batches in flight
-constexpr int kWarpRowsWarps = 16;  // warps per CTA by default
+// Warp rows (GemvKernel::warp_rows, long rows; the only kernel of gemv_gate_up). The rows are dealt
+// round-robin over the grid's *teams* of `team` consecutive warps of one CTA (team 1 unless rows are too
+// few to fill the GPU: gemv_warp_rows_launch): row r is team r % teams's. A row is a run of `row vectors`
+// (kv; 2 kv for gate/up, whose gate row comes first and up row second) cut into `team` segments of
+// `segment` vectors (a multiple of 32), member m taking [m segment, (m + 1) segment). A warp walks its
+// segment of each of its rows as a sequence of batches of kWarpRowsLoads steps (32 vectors a step, a
+// lane's vectors of the batch in registers), with two batches in flight: the loads of batch i + 1 (of the
+// same row or the warp's next) are issued before batch i is multiplied with x from shared memory, so a
+// warp never waits for a whole round trip between batches, nor between rows. A lane adds its products in
+// column order and the lanes' sums are added by the butterfly of warp_sum. Team 1: lane t finishes
+// y[t, r] at once. Team > 1: lane 0 of each member writes its sums to `partials` (two slots, by the
+// parity of the team's row count, so one barrier per row suffices: a member writes a slot again only
+// after the next row's barrier, which the leader reaches after it has read the slot), the team meets at
+// its named barrier, and lane t of member 0 adds the members' sums in member order and finishes y[t, r].
+// The order of every sum is fixed by k and the team, so the bits do not depend on the grid. Finishing
+// applies the epilogue to the fp32 sums (gate/up: act(gate, up); relu2; none: the old y added when
+// accumulating) and rounds once. The launch protocol is the file comment's: a warp's first batch is
+// issued before pdl_wait().
+constexpr int kWarpRowsLoads = 4;                    // steps (16 bytes a lane each) per batch; two batches in flight
+constexpr int kWarpRowsWarps = 16;                   // warps per CTA by default
+constexpr int kWarpRowsBatch = 32 * kWarpRowsLoads;  // vectors per batch and warp
+constexpr int kMaxTeam = 16;
 
 // 512-thread CTAs per SM the kernel is compiled for: two (64 registers a thread) at one x row; from two
 // rows 64 registers spilled (ptxas), so one with more registers.
 constexpr int warp_rows_ctas_per_sm(int rows) { return rows == 1 ? 2 : 1; }
 
-template <class T, int kRows>
+// What the warp-rows kernel does with a row's fp32 sums before it rounds them.
+enum class Epilogue { none, relu2, gated };
+
+// The sums a warp keeps per x row: gate and up for gate/up.
+constexpr int sums_of(Epilogue epilogue) { return epilogue == Epilogue::gated ? 2 : 1; }
+
+// Team > 1: the members' sums [parity][warp of the CTA][sum][x row], after x in shared memory.
+size_t warp_rows_partial_bytes(int warps, int sums, int64_t rows) {
+  return 2 * static_cast<size_t>(warps) * static_cast<size_t>(sums) * static_cast<size_t>(rows) * sizeof(float);
+}
+
+// The team's barrier: named barrier 1 + the team's index in the CTA (0 is __syncthreads'), team x 32 threads.
+__device__ __forceinline__ void team_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// A row's value before its rounding: the activation of gate/up's fp32 sums (the fast forms, as the
+// skinny kernels), relu2 of the sum, or the sum (store_y adds the old y when accumulating).
+template <Epilogue kEpilogue>
+__device__ __forceinline__ float finish(const GemvParams& p, float sum, float up) {
+  if constexpr (kEpilogue == Epilogue::gated) {
+    return act::gated<true>(sum, up, p.situ, p.situ_beta, p.situ_linear_beta);
+  } else if constexpr (kEpilogue == Epilogue::relu2) {
+    return act::relu2(sum);
+  } else {
+    return sum;
+  }
+}
+
+template <class T, int kRows, Epilogue kEpilogue>
 __global__ void __launch_bounds__(kMaxWarps * 32, warp_rows_ctas_per_sm(kRows))
     gemv_warp_rows_kernel(const GemvParams p) {
-  extern __shared__ uint4 smem[];  // x [kRows][kv] vectors
-  const int lane = static_cast<int>(threadIdx.x) & 31, warps_per_cta = static_cast<int>(blockDim.x) >> 5;
-  const int64_t warps = int64_t{gridDim.x} * warps_per_cta;
+  extern __shared__ uint4 smem[];  // x [kRows][kv] vectors, then (team > 1) the members' partial sums
+  constexpr bool kGated = kEpilogue == Epilogue::gated;
+  constexpr int kSums = sums_of(kEpilogue);
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int warps_per_cta = static_cast<int>(blockDim.x) >> 5;
+  const int team = p.team, member = warp % team;  // the host makes team divide warps_per_cta
+  const int64_t teams = int64_t{gridDim.x} * (warps_per_cta / team);
   const int kv = p.kv;
+  const int begin = member * p.segment, end = min(kGated ? 2 * kv : kv, begin + p.segment);
   const int64_t ldw = p.ldw / 8;
   const uint4* w = static_cast<const uint4*>(p.w);
+  const uint4* gate = static_cast<const uint4*>(p.gate);
   const uint64_t policy = gg::evict_first_policy();
-  // A batch: this lane's vectors (start + lane + 32 j, j < kWarpRowsLoads) of a row. `start` is the
-  // batch's first column, the same in every lane, so every branch on it is warp-uniform.
+  // A batch: this lane's vectors (start + lane + 32 j, j < kWarpRowsLoads) of a row's segment. `start`
+  // is the batch's first column, the same in every lane, so every branch on it is warp-uniform but the
+  // end of the segment and, for gate/up, the gate/up boundary.
   auto load = [&](uint4(&batch)[kWarpRowsLoads], int64_t row, int start) {
-    const uint4* source = w + row * ldw + start + lane;
 #pragma unroll
     for (int j = 0; j < kWarpRowsLoads; ++j) {
-      if (start + lane + 32 * j < kv) batch[j] = stream_load(source + 32 * j, policy);
+      const int column = start + lane + 32 * j;
+      if (column < end) {
+        const uint4* source =
+            kGated && column < kv ? gate + row * ldw + column : w + row * ldw + (kGated ? column - kv : column);
+        batch[j] = stream_load(source, policy);
+      }
     }
   };
   // The batch after (row, start) in this warp's walk.
   auto advance = [&](int64_t& row, int& start) {
-    start += 32 * kWarpRowsLoads;
-    if (start >= kv) {
-      start = 0;
-      row += warps;
+    start += kWarpRowsBatch;
+    if (start >= end) {
+      start = begin;
+      row += teams;
     }
   };
-  int64_t row = int64_t{blockIdx.x} * warps_per_cta + (static_cast<int>(threadIdx.x) >> 5);
-  int start = 0;
+  int64_t row = int64_t{blockIdx.x} * (warps_per_cta / team) + warp / team;
+  int start = begin;
   uint4 current[kWarpRowsLoads], upcoming[kWarpRowsLoads];
   if (row < p.n) load(current, row, start);  // before the wait: W is never written in a forward
 
@@ -474,36 +534,74 @@ __global__ void __launch_bounds__(kMaxWarps * 32, warp_rows_ctas_per_sm(kRows))
   pdl_trigger();
   const uint4* xs = smem;
   stage_x<kRows>(p, smem);
+  float* partials = reinterpret_cast<float*>(smem + kRows * kv);
+  int parity = 0;
 
   int64_t next_row = row;
   int next_start = start;
   advance(next_row, next_start);
-  float old = p.accumulate && lane < kRows && row < p.n ? load_y<T>(p, lane, row) : 0.0f;
-  float acc[kRows];
+  const bool leader = member == 0 && lane < kRows;
+  float old = kEpilogue == Epilogue::none && p.accumulate && leader && row < p.n ? load_y<T>(p, lane, row) : 0.0f;
+  float acc[kRows], acc_up[kRows];
 #pragma unroll
-  for (int t = 0; t < kRows; ++t) acc[t] = 0.0f;
+  for (int t = 0; t < kRows; ++t) acc[t] = acc_up[t] = 0.0f;
   while (row < p.n) {
     if (next_row < p.n) load(upcoming, next_row, next_start);  // in flight while `current` is multiplied
 #pragma unroll
     for (int j = 0; j < kWarpRowsLoads; ++j) {
       const int column = start + lane + 32 * j;
-      if (column < kv) {
+      if (column < end) {
+        const bool second = kGated && column >= kv;  // an up vector of gate/up
         float d[kRows];
-        dot8<T, kRows>(d, current[j], xs, column, kv);
+        dot8<T, kRows>(d, current[j], xs, second ? column - kv : column, kv);
 #pragma unroll
-        for (int t = 0; t < kRows; ++t) acc[t] += d[t];
+        for (int t = 0; t < kRows; ++t) {
+          if (second) {
+            acc_up[t] += d[t];
+          } else {
+            acc[t] += d[t];
+          }
+        }
       }
     }
-    if (next_row != row) {  // the row's last batch: add the lanes' sums and write the row
-      float mine = 0.0f;
+    if (next_row != row) {  // the segment's last batch: add the lanes' sums and finish the row
+      float sum[kRows], sum_up[kRows];
 #pragma unroll
       for (int t = 0; t < kRows; ++t) {
-        const float sum = warp_sum(acc[t]);
-        if (lane == t) mine = sum;
-        acc[t] = 0.0f;
+        sum[t] = warp_sum(acc[t]);
+        sum_up[t] = kGated ? warp_sum(acc_up[t]) : 0.0f;
+        acc[t] = acc_up[t] = 0.0f;
       }
-      if (lane < kRows) store_y<T>(p, lane, row, mine, old);
-      if (p.accumulate && lane < kRows && next_row < p.n) old = load_y<T>(p, lane, next_row);
+      if (team > 1) {
+        float* slot = partials + static_cast<size_t>(parity * warps_per_cta) * kSums * kRows;
+        if (lane == 0) {
+#pragma unroll
+          for (int t = 0; t < kRows; ++t) {
+            slot[(warp * kSums) * kRows + t] = sum[t];
+            if (kGated) slot[(warp * kSums + 1) * kRows + t] = sum_up[t];
+          }
+        }
+        team_barrier(1 + warp / team, team * 32);
+        if (leader) {
+          float total = 0.0f, total_up = 0.0f;
+          for (int m = 0; m < team; ++m) {
+            total += slot[((warp + m) * kSums) * kRows + lane];
+            if (kGated) total_up += slot[((warp + m) * kSums + 1) * kRows + lane];
+          }
+#pragma unroll
+          for (int t = 0; t < kRows; ++t) {
+            if (lane == t) sum[t] = total, sum_up[t] = total_up;
+          }
+        }
+        parity ^= 1;
+      }
+      float mine = 0.0f, mine_up = 0.0f;
+#pragma unroll
+      for (int t = 0; t < kRows; ++t) {
+        if (lane == t) mine = sum[t], mine_up = sum_up[t];
+      }
+      if (leader) store_y<T>(p, lane, row, finish<kEpilogue>(p, mine, mine_up), old);  // old: 0 unless accumulating
+      if (kEpilogue == Epilogue::none && p.accumulate && leader && next_row < p.n) old = load_y<T>(p, lane, next_row);
     }
     row = next_row;
     start = next_start;
@@ -521,7 +619,10 @@ struct Plan {
   int warps = kDefaultWarps;
   int split = 1;
   int clusters = 1;
+  int team = 1;     // warp rows
+  int segment = 0;  // warp rows
   size_t shared = 0;
+  Epilogue epilogue = Epilogue::none;
 };
 
 bool aligned_rows(const void* data, int64_t ld, int64_t rows) {
@@ -585,15 +686,18 @@ int choose_split(int64_t n, int64_t kv, int64_t grid) {
 }
 
 // The warp-rows plan: gemv_warp_rows_launch (below) on this GPU.
-Plan choose_warp_rows_plan(int64_t rows, int64_t n, int64_t k, const GemvShape& shape) {
-  const GemvWarpRowsLaunch launch =
-      gemv_warp_rows_launch(rows, n, k, current_sm_count(), static_cast<size_t>(current_shared_memory_optin()), shape);
+Plan choose_warp_rows_plan(int64_t rows, int64_t n, int64_t k, Epilogue epilogue, const GemvShape& shape) {
+  const GemvWarpRowsLaunch launch = gemv_warp_rows_launch(rows, n, k, epilogue == Epilogue::gated, current_sm_count(),
+                                                          static_cast<size_t>(current_shared_memory_optin()), shape);
   Plan plan;
   plan.warp_rows = true;
   plan.warps = launch.warps;
   plan.split = 1;
   plan.shared = launch.shared_bytes;
   plan.clusters = launch.ctas;
+  plan.team = launch.team;
+  plan.segment = launch.segment;
+  plan.epilogue = epilogue;
   return plan;
 }
 
@@ -603,7 +707,7 @@ Plan choose_plan(int64_t rows, int64_t n, int64_t k, const GemvShape& shape) {
   if (kv >= kLongRowVectors && shape.kernel != GemvKernel::ring) {
     LATENTMOE_CHECK(shape.split <= 1, "GEMV: split ", shape.split,
                     " applies to the ring kernel only (GemvKernel::ring); the warp-rows kernel splits no row");
-    return choose_warp_rows_plan(rows, n, k, shape);
+    return choose_warp_rows_plan(rows, n, k, Epilogue::none, shape);
   }
   Plan plan;
   plan.short_rows = kv < kLongRowVectors;
@@ -653,12 +757,21 @@ void open_shared_memory(const void* kernel, std::atomic<uint64_t>* devices_done)
 template <class T, int kRows>
 void launch(const GemvParams& params, const Plan& plan, cudaStream_t stream) {
   if (plan.warp_rows) {
-    static std::atomic<uint64_t> warp_rows_done{0};
-    auto* kernel = gemv_warp_rows_kernel<T, kRows>;
-    open_shared_memory(reinterpret_cast<const void*>(kernel), &warp_rows_done);
-    launch_kernel_clustered("gemv_warp_rows_kernel", pdl_supported(), 1, kernel,
-                            dim3(static_cast<unsigned>(plan.clusters)), dim3(static_cast<unsigned>(plan.warps * 32)),
-                            plan.shared, stream, params);
+    auto run = [&](auto* kernel, std::atomic<uint64_t>* done) {
+      open_shared_memory(reinterpret_cast<const void*>(kernel), done);
+      launch_kernel_clustered("gemv_warp_rows_kernel", pdl_supported(), 1, kernel,
+                              dim3(static_cast<unsigned>(plan.clusters)), dim3(static_cast<unsigned>(plan.warps * 32)),
+                              plan.shared, stream, params);
+    };
+    static std::atomic<uint64_t> plain_done{0}, relu2_done{0}, gated_done{0};
+    switch (plan.epilogue) {
+      case Epilogue::none:
+        return run(gemv_warp_rows_kernel<T, kRows, Epilogue::none>, &plain_done);
+      case Epilogue::relu2:
+        return run(gemv_warp_rows_kernel<T, kRows, Epilogue::relu2>, &relu2_done);
+      case Epilogue::gated:
+        return run(gemv_warp_rows_kernel<T, kRows, Epilogue::gated>, &gated_done);
+    }
     return;
   }
   static std::atomic<uint64_t> rows_done{0}, short_done{0};
@@ -686,24 +799,49 @@ void launch_rows(int64_t rows, const GemvParams& params, const Plan& plan, cudaS
 
 }  // namespace
 
-// shape.warps per CTA, by default 16, or fewer when the rows are too few to give every SM a CTA of 16
-// (Nemotron's W_down, 1024 rows: 8 warps, 128 CTAs rather than 64 CTAs on half the SMs); as many CTAs as
-// the rows need, at most as many per SM as the kernel is compiled for (one when x leaves room for one),
-// or shape.clusters.
-GemvWarpRowsLaunch gemv_warp_rows_launch(int64_t rows, int64_t n, int64_t k, int64_t sms, size_t shared_optin,
-                                         const GemvShape& shape) {
+// The team: 1, or where the rows are too few to give every warp slot of the GPU a row, the largest power
+// of two (up to 16) for which n x team warps still fit in the GPU's slots (SMs x CTAs per SM x 16) and
+// each member's segment holds at least one batch: a row's round trips are then shared by `team` warps
+// (Kimi-K3's shared expert at tp 8, 768 gate/up rows of 2 x 896 vectors: team 4 on 132 SMs). Warps per
+// CTA: shape.warps, or 16, or fewer when n x team is too few to give every SM a CTA of 16 (Nemotron's
+// W_down, 1024 rows: team 4, 16 warps), a multiple of the team; as many CTAs as the teams need, at most
+// as many per SM as the kernel is compiled for (one when x leaves room for one), or shape.clusters.
+// A forced shape.team applies as given (it must divide the CTA's warps).
+GemvWarpRowsLaunch gemv_warp_rows_launch(int64_t rows, int64_t n, int64_t k, bool gate_up, int64_t sms,
+                                         size_t shared_optin, const GemvShape& shape) {
   LATENTMOE_CHECK(rows >= 1 && rows <= kGemvMaxRows && n >= 1 && k >= 8 && sms >= 1, "GEMV: no warp-rows launch for ",
                   rows, " rows of a [", n, ", ", k, "] W on ", sms, " SMs");
+  LATENTMOE_CHECK(shape.team >= 0 && shape.team <= kMaxTeam && (shape.team & (shape.team - 1)) == 0, "GEMV: a team of ",
+                  shape.team, " warps (a power of two up to ", kMaxTeam, ")");
   GemvWarpRowsLaunch launch;
-  launch.warps =
-      shape.warps > 0 ? shape.warps : static_cast<int>(std::clamp<int64_t>((n + sms - 1) / sms, 1, kWarpRowsWarps));
-  launch.shared_bytes = static_cast<size_t>(rows * (k / 8)) * sizeof(uint4);
-  LATENTMOE_CHECK(launch.shared_bytes <= shared_optin, "GEMV: x takes ", launch.shared_bytes,
+  const int64_t row_vectors = (gate_up ? 2 : 1) * (k / 8);
+  const size_t x_bytes = static_cast<size_t>(rows * (k / 8)) * sizeof(uint4);
+  LATENTMOE_CHECK(x_bytes <= shared_optin, "GEMV: x takes ", x_bytes,
                   " bytes of shared memory, more than the device's ", shared_optin);
   // CTAs of one SM share its shared memory (optin is what one CTA may take, about the SM's whole).
   const int compiled_for = warp_rows_ctas_per_sm(static_cast<int>(rows));
-  const int per_sm = launch.shared_bytes * compiled_for <= shared_optin ? compiled_for : 1;
-  const int64_t needed = (n + launch.warps - 1) / launch.warps;
+  const size_t largest_partials = warp_rows_partial_bytes(kMaxWarps, gate_up ? 2 : 1, rows);
+  const int per_sm = (x_bytes + largest_partials) * compiled_for <= shared_optin ? compiled_for : 1;
+  int team = shape.team;
+  if (team == 0) {
+    team = 1;
+    const int64_t slots = sms * per_sm * kWarpRowsWarps;
+    while (team < kMaxTeam && n * 2 * team <= slots && row_vectors >= int64_t{2 * team} * kWarpRowsBatch) team *= 2;
+  }
+  launch.team = team;
+  launch.segment = static_cast<int>(((row_vectors + team - 1) / team + 31) / 32 * 32);
+  const int64_t team_warps = n * team;
+  launch.warps =
+      shape.warps > 0
+          ? shape.warps
+          : static_cast<int>((std::clamp<int64_t>((team_warps + sms - 1) / sms, team, kWarpRowsWarps) + team - 1) /
+                             team * team);
+  LATENTMOE_CHECK(launch.warps % team == 0, "GEMV: a team of ", team, " warps does not divide a CTA of ", launch.warps,
+                  " warps");
+  launch.shared_bytes = x_bytes + (team > 1 ? warp_rows_partial_bytes(launch.warps, gate_up ? 2 : 1, rows) : 0);
+  LATENTMOE_CHECK(launch.shared_bytes <= shared_optin, "GEMV: x and the partial sums take ", launch.shared_bytes,
+                  " bytes of shared memory, more than the device's ", shared_optin);
+  const int64_t needed = (team_warps + launch.warps - 1) / launch.warps;
   const int64_t ctas = shape.clusters > 0 ? shape.clusters : std::clamp<int64_t>(needed, 1, sms * per_sm);
   LATENTMOE_CHECK(ctas <= INT_MAX, "GEMV: ", ctas, " CTAs exceed the grid");
   launch.ctas = static_cast<int>(ctas);
@@ -715,14 +853,10 @@ bool gemv_supported(DType dtype, int64_t rows, int64_t n, int64_t k, const void*
   return unsupported(dtype, rows, n, k, x, ldx, w, ldw).empty();
 }
 
-void gemv(DType dtype, const void* x, int64_t ldx, int64_t rows, const void* w, int64_t ldw, int64_t n, int64_t k,
-          void* y, int64_t ldy, bool accumulate, cudaStream_t stream, const GemvShape& shape) {
-  const std::string why = unsupported(dtype, rows, n, k, x, ldx, w, ldw);
-  LATENTMOE_CHECK(why.empty(), "GEMV: not a GEMV problem: ", why);
-  LATENTMOE_CHECK(y != nullptr, "GEMV: y is null");
-  LATENTMOE_CHECK(ldy >= n, "GEMV: y row stride ", ldy, " is shorter than n = ", n);
-  static_assert(kGemvMaxRows == 4, "stage_x and launch_rows handle up to 4 rows");
-  const Plan plan = choose_plan(rows, n, k, shape);
+namespace {
+
+GemvParams make_params(const void* x, int64_t ldx, const void* w, int64_t ldw, int64_t n, int64_t k, void* y,
+                       int64_t ldy, bool accumulate, const Plan& plan) {
   GemvParams params;
   params.x = x;
   params.ldx = ldx;
@@ -736,11 +870,69 @@ void gemv(DType dtype, const void* x, int64_t ldx, int64_t rows, const void* w, 
   params.group = 1;
   while (params.group < params.kv) params.group *= 2;
   params.accumulate = accumulate;
+  params.team = plan.team;
+  params.segment = plan.segment;
+  return params;
+}
+
+void launch_dtype(DType dtype, int64_t rows, const GemvParams& params, const Plan& plan, cudaStream_t stream) {
+  static_assert(kGemvMaxRows == 4, "stage_x and launch_rows handle up to 4 rows");
   if (dtype == DType::bf16) {
     launch_rows<__nv_bfloat16>(rows, params, plan, stream);
   } else {
     launch_rows<__half>(rows, params, plan, stream);
   }
+}
+
+// Why gemv_gate_up() does not take these operands, or "".
+std::string gate_up_unsupported(DType dtype, Activation activation, int64_t rows, int64_t n, int64_t k, const void* x,
+                                int64_t ldx, const void* gate, const void* up, int64_t ldw) {
+  std::string why = unsupported(dtype, rows, n, k, x, ldx, up, ldw);
+  if (!why.empty()) return why;
+  const bool gated = activation != Activation::relu2;
+  if (gated && gate == nullptr) {
+    return std::string("the gate matrix is null (").append(to_string(activation)).append(" is gated)");
+  }
+  if (!gated && gate != nullptr) return "a gate matrix was given for relu2, which has none";
+  if (gated && !aligned_rows(gate, ldw, n)) return "gate rows are not 16-byte aligned";
+  return {};
+}
+
+}  // namespace
+
+void gemv(DType dtype, const void* x, int64_t ldx, int64_t rows, const void* w, int64_t ldw, int64_t n, int64_t k,
+          void* y, int64_t ldy, bool accumulate, cudaStream_t stream, const GemvShape& shape) {
+  const std::string why = unsupported(dtype, rows, n, k, x, ldx, w, ldw);
+  LATENTMOE_CHECK(why.empty(), "GEMV: not a GEMV problem: ", why);
+  LATENTMOE_CHECK(y != nullptr, "GEMV: y is null");
+  LATENTMOE_CHECK(ldy >= n, "GEMV: y row stride ", ldy, " is shorter than n = ", n);
+  const Plan plan = choose_plan(rows, n, k, shape);
+  launch_dtype(dtype, rows, make_params(x, ldx, w, ldw, n, k, y, ldy, accumulate, plan), plan, stream);
+}
+
+bool gemv_gate_up_supported(DType dtype, Activation activation, int64_t rows, int64_t n, int64_t k, const void* x,
+                            int64_t ldx, const void* gate, const void* up, int64_t ldw) {
+  return gate_up_unsupported(dtype, activation, rows, n, k, x, ldx, gate, up, ldw).empty();
+}
+
+void gemv_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const void* x, int64_t ldx,
+                  int64_t rows, const void* gate, const void* up, int64_t ldw, int64_t n, int64_t k, void* y,
+                  int64_t ldy, cudaStream_t stream, const GemvShape& shape) {
+  const std::string why = gate_up_unsupported(dtype, activation.activation, rows, n, k, x, ldx, gate, up, ldw);
+  LATENTMOE_CHECK(why.empty(), "GEMV gate/up: not a GEMV problem: ", why);
+  LATENTMOE_CHECK(y != nullptr, "GEMV gate/up: y is null");
+  LATENTMOE_CHECK(ldy >= n, "GEMV gate/up: y row stride ", ldy, " is shorter than n = ", n);
+  LATENTMOE_CHECK(shape.kernel != GemvKernel::ring && shape.split <= 1,
+                  "GEMV gate/up: runs on the warp-rows kernel only (no ring, no split)");
+  check_cluster_shape("GEMV", shape.warps, kMaxWarps, 1, shape.clusters);
+  const bool gated = activation.activation != Activation::relu2;
+  const Plan plan = choose_warp_rows_plan(rows, n, k, gated ? Epilogue::gated : Epilogue::relu2, shape);
+  GemvParams params = make_params(x, ldx, up, ldw, n, k, y, ldy, false, plan);
+  params.gate = gate;
+  params.situ = activation.activation == Activation::situ;
+  params.situ_beta = activation.situ_beta;
+  params.situ_linear_beta = activation.situ_linear_beta;
+  launch_dtype(dtype, rows, params, plan, stream);
 }
 
 }  // namespace latentmoe::cuda

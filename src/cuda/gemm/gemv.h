@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/backend.h"
 #include "latentmoe/dtype.h"
 
 namespace latentmoe::cuda {
@@ -42,9 +43,10 @@ inline constexpr int64_t kGemvMaxK = 16384;
 // Which kernel runs rows of k >= 256 (gemv.cu; rows shorter than that always take the short-row kernel).
 //   ring       each warp streams a contiguous range of W through a cp.async ring in shared memory; rows
 //              split between warps and CTAs (clusters) are summed from partials. The shape below applies.
-//   warp_rows  a warp per row, the rows dealt round-robin over the grid's warps, a batch of loads in
-//              flight per lane in registers; no split rows, so every launch gives the same bits. Only
-//              GemvShape::warps (per CTA) and clusters (the CTA count) apply.
+//   warp_rows  a warp (or a team of warps of one CTA, where rows are few) per row, the rows dealt
+//              round-robin over the grid's teams, two batches of loads in flight per lane in registers;
+//              the order of every sum is fixed by k and the team, so every grid gives the same bits.
+//              Only GemvShape::warps (per CTA), clusters (the CTA count) and team apply.
 //   automatic  warp_rows.
 enum class GemvKernel { automatic, ring, warp_rows };
 
@@ -56,6 +58,7 @@ struct GemvShape {
   int split = 0;     // CTAs per cluster that share whole rows: 1, or 2, 4, 8 on sm_90 and later (ring)
   int clusters = 0;  // clusters in the grid (warp_rows: CTAs)
   GemvKernel kernel = GemvKernel::automatic;
+  int team = 0;  // warp_rows: warps per row, a power of two up to 16 dividing `warps`
 };
 
 // True when gemv() takes these operands: bf16 or f16, 1..kGemvMaxRows rows, n >= 1, k a multiple of 8
@@ -70,15 +73,30 @@ bool gemv_supported(DType dtype, int64_t rows, int64_t n, int64_t k, const void*
 void gemv(DType dtype, const void* x, int64_t ldx, int64_t rows, const void* w, int64_t ldw, int64_t n, int64_t k,
           void* y, int64_t ldy, bool accumulate, cudaStream_t stream, const GemvShape& shape = {});
 
-// The warp-rows kernel's launch (gemv.cu has the rule), a pure function of the problem, the GPU's SM
-// count and the shared memory a CTA may take: what gemv() launches, exposed so that tests check the rule
-// without a GPU.
+// The gate/up half of a dense MLP at decode (the shared expert), both matrices read once in one launch:
+//   y[r, :] = act(x[r, :] · Wg^T, x[r, :] · Wu^T)   silu, situ (gated)
+//   y[r, :] = relu2(x[r, :] · Wu^T)                 relu2 (gate null)
+// Wg and Wu [n, k] with one row stride ldw; the operand rules and numerics of gemv(), the activation
+// applied to the fp32 sums (the fast forms of activation.cuh, as the skinny kernels) and rounded once.
+// Always the warp-rows kernel (a ring or split shape is refused). Throws latentmoe::Error naming the
+// problem when gemv_gate_up_supported() is false; nothing is launched then.
+bool gemv_gate_up_supported(DType dtype, Activation activation, int64_t rows, int64_t n, int64_t k, const void* x,
+                            int64_t ldx, const void* gate, const void* up, int64_t ldw);
+void gemv_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& activation, const void* x, int64_t ldx,
+                  int64_t rows, const void* gate, const void* up, int64_t ldw, int64_t n, int64_t k, void* y,
+                  int64_t ldy, cudaStream_t stream, const GemvShape& shape = {});
+
+// The warp-rows kernel's launch (gemv.cu has the rule), a pure function of the problem (gate_up: each
+// row is a gate row and an up row), the GPU's SM count and the shared memory a CTA may take: what gemv()
+// and gemv_gate_up() launch, exposed so that tests check the rule without a GPU.
 struct GemvWarpRowsLaunch {
   int warps = 0;            // per CTA
   int ctas = 0;             // in the grid
-  size_t shared_bytes = 0;  // per CTA: x
+  int team = 1;             // warps per row
+  int segment = 0;          // vectors of a row per member of a team (a multiple of 32)
+  size_t shared_bytes = 0;  // per CTA: x, and with a team the members' partial sums
 };
-GemvWarpRowsLaunch gemv_warp_rows_launch(int64_t rows, int64_t n, int64_t k, int64_t sms, size_t shared_optin,
-                                         const GemvShape& shape);
+GemvWarpRowsLaunch gemv_warp_rows_launch(int64_t rows, int64_t n, int64_t k, bool gate_up, int64_t sms,
+                                         size_t shared_optin, const GemvShape& shape);
 
 }  // namespace latentmoe::cuda
