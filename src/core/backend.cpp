@@ -65,6 +65,12 @@ bool WorkspaceSpec::covers(const WorkspaceSpec& other) const {
          expert_intermediate >= other.expert_intermediate && dense_intermediate >= other.dense_intermediate;
 }
 
+void Backend::rms_norm_linear(const TensorView& in, const TensorView& gamma, float eps, const TensorView& normed,
+                              const TensorView& w, const TensorView& y, bool accumulate) {
+  rms_norm(in, gamma, eps, normed);
+  linear(normed, w, y, accumulate);
+}
+
 void Backend::all_reduce_rms_norm(Communicator& comm, const TensorView& partial, const TensorView& gamma, float eps,
                                   const TensorView& out) {
   if (comm.size() > 1) comm.all_reduce_sum(partial, stream());

@@ -183,6 +183,12 @@ class Backend {
   // out[t] = in[t] / sqrt(mean(in[t]^2) + eps) · gamma (gamma f32), in fp32.
   virtual void rms_norm(const TensorView& in, const TensorView& gamma, float eps, const TensorView& out) = 0;
 
+  // y (+)= rms_norm(in) · w^T, the one-rank tail's norm and up-projection. `normed` [T, l] is scratch
+  // that the backend may write with rms_norm(in) (the default: rms_norm into it, then linear) or leave
+  // untouched (the CUDA backend at decode normalises inside the GEMV); callers must not read it after.
+  virtual void rms_norm_linear(const TensorView& in, const TensorView& gamma, float eps, const TensorView& normed,
+                               const TensorView& w, const TensorView& y, bool accumulate);
+
   // out = a + b, elementwise (out may alias a or b).
   virtual void add(const TensorView& a, const TensorView& b, const TensorView& out) = 0;
 

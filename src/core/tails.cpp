@@ -20,17 +20,14 @@ void native_tail(const TailOperands& o, const TailTensors& t) {
   // The native path keeps the reduction and the norm as separate steps, as a framework's default
   // MoE path does; the fused tiers use all_reduce_rms_norm.
   if (comm.size() > 1) comm.all_reduce_sum(t.latent_partial, backend.stream());
-  TensorView latent = t.latent_partial;
+  // One rank: the shared partial is `out` itself (tail_tensors), so the up-projection adds into it.
+  const bool into_shared = t.shared_partial.defined() && shared_partial_is_out(TailTier::native, o.parallel.tp_size);
   if (o.latent_norm.defined()) {
-    backend.rms_norm(t.latent_partial, o.latent_norm, o.eps, t.latent_reduced);
-    latent = t.latent_reduced;
+    backend.rms_norm_linear(t.latent_partial, o.latent_norm, o.eps, t.latent_reduced, o.up_proj, t.out, into_shared);
+  } else {
+    backend.linear(t.latent_partial, o.up_proj, t.out, into_shared);
   }
-  if (t.shared_partial.defined() && shared_partial_is_out(TailTier::native, o.parallel.tp_size)) {
-    // One rank: the shared partial is `out` itself (tail_tensors), so the up-projection adds into it.
-    backend.linear(latent, o.up_proj, t.out, /*accumulate=*/true);
-    return;
-  }
-  backend.linear(latent, o.up_proj, t.out, /*accumulate=*/false);
+  if (into_shared) return;
   if (t.shared_partial.defined()) {
     if (comm.size() > 1) comm.all_reduce_sum(t.shared_partial, backend.stream());
     backend.add(t.out, t.shared_partial, t.out);

@@ -294,6 +294,110 @@ TEST_F(Gemv, teams_match_the_reference_and_give_the_same_bits_on_every_grid) {
   }
 }
 
+// --- gemv_rms_norm --------------------------------------------------------------------------------------
+
+// gemv_rms_norm against the norm in double, each normalised value rounded to the dtype as the kernel rounds
+// it, then the sum in double: bf16 and f16, gamma of every compute dtype, 1..kGemvMaxRows rows, short and
+// long rows (k = 8: a vector a row), accumulation, the default launch, a team of 4 and a one-warp CTA. The
+// bound is gemv's plus, for each element whose unrounded normalised value lies so close to a rounding
+// midpoint that fp32 (and another order of the sum of squares) may round it the other way, that step
+// times its weight. Each shape gives the same bits as the default launch.
+TEST_F(Gemv, rms_norm_matches_the_normalised_reference_on_every_launch) {
+  uint32_t seed = 4000;
+  const float eps = 1e-5f;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    for (DType gamma_dtype : {DType::f32, DType::bf16, DType::f16}) {
+      for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{100, 3584}, {7, 264}, {33, 8}}) {
+        for (int64_t rows = 1; rows <= kGemvMaxRows; ++rows) {
+          const bool accumulate = rows % 2 == 0;
+          const int64_t ldx = k + 8, ldw = k, ldy = n + 1;
+          SCOPED_TRACE(name_of(dtype) + ", gamma " + name_of(gamma_dtype) + ", rows " + std::to_string(rows) + ", n " +
+                       std::to_string(n) + ", k " + std::to_string(k));
+          const HostTensor x = padded_random(dtype, rows, k, ldx, seed += 3, -3.0f, 3.0f);
+          const HostTensor gamma = random_tensor(gamma_dtype, {k}, seed + 1, 0.5f, 1.5f);
+          auto [w, dw] = weights(dtype, n, k, ldw, seed + 2);
+          const HostTensor y0 = random_tensor(dtype, {rows, ldy}, seed + 3, -2.0f, 2.0f);
+          DeviceTensor dx = upload(*gpu_, x), dgamma = upload(*gpu_, gamma);
+          HostTensor first;
+          for (const GemvShape& shape :
+               std::vector<GemvShape>{{}, {0, 0, 0, GemvKernel::warp_rows, 4}, {1, 0, 1, GemvKernel::warp_rows, 1}}) {
+            DeviceTensor dy = upload(*gpu_, y0);
+            if (!accumulate) poison(*gpu_, dy);
+            gemv_rms_norm(dtype, dx.view.data(), ldx, rows, dgamma.view.data(), gamma_dtype, eps, dw.view.data(), ldw,
+                          n, k, dy.view.data(), ldy, accumulate, stream(), shape);
+            HostTensor got = download(*gpu_, dy.view);
+            if (first.numel() == 0) {
+              first = std::move(got);
+              continue;
+            }
+            EXPECT_TRUE(bytes_equal(got, first)) << "team " << shape.team << ", warps " << shape.warps;
+          }
+          int64_t bad = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            double squares = 0.0;
+            for (int64_t e = 0; e < k; ++e) squares += double(value_at(x, r * ldx + e)) * value_at(x, r * ldx + e);
+            const double inverse_rms = 1.0 / std::sqrt(squares / double(k) + double(eps));
+            std::vector<double> normed(k), flip(k);
+            HostTensor one(dtype, {3});
+            for (int64_t e = 0; e < k; ++e) {
+              const double u = value_at(x, r * ldx + e) * inverse_rms * value_at(gamma, e);
+              store_from_float(one.data(), dtype, 0, static_cast<float>(u));
+              store_from_float(one.data(), dtype, 1, static_cast<float>(u * (1.0 - 0x1p-18)));
+              store_from_float(one.data(), dtype, 2, static_cast<float>(u * (1.0 + 0x1p-18)));
+              normed[e] = value_at(one, 0);
+              flip[e] = std::abs(double(value_at(one, 2)) - value_at(one, 1));
+            }
+            for (int64_t c = 0; c < ldy; ++c) {
+              const float out = value_at(first, r * ldy + c);
+              if (c >= n) {
+                const bool kept = accumulate ? out == value_at(y0, r * ldy + c) : std::isnan(out);
+                if (!kept && ++bad <= 5) ADD_FAILURE() << "(" << r << ", " << c << ") past n was written";
+                continue;
+              }
+              double expected = accumulate ? double(value_at(y0, r * ldy + c)) : 0.0, scale = std::abs(expected);
+              double flips = 0.0;
+              for (int64_t e = 0; e < k; ++e) {
+                const double product = normed[e] * value_at(w, c * ldw + e);
+                expected += product;
+                scale += std::abs(product);
+                flips += flip[e] * std::abs(double(value_at(w, c * ldw + e)));
+              }
+              const double bound =
+                  ulp_rel(dtype) * std::abs(expected) + 4.0 * 0x1p-24 * std::sqrt(double(k)) * scale + flips + 0x1p-24;
+              if (!(std::abs(out - expected) <= bound) && ++bad <= 5) {
+                ADD_FAILURE() << "y(" << r << ", " << c << ") = " << out << ", reference " << expected << ", bound "
+                              << bound;
+              }
+            }
+          }
+          EXPECT_EQ(bad, 0);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(Gemv, rms_norm_rejects_what_it_does_not_take_and_names_the_problem) {
+  DeviceTensor buffer = device_empty(*gpu_, DType::bf16, {8, 1024});
+  void* base = buffer.view.data();
+  EXPECT_TRUE(gemv_rms_norm_supported(DType::bf16, 1, 16, 64, base, 64, base, DType::f32, base, 64));
+  EXPECT_FALSE(gemv_rms_norm_supported(DType::bf16, 1, 16, 64, base, 64, nullptr, DType::f32, base, 64));
+  EXPECT_FALSE(gemv_rms_norm_supported(DType::bf16, 1, 16, 64, base, 64, base, DType::i32, base, 64));
+  EXPECT_FALSE(gemv_rms_norm_supported(DType::bf16, 1, 16, 60, base, 64, base, DType::f32, base, 64));
+  auto call = [&](const void* gamma, DType gamma_dtype, int64_t k, const GemvShape& shape = {}) {
+    return [=, this] {
+      gemv_rms_norm(DType::bf16, base, 1024, 1, gamma, gamma_dtype, 1e-6f, base, 1024, 16, k, base, 64, false, stream(),
+                    shape);
+    };
+  };
+  expect_error(call(nullptr, DType::f32, 64), "gamma is null");
+  expect_error(call(base, DType::i32, 64), "gamma dtype I32");
+  expect_error(call(base, DType::f32, 60), "not a positive multiple of 8");
+  expect_error(call(base, DType::f32, 256, {0, 0, 0, GemvKernel::ring}), "warp-rows kernel only");
+  ASSERT_EQ(cudaStreamSynchronize(stream()), cudaSuccess);  // nothing was launched, nothing failed
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
 // --- gemv_gate_up ------------------------------------------------------------------------------------
 
 class GemvGateUp : public Gemv {
@@ -670,6 +774,40 @@ TEST_F(GemvBackend, dense_mlp_takes_the_gemv_pair_at_one_token) {
       gpu_->set_gemv_max_tokens(0);
       check_dense_mlp(*gpu_, *cpu_, act, DType::bf16, 1, d, inter, 45);
       gpu_->set_gemv_max_tokens(1);
+    }
+  }
+}
+
+// rms_norm_linear at one token: the norm inside the GEMV, bit for bit the direct gemv_rms_norm, `normed`
+// left untouched, within rounding of the CPU backend's rms_norm then linear; with gemv_max_tokens 0 the
+// composition (rms_norm into `normed`, then cuBLASLt), which writes `normed`.
+TEST_F(GemvBackend, rms_norm_linear_folds_the_norm_into_the_gemv_at_one_token) {
+  const int64_t k = 3584, n = 7168;
+  const float eps = 1e-6f;
+  const HostTensor x = random_tensor(DType::bf16, {1, k}, 61, -4.0f, 4.0f);
+  const HostTensor gamma = random_tensor(DType::f32, {k}, 62, 0.5f, 1.5f);
+  const HostTensor w = random_tensor(DType::bf16, {n, k}, 63, -0.1f, 0.1f);
+  const HostTensor y0 = random_tensor(DType::bf16, {1, n}, 64, -1.0f, 1.0f);
+  HostTensor ref = to_host_tensor(y0.view(), DType::bf16), ref_normed(DType::bf16, {1, k});
+  cpu_->rms_norm_linear(x.view(), gamma.view(), eps, ref_normed.view(), w.view(), ref.view(), true);
+  DeviceTensor dx = upload(*gpu_, x), dgamma = upload(*gpu_, gamma), dw = upload(*gpu_, w);
+  for (int gemv_rows : {1, 0}) {
+    SCOPED_TRACE("gemv_max_tokens " + std::to_string(gemv_rows));
+    gpu_->set_gemv_max_tokens(gemv_rows);
+    DeviceTensor dy = upload(*gpu_, y0), normed = poisoned(*gpu_, DType::bf16, {1, k});
+    gpu_->rms_norm_linear(dx.view, dgamma.view, eps, normed.view, dw.view, dy.view, true);
+    const HostTensor got = download(*gpu_, dy.view);
+    EXPECT_EQ(count_non_finite(got), 0);
+    EXPECT_LT(relative_error(got, ref), tolerance(DType::bf16));
+    const HostTensor normed_out = download(*gpu_, normed.view);
+    if (gemv_rows == 1) {
+      EXPECT_EQ(count_non_finite(normed_out), k) << "the fused path wrote the scratch";
+      DeviceTensor direct = upload(*gpu_, y0);
+      gemv_rms_norm(DType::bf16, dx.view.data(), k, 1, dgamma.view.data(), DType::f32, eps, dw.view.data(), k, n, k,
+                    direct.view.data(), n, true, stream());
+      EXPECT_TRUE(bytes_equal(got, download(*gpu_, direct.view)));
+    } else {
+      EXPECT_LT(relative_error(normed_out, ref_normed), tolerance(DType::bf16));
     }
   }
 }

@@ -85,6 +85,10 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   void dense_mlp(const ::latentmoe::detail::ActivationParams& activation, const TensorView& x,
                  const ::latentmoe::detail::MlpWeights& mlp, const TensorView& out) override;
   void rms_norm(const TensorView& in, const TensorView& gamma, float eps, const TensorView& out) override;
+  // Up to gemv_max_tokens rows, the norm inside the decode GEMV (gemv_rms_norm; `normed` untouched);
+  // otherwise rms_norm into `normed`, then linear.
+  void rms_norm_linear(const TensorView& in, const TensorView& gamma, float eps, const TensorView& normed,
+                       const TensorView& w, const TensorView& y, bool accumulate) override;
   void add(const TensorView& a, const TensorView& b, const TensorView& out) override;
   void add_scaled_rows(const TensorView& x, const TensorView& scale, const TensorView& out) override;
 
@@ -137,14 +141,14 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // default {} lets each call choose. The call checks the shape when it launches.
   void set_skinny_shape(const SkinnyShape& shape);
   void set_skinny_always(bool always);
-  // Up to how many rows (tokens) linear() and dense_mlp() run on the decode GEMV (cuda/gemm/gemv.h) instead of cuBLASLt:
-  // 0..kGemvMaxRows (4), default 1. Measured on an H100 (session 28, docs/CUDA_BACKEND.md "Decode GEMV"):
-  // at one row its warp-rows kernel streams Kimi-K3's 51 MB W_down faster than cuBLASLt and W_up about
-  // as fast, and the one-token layer graph is no slower with it; at 2-4 rows the layer was slower, so
-  // those stay on cuBLASLt. Throws Error outside that range. Within it a call
-  // takes the GEMV when x, w and y share a 16-bit dtype (f32 stays on cuBLASLt's true-fp32 path) and gemv_supported()
-  // holds; the skinny kernels, where set_skinny_always sends a linear to them, come first. dense_mlp (the
-  // shared expert) takes the same rows on the GEMV pair, gemv_gate_up then gemv, under the same rules.
+  // Up to how many rows (tokens) linear() and dense_mlp() run on the decode GEMV (cuda/gemm/gemv.h) instead of
+  // cuBLASLt: 0..kGemvMaxRows (4), default 1. Measured on an H100 (session 28, docs/CUDA_BACKEND.md "Decode GEMV"): at
+  // one row its warp-rows kernel streams Kimi-K3's 51 MB W_down faster than cuBLASLt and W_up about as fast, and the
+  // one-token layer graph is no slower with it; at 2-4 rows the layer was slower, so those stay on cuBLASLt. Throws
+  // Error outside that range. Within it a call takes the GEMV when x, w and y share a 16-bit dtype (f32 stays on
+  // cuBLASLt's true-fp32 path) and gemv_supported() holds; the skinny kernels, where set_skinny_always sends a linear
+  // to them, come first. dense_mlp (the shared expert) takes the same rows on the GEMV pair, gemv_gate_up then gemv,
+  // under the same rules.
   void set_gemv_max_tokens(int tokens);
   int gemv_max_tokens() const;
 

@@ -69,6 +69,37 @@ void CudaBackend::linear(const TensorView& x, const TensorView& w, const TensorV
   s.blas->gemm(problem, s.blas_buffer(), kBlasWorkspaceBytes, s.current);
 }
 
+void CudaBackend::rms_norm_linear(const TensorView& in, const TensorView& gamma, float eps, const TensorView& normed,
+                                  const TensorView& w, const TensorView& y, bool accumulate) {
+  State& s = *state_;
+  DeviceGuard guard(s.ordinal);
+  debug_require_compute_dtype(in.dtype(), "norm-linear input");
+  debug_require_compute_dtype(w.dtype(), "norm-linear weight");
+  debug_require_compute_dtype(y.dtype(), "norm-linear output");
+  debug_require_compute_dtype(gamma.dtype(), "norm-linear gamma");
+  debug_require_contiguous_device(gamma, "norm-linear gamma");
+  const RowMatrix input = as_rows(in, "norm-linear input");
+  const RowMatrix weight = as_rows(w, "norm-linear weight");
+  const RowMatrix out = as_rows(y, "norm-linear output");
+  LATENTMOE_DEBUG_CHECK(
+      input.cols == weight.cols && out.rows == input.rows && out.cols == weight.rows && gamma.numel() == input.cols,
+      "CUDA norm-linear: shapes ", in.shape_string(), ", gamma ", gamma.shape_string(), " x ", w.shape_string(),
+      "^T -> ", y.shape_string(), " do not match");
+  // Decode: the norm in each CTA's copy of x, inside the GEMV (cuda/gemm/gemv.h), unless the skinny kernels
+  // are forced (they would take the linear).
+  if (!(s.skinny_always && s.skinny(input.rows)) && input.rows >= 1 && input.rows <= s.gemv_max_tokens &&
+      input.dtype != DType::f32 && weight.dtype == input.dtype && out.dtype == input.dtype &&
+      normed.dtype() == input.dtype &&
+      gemv_rms_norm_supported(input.dtype, input.rows, weight.rows, input.cols, input.data, input.ld, gamma.data(),
+                              gamma.dtype(), weight.data, weight.ld)) {
+    gemv_rms_norm(input.dtype, input.data, input.ld, input.rows, gamma.data(), gamma.dtype(), eps, weight.data,
+                  weight.ld, weight.rows, input.cols, out.data, out.ld, accumulate, s.current);
+    return;
+  }
+  rms_norm(in, gamma, eps, normed);
+  linear(normed, w, y, accumulate);
+}
+
 void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView& x, const MlpWeights& mlp,
                             const TensorView& out) {
   State& s = *state_;

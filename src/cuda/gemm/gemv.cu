@@ -64,6 +64,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device.h"
+#include "cuda/common/dtype_dispatch.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/common/reduce.cuh"
 #include "cuda/gemm/gemv.h"
@@ -107,6 +108,10 @@ struct GemvParams {
   const void* gate = nullptr;
   bool situ = false;
   float situ_beta = 0.0f, situ_linear_beta = 0.0f;
+  // Warp rows: x is RMS-normalised in shared memory before use when gamma is set (gemv_rms_norm).
+  const void* gamma = nullptr;
+  DType gamma_dtype = DType::f32;
+  float eps = 0.0f;
 };
 
 // 16 bytes of weights: not allocated in L1, evict-first in L2. A weak ld.global, not ld.global.nc:
@@ -474,6 +479,45 @@ __device__ __forceinline__ void team_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// x in shared memory replaced by RMSNorm(x) (gemv_rms_norm), each value as the RMSNorm kernel
+// (kernels/norm.cu) computes it: x · (1 / sqrt(mean(x²) + eps)) · gamma in fp32, rounded once to T.
+// Every warp sums the squares of each x row itself, lane-strided over the row's vectors in a fixed
+// order, so every warp and every grid gets the same bits without a reduction across warps; a barrier
+// lets every warp finish reading x before any of it is overwritten, another ends the rewrite. After
+// stage_x (and its barrier) only.
+template <class T, int kRows>
+__device__ __forceinline__ void normalise_x(const GemvParams& p, uint4* xs) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, kv = p.kv;
+  float inverse_rms[kRows];
+#pragma unroll
+  for (int t = 0; t < kRows; ++t) {
+    float squares = 0.0f;
+    for (int v = lane; v < kv; v += 32) {
+      float x[8];
+      widen8<T>(xs[t * kv + v], x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) squares = fmaf(x[e], x[e], squares);
+    }
+    inverse_rms[t] = 1.0f / sqrtf(warp_sum(squares) / static_cast<float>(8 * kv) + p.eps);
+  }
+  __syncthreads();
+  for (int i = static_cast<int>(threadIdx.x); i < kRows * kv; i += static_cast<int>(blockDim.x)) {
+    const int t = (i >= kv) + (i >= 2 * kv) + (i >= 3 * kv), column = i - t * kv;  // kRows <= 4
+    float scale = inverse_rms[0];
+#pragma unroll
+    for (int r = 1; r < kRows; ++r) scale = t == r ? inverse_rms[r] : scale;
+    float x[8];
+    widen8<T>(xs[i], x);
+    alignas(16) T out[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      out[e] = from_float<T>(x[e] * scale * load_as_float_dev(p.gamma, p.gamma_dtype, int64_t{8} * column + e));
+    }
+    xs[i] = *reinterpret_cast<const uint4*>(out);
+  }
+  __syncthreads();
+}
+
 // A row's value before its rounding: the activation of gate/up's fp32 sums (the fast forms, as the
 // skinny kernels), relu2 of the sum, or the sum (store_y adds the old y when accumulating).
 template <Epilogue kEpilogue>
@@ -534,6 +578,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, warp_rows_ctas_per_sm(kRows))
   pdl_trigger();
   const uint4* xs = smem;
   stage_x<kRows>(p, smem);
+  if (p.gamma != nullptr) normalise_x<T, kRows>(p, smem);
   float* partials = reinterpret_cast<float*>(smem + kRows * kv);
   int parity = 0;
 
@@ -908,6 +953,32 @@ void gemv(DType dtype, const void* x, int64_t ldx, int64_t rows, const void* w, 
   LATENTMOE_CHECK(ldy >= n, "GEMV: y row stride ", ldy, " is shorter than n = ", n);
   const Plan plan = choose_plan(rows, n, k, shape);
   launch_dtype(dtype, rows, make_params(x, ldx, w, ldw, n, k, y, ldy, accumulate, plan), plan, stream);
+}
+
+bool gemv_rms_norm_supported(DType dtype, int64_t rows, int64_t n, int64_t k, const void* x, int64_t ldx,
+                             const void* gamma, DType gamma_dtype, const void* w, int64_t ldw) {
+  return gamma != nullptr && is_compute_dtype(gamma_dtype) && gemv_supported(dtype, rows, n, k, x, ldx, w, ldw);
+}
+
+void gemv_rms_norm(DType dtype, const void* x, int64_t ldx, int64_t rows, const void* gamma, DType gamma_dtype,
+                   float eps, const void* w, int64_t ldw, int64_t n, int64_t k, void* y, int64_t ldy, bool accumulate,
+                   cudaStream_t stream, const GemvShape& shape) {
+  const std::string why = unsupported(dtype, rows, n, k, x, ldx, w, ldw);
+  LATENTMOE_CHECK(why.empty(), "GEMV RMSNorm: not a GEMV problem: ", why);
+  LATENTMOE_CHECK(gamma != nullptr, "GEMV RMSNorm: gamma is null");
+  LATENTMOE_CHECK(is_compute_dtype(gamma_dtype), "GEMV RMSNorm: gamma dtype ", dtype_name(gamma_dtype),
+                  " (f32, bf16 or f16)");
+  LATENTMOE_CHECK(y != nullptr, "GEMV RMSNorm: y is null");
+  LATENTMOE_CHECK(ldy >= n, "GEMV RMSNorm: y row stride ", ldy, " is shorter than n = ", n);
+  LATENTMOE_CHECK(shape.kernel != GemvKernel::ring && shape.split <= 1,
+                  "GEMV RMSNorm: runs on the warp-rows kernel only (no ring, no split)");
+  check_cluster_shape("GEMV", shape.warps, kMaxWarps, 1, shape.clusters);
+  const Plan plan = choose_warp_rows_plan(rows, n, k, Epilogue::none, shape);
+  GemvParams params = make_params(x, ldx, w, ldw, n, k, y, ldy, accumulate, plan);
+  params.gamma = gamma;
+  params.gamma_dtype = gamma_dtype;
+  params.eps = eps;
+  launch_dtype(dtype, rows, params, plan, stream);
 }
 
 bool gemv_gate_up_supported(DType dtype, Activation activation, int64_t rows, int64_t n, int64_t k, const void* x,

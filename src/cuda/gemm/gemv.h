@@ -86,6 +86,21 @@ void gemv_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& acti
                   int64_t rows, const void* gate, const void* up, int64_t ldw, int64_t n, int64_t k, void* y,
                   int64_t ldy, cudaStream_t stream, const GemvShape& shape = {});
 
+// The RMSNorm of x folded into the GEMV (the one-rank tail's norm(L) W_up^T at decode):
+//   y[r, :] = RMSNorm(x[r, :]) · W^T  (+ y[r, :] when accumulate),
+//   RMSNorm(x) = x / sqrt(mean(x²) + eps) · gamma, gamma [k] of f32, bf16 or f16 (contiguous).
+// Each CTA normalises its copy of x in shared memory as the RMSNorm kernel (kernels/norm.h) computes each
+// value, rounded once to the dtype, so the normalised x never goes to global memory and the norm costs
+// no launch; the sum of squares is added in another order than the kernel's, so results agree with
+// rms_norm() then gemv() within rounding, and one launch shape gives the same bits on every run (every
+// grid of one team). The operand rules of gemv(); always the warp-rows kernel (a ring or split shape is
+// refused).
+bool gemv_rms_norm_supported(DType dtype, int64_t rows, int64_t n, int64_t k, const void* x, int64_t ldx,
+                             const void* gamma, DType gamma_dtype, const void* w, int64_t ldw);
+void gemv_rms_norm(DType dtype, const void* x, int64_t ldx, int64_t rows, const void* gamma, DType gamma_dtype,
+                   float eps, const void* w, int64_t ldw, int64_t n, int64_t k, void* y, int64_t ldy, bool accumulate,
+                   cudaStream_t stream, const GemvShape& shape = {});
+
 // The warp-rows kernel's launch (gemv.cu has the rule), a pure function of the problem (gate_up: each
 // row is a gate row and an up row), the GPU's SM count and the shared memory a CTA may take: what gemv()
 // and gemv_gate_up() launch, exposed so that tests check the rule without a GPU.
