@@ -301,9 +301,17 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
     // (core/tails.cpp, native on one rank), so there is no separate add.
     phase("up_proj", (d * l + t * l + (shared ? 2 : 1) * t * d) * element, 2 * t * d * l,
           [&] { backend.linear(up_in, state.up_proj.view, out, /*accumulate=*/shared); });
+    // The norm and W_up as the runner's tail runs them on one rank, in one call (rms_norm_linear: at
+    // decode the norm inside the GEMV). JSON only, beside `norm` and `up_proj`; not added to the total.
+    if (config.use_latent_norm) {
+      phase("norm_up", (d * l + t * l + (shared ? 2 : 1) * t * d) * element + l * 4, 2 * t * d * l, [&] {
+        backend.rms_norm_linear(latent, state.latent_norm.view, eps, normed, state.up_proj.view, out, shared);
+      });
+    }
 
     PhaseResult total{"total", 0, 0, 0, 0};
     for (const auto& p : phases) {
+      if (p.name == "norm_up") continue;  // the same work as norm + up_proj
       total.bytes += p.bytes;
       total.flops += p.flops;
     }
