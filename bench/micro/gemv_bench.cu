@@ -14,6 +14,12 @@
 //   read warp-ranges c   each warp reads its own contiguous range (the GEMV's order), 8 loads in flight
 //                        per lane, c CTAs of 512 threads per SM
 //   read cta-ranges      each CTA reads its own contiguous range, its threads interleaved
+//   gemv team t         the warp-rows kernel with rows shared by teams of t warps (0: the rule; session 29)
+// and the shared expert at one token (Kimi-K3 at tp 8: situ, gate/up [768, 7168], down [7168, 768];
+// Nemotron 3 Super: relu2, up [672, 4096], down [4096, 672]), whole (gate/up then down, 33 MB / 11 MB):
+//   shared skinny       skinny_gate_up + skinny_down, what dense_mlp ran at one token until session 29
+//   shared gemv t       gemv_gate_up (teams of t warps, 0: the rule) + gemv, what it runs since
+//   shared read         a plain read of the same bytes
 // Each GEMV's output is compared with cuBLAS's (max |difference|, in the JSON). Session 28 also timed a
 // bench-only warp-per-row kernel with non-coherent loads and x from L1 (27.6 µs for W_down,
 // gemv_bench_h100_172fc2b.json's "rows 7"/"rows 14"); it was removed once the library had its own (145a6be has it).
@@ -32,6 +38,7 @@
 #include <vector>
 
 #include "cuda/gemm/gemv.h"
+#include "cuda/gemm/skinny_gemm.h"
 #include "cuda/kernels/fill.h"
 #include "harness/cublas_handle.h"
 #include "harness/timing.h"
@@ -117,8 +124,8 @@ int run(int argc, char** argv) {
     const char* name;
     int64_t n, k;
   };
-  const Shape shapes[] = {
-      {"W_down", 3584, 7168}, {"W_up", 7168, 3584}, {"n_W_down", 1024, 4096}, {"n_W_up", 4096, 1024}};
+  const Shape shapes[] = {{"W_down", 3584, 7168}, {"W_up", 7168, 3584},  {"n_W_down", 1024, 4096},
+                          {"n_W_up", 4096, 1024}, {"s_down", 7168, 768}, {"ns_down", 4096, 672}};
   nlohmann::json report;
   report["bench"] = "gemv_bench";
   report["rows"] = nlohmann::json::array();
@@ -186,6 +193,15 @@ int run(int argc, char** argv) {
       report_row("gemv warp-rows " + std::to_string(warps), timer.median_us(stream, launch));
       report["rows"].back()["max_abs_diff_vs_cublas"] = diff;
     }
+    for (int team : {1, 2, 4, 8}) {
+      latentmoe::cuda::GemvShape shape;
+      shape.team = team;
+      shape.kernel = latentmoe::cuda::GemvKernel::warp_rows;
+      report_row("gemv team " + std::to_string(team), timer.median_us(stream, [&] {
+        latentmoe::cuda::gemv(latentmoe::DType::bf16, x.get(), s.k, 1, w.get(), s.k, s.n, s.k, y.get(), s.n, false,
+                              stream, shape);
+      }));
+    }
     for (int warps : {8, 12, 16}) {
       for (int split : {0, 1, 2}) {
         latentmoe::cuda::GemvShape shape;
@@ -197,6 +213,62 @@ int run(int argc, char** argv) {
                                 stream, shape);
         }));
       }
+    }
+  }
+  // The shared expert at one token, whole: the skinny pair against the GEMV pair.
+  struct Mlp {
+    const char* name;
+    latentmoe::Activation activation;
+    int64_t inter, d;
+  };
+  for (const Mlp& m : {Mlp{"kimi_shared", latentmoe::Activation::situ, 768, 7168},
+                       Mlp{"nemotron_shared", latentmoe::Activation::relu2, 672, 4096}}) {
+    const bool gated = m.activation != latentmoe::Activation::relu2;
+    const size_t matrix = static_cast<size_t>(m.inter * m.d);
+    const DeviceMemory gate(matrix * 2), up(matrix * 2), down(matrix * 2), x(m.d * 2), act(m.inter * 2), y(m.d * 2);
+    for (const auto* buffer : {&gate, &up, &down}) {
+      latentmoe::cuda::fill_uniform(buffer->get(), latentmoe::DType::bf16, static_cast<int64_t>(matrix), 3, 0.1f, 0.0f,
+                                    stream);
+    }
+    latentmoe::cuda::fill_uniform(x.get(), latentmoe::DType::bf16, m.d, 4, 1.0f, 0.0f, stream);
+    LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const double bytes = static_cast<double>(matrix) * 2 * (gated ? 3 : 2);
+    auto report_row = [&](const std::string& kernel, double us) {
+      std::printf("  %-15s %-16s %9.2f %8.2f\n", m.name, kernel.c_str(), us, bytes / us * 1e-6);
+      report["rows"].push_back({{"matrix", m.name},
+                                {"n", m.inter},
+                                {"k", m.d},
+                                {"kernel", kernel},
+                                {"time_us", us},
+                                {"tb_per_s", bytes / us * 1e-6}});
+    };
+    report_row("shared read", timer.median_us(stream, [&] {
+      for (const auto* buffer : {&gate, &up, &down}) {
+        if (buffer == &gate && !gated) continue;
+        read_kernel<ReadOrder::sweep>
+            <<<sms * 4, 512, 0, stream>>>(buffer->as<const uint4>(), matrix / 8, sink.as<uint32_t>());
+        LATENTMOE_CUDA_CHECK_LAUNCH("read_kernel");
+      }
+    }));
+    latentmoe::detail::ActivationParams activation;
+    activation.activation = m.activation;
+    report_row("shared skinny", timer.median_us(stream, [&] {
+      const latentmoe::cuda::SkinnyWeights gate_up{gated ? gate.get() : nullptr, up.get(), m.inter, m.d, m.d, 0};
+      const latentmoe::cuda::SkinnyWeights projection{nullptr, down.get(), m.d, m.inter, m.inter, 0};
+      latentmoe::cuda::skinny_gate_up(latentmoe::DType::bf16, activation, latentmoe::cuda::SkinnyRouting{},
+                                      {x.get(), m.d}, 1, gate_up, act.get(), m.inter, stream);
+      latentmoe::cuda::skinny_down(latentmoe::DType::bf16, latentmoe::cuda::SkinnyRouting{}, {act.get(), m.inter}, 1,
+                                   projection, y.get(), m.d, false, stream);
+    }));
+    for (int team : {0, 1, 2, 4, 8}) {
+      latentmoe::cuda::GemvShape shape;
+      shape.team = team;
+      report_row("shared gemv " + std::to_string(team), timer.median_us(stream, [&] {
+        latentmoe::cuda::gemv_gate_up(latentmoe::DType::bf16, activation, x.get(), m.d, 1, gated ? gate.get() : nullptr,
+                                      up.get(), m.d, m.inter, m.d, act.get(), m.inter, stream, shape);
+        latentmoe::cuda::gemv(latentmoe::DType::bf16, act.get(), m.inter, 1, down.get(), m.inter, m.d, m.inter, y.get(),
+                              m.d, false, stream);
+      }));
     }
   }
   latentmoe::bench::Repro repro("gemv_bench");
