@@ -6,7 +6,10 @@
 // (bench/results/gemv_bench_h100_172fc2b.json), and the one-token layer graph is 3-5% faster with it
 // (layer_ab_h100_session28.json); at 2-4 rows it made the layer slower. It is also what the decode tails
 // want: their up-projection follows a collective that leaves the memory idle, and a weight stream that
-// starts before the collective ends is what pays there.
+// starts before the collective ends is what pays there. Two variants of the same kernel serve the rest
+// of a decode step's dense work: gemv_gate_up (the shared expert's gate/up with its activation, then
+// gemv for its down projection: CudaBackend::dense_mlp) and gemv_rms_norm (the one-rank tail's norm
+// folded into W_up: CudaBackend::rms_norm_linear).
 //
 //   y[r, :] = x[r, :] · W^T  (+ y[r, :] when accumulate)   for r < rows
 //
