@@ -228,6 +228,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   Runner runner(config, parallel, views, *group[0], runner_options);
   bench_access::set_skinny_max_tokens(runner, options.skinny_max_tokens);
   bench_access::set_gemv_max_tokens(runner, options.gemv_max_tokens);
+  bench_access::set_shared_gemv_ctas_per_sm(runner, options.shared_gemv_ctas_per_sm);
 
   // The phases run the runner's backend operations on its own weights and workspaces, on its own stream.
   bench_access::RunnerState& state = bench_access::state_of(runner);
@@ -411,6 +412,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   report["commit"] = options.commit;
   report["skinny_max_tokens"] = options.skinny_max_tokens;
   report["gemv_max_tokens"] = options.gemv_max_tokens;
+  report["shared_gemv_ctas_per_sm"] = options.shared_gemv_ctas_per_sm;
   report["experts"] = options.experts;
   report["ceilings"] = {{"copy_tb_per_s", ceilings.copy_bytes_per_s / 1e12},
                         {"gemm_bf16_tflop_per_s", ceilings.gemm_flops_per_s / 1e12}};
@@ -438,6 +440,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   repro.flag("--preset", options.presets).flag("--tp-shard", options.tp_shards).flag("--tokens", options.tokens);
   if (options.skinny_max_tokens != 8) repro.flag("--skinny-max-tokens", options.skinny_max_tokens);
   if (options.gemv_max_tokens != 1) repro.flag("--gemv-max-tokens", options.gemv_max_tokens);
+  if (options.shared_gemv_ctas_per_sm != 1) repro.flag("--shared-gemv-ctas-per-sm", options.shared_gemv_ctas_per_sm);
   if (options.experts != "dense") repro.flag("--experts", options.experts);
   repro.print();
   report["repro"] = repro.line();

@@ -34,6 +34,10 @@ void register_bench_command(CLI::App& app) {
       ->add_option("--gemv-max-tokens", options->gemv_max_tokens,
                    "largest token count whose dense linears take the decode GEMV (default 1; 0: never)")
       ->check(CLI::Range(0, 4));
+  layer
+      ->add_option("--shared-gemv-ctas-per-sm", options->shared_gemv_ctas_per_sm,
+                   "CTAs per SM of the shared expert's decode GEMVs (default 1; 0: the kernel's own)")
+      ->check(CLI::Range(0, 2));
   layer->add_option("--experts", options->experts, "dense (default) or mxfp4: the routed experts' weights")
       ->check(CLI::IsMember({"dense", "mxfp4"}));
   layer->add_option("--json", options->json_path, "write the results as JSON to this file");

@@ -232,9 +232,9 @@ TEST_F(Gemv, gives_the_same_bits_on_every_run) {
   }
 }
 
-// The warp-rows kernel sums each row in an order fixed by k alone, so every grid gives the same bits: one
-// CTA of one warp walking all rows, a few CTAs, more CTAs than rows, and the default; at one and four x
-// rows, accumulating.
+// The warp-rows kernel sums each row in an order fixed by k alone (a warp a row: team 1), so every grid
+// gives the same bits: one CTA of one warp walking all rows, a few CTAs, more CTAs than rows, and the
+// default; at one and four x rows, accumulating. (Teams: teams_match_the_reference_and_give_...)
 TEST_F(Gemv, warp_rows_give_the_same_bits_on_every_grid) {
   const int64_t n = 1000, k = 7168 + 8;
   auto [w, dw] = weights(DType::bf16, n, k, k, 33);
@@ -244,10 +244,10 @@ TEST_F(Gemv, warp_rows_give_the_same_bits_on_every_grid) {
     DeviceTensor dx = upload(*gpu_, x);
     HostTensor first;
     bool have_first = false;
-    for (const GemvShape& shape : std::vector<GemvShape>{{0, 0, 0, GemvKernel::warp_rows},
-                                                         {1, 0, 1, GemvKernel::warp_rows},
-                                                         {3, 1, 7, GemvKernel::warp_rows},
-                                                         {16, 0, 500, GemvKernel::warp_rows}}) {
+    for (const GemvShape& shape : std::vector<GemvShape>{{0, 0, 0, GemvKernel::warp_rows, 1},
+                                                         {1, 0, 1, GemvKernel::warp_rows, 1},
+                                                         {3, 1, 7, GemvKernel::warp_rows, 1},
+                                                         {16, 0, 500, GemvKernel::warp_rows, 1}}) {
       DeviceTensor dy = upload(*gpu_, y0);
       gemv(DType::bf16, dx.view.data(), k, rows, dw.view.data(), k, n, k, dy.view.data(), n, true, stream(), shape);
       HostTensor out = download(*gpu_, dy.view);
@@ -318,21 +318,8 @@ TEST_F(Gemv, rms_norm_matches_the_normalised_reference_on_every_launch) {
           auto [w, dw] = weights(dtype, n, k, ldw, seed + 2);
           const HostTensor y0 = random_tensor(dtype, {rows, ldy}, seed + 3, -2.0f, 2.0f);
           DeviceTensor dx = upload(*gpu_, x), dgamma = upload(*gpu_, gamma);
-          HostTensor first;
-          for (const GemvShape& shape :
-               std::vector<GemvShape>{{}, {0, 0, 0, GemvKernel::warp_rows, 4}, {1, 0, 1, GemvKernel::warp_rows, 1}}) {
-            DeviceTensor dy = upload(*gpu_, y0);
-            if (!accumulate) poison(*gpu_, dy);
-            gemv_rms_norm(dtype, dx.view.data(), ldx, rows, dgamma.view.data(), gamma_dtype, eps, dw.view.data(), ldw,
-                          n, k, dy.view.data(), ldy, accumulate, stream(), shape);
-            HostTensor got = download(*gpu_, dy.view);
-            if (first.numel() == 0) {
-              first = std::move(got);
-              continue;
-            }
-            EXPECT_TRUE(bytes_equal(got, first)) << "team " << shape.team << ", warps " << shape.warps;
-          }
-          int64_t bad = 0;
+          // The reference: expected[r][c] and its bound.
+          std::vector<double> expected(rows * n), bound(rows * n);
           for (int64_t r = 0; r < rows; ++r) {
             double squares = 0.0;
             for (int64_t e = 0; e < k; ++e) squares += double(value_at(x, r * ldx + e)) * value_at(x, r * ldx + e);
@@ -347,30 +334,52 @@ TEST_F(Gemv, rms_norm_matches_the_normalised_reference_on_every_launch) {
               normed[e] = value_at(one, 0);
               flip[e] = std::abs(double(value_at(one, 2)) - value_at(one, 1));
             }
-            for (int64_t c = 0; c < ldy; ++c) {
-              const float out = value_at(first, r * ldy + c);
-              if (c >= n) {
-                const bool kept = accumulate ? out == value_at(y0, r * ldy + c) : std::isnan(out);
-                if (!kept && ++bad <= 5) ADD_FAILURE() << "(" << r << ", " << c << ") past n was written";
-                continue;
-              }
-              double expected = accumulate ? double(value_at(y0, r * ldy + c)) : 0.0, scale = std::abs(expected);
-              double flips = 0.0;
+            for (int64_t c = 0; c < n; ++c) {
+              double sum = accumulate ? double(value_at(y0, r * ldy + c)) : 0.0, scale = std::abs(sum), flips = 0.0;
               for (int64_t e = 0; e < k; ++e) {
                 const double product = normed[e] * value_at(w, c * ldw + e);
-                expected += product;
+                sum += product;
                 scale += std::abs(product);
                 flips += flip[e] * std::abs(double(value_at(w, c * ldw + e)));
               }
-              const double bound =
-                  ulp_rel(dtype) * std::abs(expected) + 4.0 * 0x1p-24 * std::sqrt(double(k)) * scale + flips + 0x1p-24;
-              if (!(std::abs(out - expected) <= bound) && ++bad <= 5) {
-                ADD_FAILURE() << "y(" << r << ", " << c << ") = " << out << ", reference " << expected << ", bound "
-                              << bound;
-              }
+              expected[r * n + c] = sum;
+              bound[r * n + c] =
+                  ulp_rel(dtype) * std::abs(sum) + 4.0 * 0x1p-24 * std::sqrt(double(k)) * scale + flips + 0x1p-24;
             }
           }
-          EXPECT_EQ(bad, 0);
+          // Teams 2 and 4 (each on two grids, which must agree bit for bit) and a one-warp CTA.
+          HostTensor previous;
+          for (const GemvShape& shape : std::vector<GemvShape>{{0, 0, 0, GemvKernel::warp_rows, 2},
+                                                               {16, 0, 3, GemvKernel::warp_rows, 2},
+                                                               {0, 0, 0, GemvKernel::warp_rows, 4},
+                                                               {8, 0, 200, GemvKernel::warp_rows, 4},
+                                                               {1, 0, 1, GemvKernel::warp_rows, 1}}) {
+            SCOPED_TRACE("team " + std::to_string(shape.team) + ", warps " + std::to_string(shape.warps) + ", CTAs " +
+                         std::to_string(shape.clusters));
+            DeviceTensor dy = upload(*gpu_, y0);
+            if (!accumulate) poison(*gpu_, dy);
+            gemv_rms_norm(dtype, dx.view.data(), ldx, rows, dgamma.view.data(), gamma_dtype, eps, dw.view.data(), ldw,
+                          n, k, dy.view.data(), ldy, accumulate, stream(), shape);
+            HostTensor got = download(*gpu_, dy.view);
+            if (shape.warps != 0 && shape.team != 1) EXPECT_TRUE(bytes_equal(got, previous)) << "the grids differ";
+            int64_t bad = 0;
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t c = 0; c < ldy; ++c) {
+                const float out = value_at(got, r * ldy + c);
+                if (c >= n) {
+                  const bool kept = accumulate ? out == value_at(y0, r * ldy + c) : std::isnan(out);
+                  if (!kept && ++bad <= 5) ADD_FAILURE() << "(" << r << ", " << c << ") past n was written";
+                  continue;
+                }
+                if (!(std::abs(out - expected[r * n + c]) <= bound[r * n + c]) && ++bad <= 5) {
+                  ADD_FAILURE() << "y(" << r << ", " << c << ") = " << out << ", reference " << expected[r * n + c]
+                                << ", bound " << bound[r * n + c];
+                }
+              }
+            }
+            EXPECT_EQ(bad, 0);
+            previous = std::move(got);
+          }
         }
       }
     }
@@ -598,6 +607,12 @@ TEST(Cuda_Gemv, warp_rows_launch_follows_the_rows_and_the_shared_memory) {
   // its down projection, 7168 rows of 96 vectors, a warp a row.
   EXPECT_TRUE(is(launch(1, 768, 7168, {}, true), 16, 192, 14336 + 2 * 16 * 2 * 4, 4, 448));
   EXPECT_TRUE(is(launch(1, 7168, 768), 16, 264, 1536, 1));
+  // The same beside the routed experts (ctas_per_sm 1, what dense_mlp asks): half the slots, so teams of 2
+  // and 12 warps a CTA for gate/up; 132 CTAs for the down projection.
+  GemvShape beside;
+  beside.ctas_per_sm = 1;
+  EXPECT_TRUE(is(launch(1, 768, 7168, beside, true), 12, 128, 14336 + 2 * 12 * 2 * 4, 2, 896));
+  EXPECT_TRUE(is(launch(1, 7168, 768, beside), 16, 132, 1536, 1));
   // Few short rows: one warp a CTA, a CTA a row (a team would hold less than a batch each).
   EXPECT_TRUE(is(launch(1, 37, 256), 1, 37, 512));
   // From two x rows the kernel is compiled for one 512-thread CTA per SM: at most 132 CTAs.
@@ -614,6 +629,10 @@ TEST(Cuda_Gemv, warp_rows_launch_follows_the_rows_and_the_shared_memory) {
   expect_error([&] { launch(0, 10, 64); }, "no warp-rows launch");
   expect_error([&] { launch(1, 10, 1024, {0, 0, 0, GemvKernel::warp_rows, 6}); }, "a power of two");
   expect_error([&] { launch(1, 10, 1024, {4, 0, 0, GemvKernel::warp_rows, 8}); }, "does not divide");
+  expect_error([&] { launch(1, 10, 1024, {0, 0, 0, GemvKernel::warp_rows, 0, -1}); }, "CTAs per SM");
+  // A forced warp count caps the rule's team by the largest power of two dividing it.
+  EXPECT_EQ(launch(1, 768, 7168, {6, 0, 0, GemvKernel::warp_rows}, true).team, 2);
+  EXPECT_EQ(launch(1, 768, 7168, {3, 0, 0, GemvKernel::warp_rows}, true).team, 1);
 }
 
 TEST_F(Gemv, rejects_what_it_does_not_take_and_names_the_problem) {
@@ -765,10 +784,12 @@ TEST_F(GemvBackend, dense_mlp_takes_the_gemv_pair_at_one_token) {
       DeviceTensor by_backend = poisoned(*gpu_, DType::bf16, {1, d});
       gpu_->dense_mlp(activation, x.view, mlp, by_backend.view);
       DeviceTensor act_rows = poisoned(*gpu_, DType::bf16, {1, inter}), direct = poisoned(*gpu_, DType::bf16, {1, d});
+      GemvShape beside;  // what dense_mlp launches: one CTA per SM by default
+      beside.ctas_per_sm = gpu_->shared_gemv_ctas_per_sm();
       gemv_gate_up(DType::bf16, activation, x.view.data(), d, 1, gated ? gate.view.data() : nullptr, up.view.data(), d,
-                   inter, d, act_rows.view.data(), inter, stream());
+                   inter, d, act_rows.view.data(), inter, stream(), beside);
       gemv(DType::bf16, act_rows.view.data(), inter, 1, down.view.data(), inter, d, inter, direct.view.data(), d, false,
-           stream());
+           stream(), beside);
       const HostTensor pair = download(*gpu_, direct.view);
       EXPECT_TRUE(bytes_equal(download(*gpu_, by_backend.view), pair));
       gpu_->set_gemv_max_tokens(0);
@@ -776,6 +797,13 @@ TEST_F(GemvBackend, dense_mlp_takes_the_gemv_pair_at_one_token) {
       gpu_->set_gemv_max_tokens(1);
     }
   }
+  ASSERT_EQ(gpu_->shared_gemv_ctas_per_sm(), 1);
+  EXPECT_THROW(gpu_->set_shared_gemv_ctas_per_sm(3), Error);
+  EXPECT_THROW(gpu_->set_shared_gemv_ctas_per_sm(-1), Error);
+  EXPECT_EQ(gpu_->shared_gemv_ctas_per_sm(), 1);  // a rejected value leaves the setting as it was
+  // Two CTAs per SM (the kernel's own): still the CPU backend's result.
+  gpu_->set_shared_gemv_ctas_per_sm(0);
+  check_dense_mlp(*gpu_, *cpu_, Activation::situ, DType::bf16, 1, 7168, 768, 46);
 }
 
 // rms_norm_linear at one token: the norm inside the GEMV, bit for bit the direct gemv_rms_norm, `normed`

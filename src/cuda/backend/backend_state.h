@@ -101,6 +101,8 @@ struct CudaBackend::State {
   SkinnyShape skinny_shape;  // {}: each call chooses
   // Rows up to which linear and dense_mlp take the decode GEMV (0: never).
   int gemv_max_tokens = 1;  // one token: the warp-rows GEMV (cuda_backend.h has the measurement)
+  // CTAs per SM of dense_mlp's GEMVs (GemvShape::ctas_per_sm; 0: the kernel's two).
+  int shared_gemv_ctas_per_sm = 1;
   // Rows up to which tier 0's up-projection pushes into the peers from its epilogue (0: never).
   int fused_up_projection_max_tokens = kDefaultFusedUpProjectionMaxTokens;
   // The longest latent it pushes with; -1: the decode dispatch's measured rule.

@@ -132,6 +132,11 @@ void CudaBackend::set_gemv_max_tokens(int tokens) {
   state_->gemv_max_tokens = tokens;
 }
 int CudaBackend::gemv_max_tokens() const { return state_->gemv_max_tokens; }
+void CudaBackend::set_shared_gemv_ctas_per_sm(int ctas) {
+  LATENTMOE_CHECK(ctas >= 0 && ctas <= 2, "CUDA backend: shared_gemv_ctas_per_sm ", ctas, " is outside 0..2");
+  state_->shared_gemv_ctas_per_sm = ctas;
+}
+int CudaBackend::shared_gemv_ctas_per_sm() const { return state_->shared_gemv_ctas_per_sm; }
 
 void CudaBackend::set_fused_up_projection_max_tokens(int tokens) {
   LATENTMOE_CHECK(tokens >= 0 && tokens <= kDensePushMaxRows, "CUDA backend: fused_up_projection_max_tokens ", tokens,

@@ -151,6 +151,12 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // under the same rules.
   void set_gemv_max_tokens(int tokens);
   int gemv_max_tokens() const;
+  // CTAs per SM of dense_mlp's decode GEMVs (GemvShape::ctas_per_sm): 0 (the kernel's own, two at one
+  // row), 1 (the default) or 2. The shared expert runs beside the routed experts; at two CTAs per SM the
+  // GEMV holds every register of every SM and the experts' kernels wait for it (session 29, H100: the
+  // bf16 kimi-k3 layer 8.6% slower at one token). Throws Error outside 0..2.
+  void set_shared_gemv_ctas_per_sm(int ctas);
+  int shared_gemv_ctas_per_sm() const;
 
   // Up to how many rows tier 0's up-projection pushes into the peers from its epilogue
   // (up_projection_all_gather): 0..kDensePushMaxRows (128); default kDefaultFusedUpProjectionMaxTokens;

@@ -147,10 +147,13 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
       gemv_gate_up_supported(x.dtype(), activation.activation, num_tokens, intermediate, input.cols, input.data,
                              input.ld, gate_data, up.data, up.ld) &&
       gemv_supported(x.dtype(), num_tokens, down.rows, intermediate, base, intermediate, down.data, down.ld)) {
+    // Beside the routed experts: at most shared_gemv_ctas_per_sm CTAs per SM, so that they keep room.
+    GemvShape beside;
+    beside.ctas_per_sm = s.shared_gemv_ctas_per_sm;
     gemv_gate_up(x.dtype(), activation, input.data, input.ld, num_tokens, gate_data, up.data, up.ld, intermediate,
-                 input.cols, base, intermediate, s.current);
+                 input.cols, base, intermediate, s.current, beside);
     gemv(x.dtype(), base, intermediate, num_tokens, down.data, down.ld, down.rows, intermediate, output.data, output.ld,
-         /*accumulate=*/false, s.current);
+         /*accumulate=*/false, s.current, beside);
     return;
   }
   if (s.skinny(num_tokens) &&

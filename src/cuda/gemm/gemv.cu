@@ -851,7 +851,9 @@ void launch_rows(int64_t rows, const GemvParams& params, const Plan& plan, cudaS
 // CTA: shape.warps, or 16, or fewer when n x team is too few to give every SM a CTA of 16 (Nemotron's
 // W_down, 1024 rows: team 4, 16 warps), a multiple of the team; as many CTAs as the teams need, at most
 // as many per SM as the kernel is compiled for (one when x leaves room for one), or shape.clusters.
-// A forced shape.team applies as given (it must divide the CTA's warps).
+// A forced shape.team applies as given (it must divide the CTA's warps); with shape.warps forced and the
+// team not, the rule's team is also capped by the largest power of two dividing the warps.
+// shape.ctas_per_sm caps the CTAs per SM (and with them the warp slots the team rule counts).
 GemvWarpRowsLaunch gemv_warp_rows_launch(int64_t rows, int64_t n, int64_t k, bool gate_up, int64_t sms,
                                          size_t shared_optin, const GemvShape& shape) {
   LATENTMOE_CHECK(rows >= 1 && rows <= kGemvMaxRows && n >= 1 && k >= 8 && sms >= 1, "GEMV: no warp-rows launch for ",
@@ -866,12 +868,17 @@ GemvWarpRowsLaunch gemv_warp_rows_launch(int64_t rows, int64_t n, int64_t k, boo
   // CTAs of one SM share its shared memory (optin is what one CTA may take, about the SM's whole).
   const int compiled_for = warp_rows_ctas_per_sm(static_cast<int>(rows));
   const size_t largest_partials = warp_rows_partial_bytes(kMaxWarps, gate_up ? 2 : 1, rows);
-  const int per_sm = (x_bytes + largest_partials) * compiled_for <= shared_optin ? compiled_for : 1;
+  const int fit_per_sm = (x_bytes + largest_partials) * compiled_for <= shared_optin ? compiled_for : 1;
+  LATENTMOE_CHECK(shape.ctas_per_sm >= 0, "GEMV: ", shape.ctas_per_sm, " CTAs per SM");
+  const int per_sm = shape.ctas_per_sm > 0 ? std::min(shape.ctas_per_sm, fit_per_sm) : fit_per_sm;
   int team = shape.team;
   if (team == 0) {
     team = 1;
     const int64_t slots = sms * per_sm * kWarpRowsWarps;
-    while (team < kMaxTeam && n * 2 * team <= slots && row_vectors >= int64_t{2 * team} * kWarpRowsBatch) team *= 2;
+    while (team < kMaxTeam && n * 2 * team <= slots && row_vectors >= int64_t{2 * team} * kWarpRowsBatch &&
+           (shape.warps <= 0 || shape.warps % (2 * team) == 0)) {
+      team *= 2;
+    }
   }
   launch.team = team;
   launch.segment = static_cast<int>(((row_vectors + team - 1) / team + 31) / 32 * 32);

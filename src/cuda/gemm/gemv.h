@@ -62,6 +62,10 @@ struct GemvShape {
   int clusters = 0;  // clusters in the grid (warp_rows: CTAs)
   GemvKernel kernel = GemvKernel::automatic;
   int team = 0;  // warp_rows: warps per row, a power of two up to 16 dividing `warps`
+  // warp_rows: at most this many CTAs per SM (0: as many as the kernel is compiled for, two at one x
+  // row). One leaves half of every SM to a kernel that runs beside the GEMV (the shared expert's beside
+  // the routed experts).
+  int ctas_per_sm = 0;
 };
 
 // True when gemv() takes these operands: bf16 or f16, 1..kGemvMaxRows rows, n >= 1, k a multiple of 8
