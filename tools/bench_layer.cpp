@@ -440,7 +440,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   repro.flag("--preset", options.presets).flag("--tp-shard", options.tp_shards).flag("--tokens", options.tokens);
   if (options.skinny_max_tokens != 8) repro.flag("--skinny-max-tokens", options.skinny_max_tokens);
   if (options.gemv_max_tokens != 1) repro.flag("--gemv-max-tokens", options.gemv_max_tokens);
-  if (options.shared_gemv_ctas_per_sm != 1) repro.flag("--shared-gemv-ctas-per-sm", options.shared_gemv_ctas_per_sm);
+  if (options.shared_gemv_ctas_per_sm != 0) repro.flag("--shared-gemv-ctas-per-sm", options.shared_gemv_ctas_per_sm);
   if (options.experts != "dense") repro.flag("--experts", options.experts);
   repro.print();
   report["repro"] = repro.line();

@@ -36,7 +36,7 @@ void register_bench_command(CLI::App& app) {
       ->check(CLI::Range(0, 4));
   layer
       ->add_option("--shared-gemv-ctas-per-sm", options->shared_gemv_ctas_per_sm,
-                   "CTAs per SM of the shared expert's decode GEMVs (default 1; 0: the kernel's own)")
+                   "CTAs per SM of the shared expert's decode GEMVs (default 0: the kernel's own, two)")
       ->check(CLI::Range(0, 2));
   layer->add_option("--experts", options->experts, "dense (default) or mxfp4: the routed experts' weights")
       ->check(CLI::IsMember({"dense", "mxfp4"}));

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -460,7 +461,9 @@ class GemvGateUp : public Gemv {
             moved = std::max(moved, std::abs(cpu::activate(params, g + sg * eg, u + su * eu) - expected));
           }
         }
-        const double bound = ulp_rel(dtype) * std::abs(expected) + moved + approx * (std::abs(expected) + 1e-3);
+        // 2^-24: half the f16 subnormal step (2^-25) and more, for outputs below f16's normal range.
+        const double bound =
+            ulp_rel(dtype) * std::abs(expected) + moved + approx * (std::abs(expected) + 1e-3) + 0x1p-24;
         if (!(std::abs(out - expected) <= bound) && ++bad <= 5) {
           ADD_FAILURE() << "y(" << r << ", " << c << ") = " << out << ", reference " << expected << ", bound " << bound;
         }
@@ -607,7 +610,7 @@ TEST(Cuda_Gemv, warp_rows_launch_follows_the_rows_and_the_shared_memory) {
   // its down projection, 7168 rows of 96 vectors, a warp a row.
   EXPECT_TRUE(is(launch(1, 768, 7168, {}, true), 16, 192, 14336 + 2 * 16 * 2 * 4, 4, 448));
   EXPECT_TRUE(is(launch(1, 7168, 768), 16, 264, 1536, 1));
-  // The same beside the routed experts (ctas_per_sm 1, what dense_mlp asks): half the slots, so teams of 2
+  // The same at one CTA per SM (ctas_per_sm 1, set_shared_gemv_ctas_per_sm(1)): half the slots, so teams of 2
   // and 12 warps a CTA for gate/up; 132 CTAs for the down projection.
   GemvShape beside;
   beside.ctas_per_sm = 1;
@@ -797,13 +800,76 @@ TEST_F(GemvBackend, dense_mlp_takes_the_gemv_pair_at_one_token) {
       gpu_->set_gemv_max_tokens(1);
     }
   }
-  ASSERT_EQ(gpu_->shared_gemv_ctas_per_sm(), 1);
+  ASSERT_EQ(gpu_->shared_gemv_ctas_per_sm(), 0);
   EXPECT_THROW(gpu_->set_shared_gemv_ctas_per_sm(3), Error);
   EXPECT_THROW(gpu_->set_shared_gemv_ctas_per_sm(-1), Error);
-  EXPECT_EQ(gpu_->shared_gemv_ctas_per_sm(), 1);  // a rejected value leaves the setting as it was
-  // Two CTAs per SM (the kernel's own): still the CPU backend's result.
-  gpu_->set_shared_gemv_ctas_per_sm(0);
+  EXPECT_EQ(gpu_->shared_gemv_ctas_per_sm(), 0);  // a rejected value leaves the setting as it was
+  // One CTA per SM: still the CPU backend's result.
+  gpu_->set_shared_gemv_ctas_per_sm(1);
   check_dense_mlp(*gpu_, *cpu_, Activation::situ, DType::bf16, 1, 7168, 768, 46);
+}
+
+// Beside routed experts (run_overlapped, as the layer runs them), dense_mlp takes the GEMV pair only when
+// the experts stream at most kSharedGemvBesideMaxBytes: beside 3 MB of experts its bits are the GEMV
+// pair's, beside 132 MB (Kimi-K3's bf16 experts at tp 8, one token) they are those of the path it takes
+// without the GEMV (gemv_max_tokens 0).
+TEST_F(GemvBackend, dense_mlp_beside_large_routed_experts_leaves_the_gemv) {
+  const int64_t d = 7168, inter = 768;
+  ::latentmoe::detail::ActivationParams activation;
+  activation.activation = Activation::silu;
+  DeviceTensor x = upload(*gpu_, random_tensor(DType::bf16, {1, d}, 71, -2.0f, 2.0f));
+  DeviceTensor gate = upload(*gpu_, random_tensor(DType::bf16, {inter, d}, 72, -0.15f, 0.15f));
+  DeviceTensor up = upload(*gpu_, random_tensor(DType::bf16, {inter, d}, 73, -0.15f, 0.15f));
+  DeviceTensor down = upload(*gpu_, random_tensor(DType::bf16, {d, inter}, 74, -0.15f, 0.15f));
+  const ::latentmoe::detail::MlpWeights shared{gate.view, up.view, down.view};
+  // Alone, and then without the GEMV: the two paths' bits.
+  WorkspaceSpec spec;
+  spec.max_tokens = 1;
+  spec.dense_intermediate = inter;
+  spec.num_experts = 16;
+  spec.top_k = 16;
+  spec.latent_size = 3584;
+  spec.expert_intermediate = 384;
+  gpu_->prepare(spec);
+  auto shared_alone = [&] {
+    DeviceTensor out = poisoned(*gpu_, DType::bf16, {1, d});
+    gpu_->dense_mlp(activation, x.view, shared, out.view);
+    return download(*gpu_, out.view);
+  };
+  const HostTensor with_gemv = shared_alone();
+  gpu_->set_gemv_max_tokens(0);
+  const HostTensor without_gemv = shared_alone();
+  gpu_->set_gemv_max_tokens(1);
+  for (const auto& [experts, inter_e, latent] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{4, 128, 1024}, {16, 384, 3584}}) {
+    SCOPED_TRACE(std::to_string(experts) + " experts of [" + std::to_string(inter_e) + ", " + std::to_string(latent) +
+                 "]");
+    DeviceTensor eg = device_empty(*gpu_, DType::bf16, {experts, inter_e, latent});
+    DeviceTensor eu = device_empty(*gpu_, DType::bf16, {experts, inter_e, latent});
+    DeviceTensor ed = device_empty(*gpu_, DType::bf16, {experts, latent, inter_e});
+    for (const DeviceTensor* t : {&eg, &eu, &ed}) {
+      gpu_->copy(random_tensor(DType::bf16, t->view.shape(), 75, -0.1f, 0.1f).view(), t->view);
+    }
+    HostTensor ids(DType::i32, {1, experts}), weights(DType::f32, {1, experts});
+    for (int64_t j = 0; j < experts; ++j) {
+      ids.data_as<int32_t>()[j] = static_cast<int32_t>(j);
+      weights.data_as<float>()[j] = 1.0f / static_cast<float>(experts);
+    }
+    DeviceTensor z = upload(*gpu_, random_tensor(DType::bf16, {1, latent}, 76)), dids = upload(*gpu_, ids),
+                 dweights = upload(*gpu_, weights);
+    DeviceTensor routed_out = device_empty(*gpu_, DType::bf16, {1, latent});
+    DeviceTensor out = poisoned(*gpu_, DType::bf16, {1, d});
+    gpu_->run_overlapped(
+        [&] {
+          gpu_->routed_experts(activation, z.view, dids.view, dweights.view,
+                               ::latentmoe::detail::MlpWeights{eg.view, eu.view, ed.view}, routed_out.view);
+        },
+        [&] { gpu_->dense_mlp(activation, x.view, shared, out.view); });
+    const HostTensor beside = download(*gpu_, out.view);
+    const int64_t bytes = 3 * experts * inter_e * latent * 2;
+    EXPECT_TRUE(bytes_equal(beside, bytes <= kSharedGemvBesideMaxBytes ? with_gemv : without_gemv))
+        << bytes << " bytes of experts beside";
+  }
 }
 
 // rms_norm_linear at one token: the norm inside the GEMV, bit for bit the direct gemv_rms_norm, `normed`

@@ -102,7 +102,7 @@ struct CudaBackend::State {
   // Rows up to which linear and dense_mlp take the decode GEMV (0: never).
   int gemv_max_tokens = 1;  // one token: the warp-rows GEMV (cuda_backend.h has the measurement)
   // CTAs per SM of dense_mlp's GEMVs (GemvShape::ctas_per_sm; 0: the kernel's two).
-  int shared_gemv_ctas_per_sm = 1;
+  int shared_gemv_ctas_per_sm = 0;
   // Rows up to which tier 0's up-projection pushes into the peers from its epilogue (0: never).
   int fused_up_projection_max_tokens = kDefaultFusedUpProjectionMaxTokens;
   // The longest latent it pushes with; -1: the decode dispatch's measured rule.
@@ -115,8 +115,10 @@ struct CudaBackend::State {
   // kMxfp4DecodeMaxRows; LATENTMOE_MXFP4_DECODE_MAX_TOKENS); above, the grouped GEMMs.
   int mxfp4_decode_max_tokens = kMxfp4DecodeTokens;
 
-  // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region.
+  // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region, and the
+  // weight bytes the routed experts on its main side stream at most (0: none there).
   bool overlapping = false;
+  int64_t beside_bytes = 0;
   unsigned routed_slots = 0, dense_slots = 0, router_slots = 0;
 
   bool on_aux() const { return current == aux_stream; }

@@ -222,6 +222,7 @@ void CudaBackend::run_overlapped(const std::function<void()>& main, const std::f
   }
   s.overlapping = true;
   s.routed_slots = s.dense_slots = s.router_slots = 0;
+  s.beside_bytes = 0;
   // The join is enqueued even when a function throws, so the aux stream never dangles (an open
   // fork would also invalidate a graph capture in progress).
   auto finish = [&s] {

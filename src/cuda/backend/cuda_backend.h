@@ -40,6 +40,14 @@ struct ExpertGemmWeights;  // cuda/gemm/grouped_gemm.h
 // The shapes the internal workspaces are sized for (core/backend.h).
 using WorkspaceSpec = ::latentmoe::detail::WorkspaceSpec;
 
+// The most weight bytes the routed experts beside the shared expert (run_overlapped) may stream for
+// dense_mlp to take the decode GEMV pair. Measured on an H100 at one token (session 29,
+// bench/results/layer_ab_h100_session29.txt): beside Kimi-K3's MXFP4 experts at tp 8 (35 MB, latency-bound
+// decode kernels that leave the memory idle) the GEMV pair made the layer 8-10% faster; beside bf16
+// experts at tp 8 (Kimi-K3 132 MB, Nemotron 3 Super 182 MB) and MXFP4 experts at tp 1 (282 MB), which
+// stream near the read rate, it made it 2.6-9% slower, the skinny kernels leaving them more of the GPU.
+inline constexpr int64_t kSharedGemvBesideMaxBytes = int64_t{64} << 20;
+
 class CudaBackend final : public ::latentmoe::detail::Backend {
  public:
   // Throws Error when the device does not exist or a CUDA/cuBLAS call fails.
@@ -148,13 +156,13 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // Error outside that range. Within it a call takes the GEMV when x, w and y share a 16-bit dtype (f32 stays on
   // cuBLASLt's true-fp32 path) and gemv_supported() holds; the skinny kernels, where set_skinny_always sends a linear
   // to them, come first. dense_mlp (the shared expert) takes the same rows on the GEMV pair, gemv_gate_up then gemv,
-  // under the same rules.
+  // under the same rules, when it runs alone or beside routed experts (run_overlapped) that stream at most
+  // kSharedGemvBesideMaxBytes (above, with the measurement).
   void set_gemv_max_tokens(int tokens);
   int gemv_max_tokens() const;
-  // CTAs per SM of dense_mlp's decode GEMVs (GemvShape::ctas_per_sm): 0 (the kernel's own, two at one
-  // row), 1 (the default) or 2. The shared expert runs beside the routed experts; at two CTAs per SM the
-  // GEMV holds every register of every SM and the experts' kernels wait for it (session 29, H100: the
-  // bf16 kimi-k3 layer 8.6% slower at one token). Throws Error outside 0..2.
+  // CTAs per SM of dense_mlp's decode GEMVs (GemvShape::ctas_per_sm): 0 (the default: the kernel's own,
+  // two at one row), 1 or 2; the benchmark compares them (session 29, H100, kimi-k3 tp-shard 8 MXFP4 at one
+  // token: 0.903 and 0.917 of main's graph time at 0 and 1). Throws Error outside 0..2.
   void set_shared_gemv_ctas_per_sm(int ctas);
   int shared_gemv_ctas_per_sm() const;
 

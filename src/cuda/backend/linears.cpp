@@ -139,15 +139,16 @@ void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView
   const bool one_dtype = up.dtype == x.dtype() && down.dtype == x.dtype() && out.dtype() == x.dtype() &&
                          (!gated || gate.dtype == x.dtype());
   // Decode: the gate/up GEMV (both matrices and the activation in one launch) and the down projection's
-  // GEMV, each weight read once (cuda/gemm/gemv.h); the skinny kernels, where set_skinny_always sends the
-  // MLP to them, come first.
+  // GEMV, each weight read once (cuda/gemm/gemv.h), alone or beside routed experts that stream at most
+  // kSharedGemvBesideMaxBytes; the skinny kernels, where set_skinny_always sends the MLP to them, come first.
   const void* gate_data = gated ? gate.data : nullptr;
-  if (!(s.skinny_always && s.skinny(num_tokens)) && num_tokens <= s.gemv_max_tokens && one_dtype &&
-      x.dtype() != DType::f32 && (!gated || up.ld == gate.ld) &&
+  if (!(s.skinny_always && s.skinny(num_tokens)) && num_tokens <= s.gemv_max_tokens &&
+      (!s.overlapping || s.beside_bytes <= kSharedGemvBesideMaxBytes) && one_dtype && x.dtype() != DType::f32 &&
+      (!gated || up.ld == gate.ld) &&
       gemv_gate_up_supported(x.dtype(), activation.activation, num_tokens, intermediate, input.cols, input.data,
                              input.ld, gate_data, up.data, up.ld) &&
       gemv_supported(x.dtype(), num_tokens, down.rows, intermediate, base, intermediate, down.data, down.ld)) {
-    // Beside the routed experts: at most shared_gemv_ctas_per_sm CTAs per SM, so that they keep room.
+    // At most shared_gemv_ctas_per_sm CTAs per SM (0: the kernel's own).
     GemvShape beside;
     beside.ctas_per_sm = s.shared_gemv_ctas_per_sm;
     gemv_gate_up(x.dtype(), activation, input.data, input.ld, num_tokens, gate_data, up.data, up.ld, intermediate,

@@ -30,6 +30,18 @@ ExpertGemmWeights expert_gemm_weights(const MlpWeights& experts, bool gated, int
   return w;
 }
 
+// The weight bytes a call streams at most: every matrix (and MXFP4 scale) of min(E, tokens x top_k) experts.
+int64_t routed_weight_bytes(const MlpWeights& experts, int64_t tokens, int64_t top_k) {
+  const int64_t num_experts = experts.up.size(0);
+  if (num_experts <= 0) return 0;
+  size_t all = 0;
+  for (const TensorView* view :
+       {&experts.gate, &experts.up, &experts.down, &experts.gate_scale, &experts.up_scale, &experts.down_scale}) {
+    if (view->defined()) all += static_cast<size_t>(view->numel()) * dtype_size(view->dtype());
+  }
+  return static_cast<int64_t>(all) / num_experts * std::min(num_experts, tokens * top_k);
+}
+
 }  // namespace
 
 void CudaBackend::routed_experts(const ActivationParams& activation, const TensorView& z, const TensorView& topk_ids,
@@ -37,6 +49,10 @@ void CudaBackend::routed_experts(const ActivationParams& activation, const Tenso
   State& s = *state_;
   DeviceGuard guard(s.ordinal);
   const bool gated = activation.activation != Activation::relu2;
+  // On the main side of run_overlapped: what the shared expert beside streams against (dense_mlp's rule).
+  if (s.overlapping && s.current == s.bound && topk_ids.rank() == 2) {
+    s.beside_bytes = routed_weight_bytes(experts, topk_ids.size(0), topk_ids.size(1));
+  }
   if (experts.format == ExpertWeightFormat::mxfp4) {
     mxfp4_routed_experts(activation, z, topk_ids, topk_weights, experts, out);
     return;
