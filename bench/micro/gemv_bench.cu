@@ -102,6 +102,14 @@ double max_abs_difference(const void* a, const void* b, int64_t n) {
   return worst;
 }
 
+// One row of the table and of the JSON: `bytes` read in `us` by `kernel` on a [n, k] matrix (or MLP).
+void add_row(nlohmann::json& report, const char* matrix, int64_t n, int64_t k, const std::string& kernel, double us,
+             double bytes) {
+  std::printf("  %-15s %-18s %9.2f %8.2f\n", matrix, kernel.c_str(), us, bytes / us * 1e-6);
+  report["rows"].push_back(
+      {{"matrix", matrix}, {"n", n}, {"k", k}, {"kernel", kernel}, {"time_us", us}, {"tb_per_s", bytes / us * 1e-6}});
+}
+
 int run(int argc, char** argv) {
   std::string json_path;
   for (int i = 1; i < argc; ++i) {
@@ -140,13 +148,7 @@ int run(int argc, char** argv) {
     LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     const double bytes = static_cast<double>(elements) * 2;
     auto report_row = [&](const std::string& kernel, double us) {
-      std::printf("  %-7s %-12s %9.2f %8.2f\n", s.name, kernel.c_str(), us, bytes / us * 1e-6);
-      report["rows"].push_back({{"matrix", s.name},
-                                {"n", s.n},
-                                {"k", s.k},
-                                {"kernel", kernel},
-                                {"time_us", us},
-                                {"tb_per_s", bytes / us * 1e-6}});
+      add_row(report, s.name, s.n, s.k, kernel, us, bytes);
     };
     report_row("read", timer.median_us(stream, [&] {
       read_kernel<ReadOrder::sweep>
@@ -234,13 +236,7 @@ int run(int argc, char** argv) {
     LATENTMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     const double bytes = static_cast<double>(matrix) * 2 * (gated ? 3 : 2);
     auto report_row = [&](const std::string& kernel, double us) {
-      std::printf("  %-15s %-16s %9.2f %8.2f\n", m.name, kernel.c_str(), us, bytes / us * 1e-6);
-      report["rows"].push_back({{"matrix", m.name},
-                                {"n", m.inter},
-                                {"k", m.d},
-                                {"kernel", kernel},
-                                {"time_us", us},
-                                {"tb_per_s", bytes / us * 1e-6}});
+      add_row(report, m.name, m.inter, m.d, kernel, us, bytes);
     };
     report_row("shared read", timer.median_us(stream, [&] {
       for (const auto* buffer : {&gate, &up, &down}) {
