@@ -96,8 +96,7 @@ void CudaBackend::rms_norm_linear(const TensorView& in, const TensorView& gamma,
                   weight.ld, weight.rows, input.cols, out.data, out.ld, accumulate, s.current);
     return;
   }
-  rms_norm(in, gamma, eps, normed);
-  linear(normed, w, y, accumulate);
+  Backend::rms_norm_linear(in, gamma, eps, normed, w, y, accumulate);  // rms_norm into `normed`, then linear
 }
 
 void CudaBackend::dense_mlp(const ActivationParams& activation, const TensorView& x, const MlpWeights& mlp,

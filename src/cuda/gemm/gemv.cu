@@ -936,6 +936,18 @@ void launch_dtype(DType dtype, int64_t rows, const GemvParams& params, const Pla
   }
 }
 
+// The plan of a call that only the warp-rows kernel runs (gemv_gate_up, gemv_rms_norm), after the checks
+// on y and on the shape that such a call adds to the operand rules; `what` names the call in messages.
+Plan warp_rows_only_plan(const char* what, int64_t rows, int64_t n, int64_t k, const void* y, int64_t ldy,
+                         Epilogue epilogue, const GemvShape& shape) {
+  LATENTMOE_CHECK(y != nullptr, what, ": y is null");
+  LATENTMOE_CHECK(ldy >= n, what, ": y row stride ", ldy, " is shorter than n = ", n);
+  LATENTMOE_CHECK(shape.kernel != GemvKernel::ring && shape.split <= 1, what,
+                  ": runs on the warp-rows kernel only (no ring, no split)");
+  check_cluster_shape("GEMV", shape.warps, kMaxWarps, 1, shape.clusters);
+  return choose_warp_rows_plan(rows, n, k, epilogue, shape);
+}
+
 // Why gemv_gate_up() does not take these operands, or "".
 std::string gate_up_unsupported(DType dtype, Activation activation, int64_t rows, int64_t n, int64_t k, const void* x,
                                 int64_t ldx, const void* gate, const void* up, int64_t ldw) {
@@ -975,12 +987,7 @@ void gemv_rms_norm(DType dtype, const void* x, int64_t ldx, int64_t rows, const 
   LATENTMOE_CHECK(gamma != nullptr, "GEMV RMSNorm: gamma is null");
   LATENTMOE_CHECK(is_compute_dtype(gamma_dtype), "GEMV RMSNorm: gamma dtype ", dtype_name(gamma_dtype),
                   " (f32, bf16 or f16)");
-  LATENTMOE_CHECK(y != nullptr, "GEMV RMSNorm: y is null");
-  LATENTMOE_CHECK(ldy >= n, "GEMV RMSNorm: y row stride ", ldy, " is shorter than n = ", n);
-  LATENTMOE_CHECK(shape.kernel != GemvKernel::ring && shape.split <= 1,
-                  "GEMV RMSNorm: runs on the warp-rows kernel only (no ring, no split)");
-  check_cluster_shape("GEMV", shape.warps, kMaxWarps, 1, shape.clusters);
-  const Plan plan = choose_warp_rows_plan(rows, n, k, Epilogue::none, shape);
+  const Plan plan = warp_rows_only_plan("GEMV RMSNorm", rows, n, k, y, ldy, Epilogue::none, shape);
   GemvParams params = make_params(x, ldx, w, ldw, n, k, y, ldy, accumulate, plan);
   params.gamma = gamma;
   params.gamma_dtype = gamma_dtype;
@@ -998,13 +1005,9 @@ void gemv_gate_up(DType dtype, const ::latentmoe::detail::ActivationParams& acti
                   int64_t ldy, cudaStream_t stream, const GemvShape& shape) {
   const std::string why = gate_up_unsupported(dtype, activation.activation, rows, n, k, x, ldx, gate, up, ldw);
   LATENTMOE_CHECK(why.empty(), "GEMV gate/up: not a GEMV problem: ", why);
-  LATENTMOE_CHECK(y != nullptr, "GEMV gate/up: y is null");
-  LATENTMOE_CHECK(ldy >= n, "GEMV gate/up: y row stride ", ldy, " is shorter than n = ", n);
-  LATENTMOE_CHECK(shape.kernel != GemvKernel::ring && shape.split <= 1,
-                  "GEMV gate/up: runs on the warp-rows kernel only (no ring, no split)");
-  check_cluster_shape("GEMV", shape.warps, kMaxWarps, 1, shape.clusters);
   const bool gated = activation.activation != Activation::relu2;
-  const Plan plan = choose_warp_rows_plan(rows, n, k, gated ? Epilogue::gated : Epilogue::relu2, shape);
+  const Plan plan =
+      warp_rows_only_plan("GEMV gate/up", rows, n, k, y, ldy, gated ? Epilogue::gated : Epilogue::relu2, shape);
   GemvParams params = make_params(x, ldx, up, ldw, n, k, y, ldy, false, plan);
   params.gate = gate;
   params.situ = activation.activation == Activation::situ;
