@@ -75,6 +75,9 @@ inline cuda::CudaBackend& cuda_backend_of(Runner& runner) {
 // the benchmark compares; they size nothing, so they may change after construction).
 inline void set_skinny_max_tokens(Runner& runner, int tokens) { cuda_backend_of(runner).set_skinny_max_tokens(tokens); }
 inline void set_gemv_max_tokens(Runner& runner, int tokens) { cuda_backend_of(runner).set_gemv_max_tokens(tokens); }
+inline void set_mxfp4_pairs_max_tokens(Runner& runner, int tokens) {
+  cuda_backend_of(runner).set_mxfp4_pairs_max_tokens(tokens);
+}
 inline void set_shared_gemv_ctas_per_sm(Runner& runner, int ctas) {
   cuda_backend_of(runner).set_shared_gemv_ctas_per_sm(ctas);
 }

@@ -97,7 +97,7 @@ TEST(SettingsRegistry, every_variable_is_declared_once_with_its_values_default_m
       EXPECT_TRUE(*spec.fallback == 0 || *spec.fallback == 1);
     }
   }
-  EXPECT_EQ(names.size(), 12u);
+  EXPECT_EQ(names.size(), 13u);
 }
 
 // The defaults the registry declares are the ones the library applies.

@@ -229,6 +229,7 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   bench_access::set_skinny_max_tokens(runner, options.skinny_max_tokens);
   bench_access::set_gemv_max_tokens(runner, options.gemv_max_tokens);
   bench_access::set_shared_gemv_ctas_per_sm(runner, options.shared_gemv_ctas_per_sm);
+  if (options.mxfp4_pairs_max_tokens >= 0) bench_access::set_mxfp4_pairs_max_tokens(runner, options.mxfp4_pairs_max_tokens);
 
   // The phases run the runner's backend operations on its own weights and workspaces, on its own stream.
   bench_access::RunnerState& state = bench_access::state_of(runner);
@@ -413,6 +414,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   report["skinny_max_tokens"] = options.skinny_max_tokens;
   report["gemv_max_tokens"] = options.gemv_max_tokens;
   report["shared_gemv_ctas_per_sm"] = options.shared_gemv_ctas_per_sm;
+  report["mxfp4_pairs_max_tokens"] = options.mxfp4_pairs_max_tokens;  // -1: the backend's own
   report["experts"] = options.experts;
   report["ceilings"] = {{"copy_tb_per_s", ceilings.copy_bytes_per_s / 1e12},
                         {"gemm_bf16_tflop_per_s", ceilings.gemm_flops_per_s / 1e12}};
@@ -441,6 +443,7 @@ void run_bench_layer(const BenchLayerOptions& options) {
   if (options.skinny_max_tokens != 8) repro.flag("--skinny-max-tokens", options.skinny_max_tokens);
   if (options.gemv_max_tokens != 1) repro.flag("--gemv-max-tokens", options.gemv_max_tokens);
   if (options.shared_gemv_ctas_per_sm != 0) repro.flag("--shared-gemv-ctas-per-sm", options.shared_gemv_ctas_per_sm);
+  if (options.mxfp4_pairs_max_tokens >= 0) repro.flag("--mxfp4-pairs-max-tokens", options.mxfp4_pairs_max_tokens);
   if (options.experts != "dense") repro.flag("--experts", options.experts);
   repro.print();
   report["repro"] = repro.line();

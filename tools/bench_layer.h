@@ -19,6 +19,8 @@ struct BenchLayerOptions {
   uint64_t seed = 2026;
   int skinny_max_tokens = 8;        // CudaBackend::set_skinny_max_tokens; 0 turns the decode path off
   int shared_gemv_ctas_per_sm = 0;  // CudaBackend::set_shared_gemv_ctas_per_sm (its default, 0: the kernel's own)
+  // CudaBackend::set_mxfp4_pairs_max_tokens; -1 (the default): the backend's own (its setting or kMxfp4PairsTokens)
+  int mxfp4_pairs_max_tokens = -1;
   int gemv_max_tokens = 1;        // CudaBackend::set_gemv_max_tokens (its default, 1); 0 keeps every linear on cuBLASLt
   std::string experts = "dense";  // dense (the dtype) or mxfp4 (codes and scales, decoded in the kernels)
   std::string json_path;          // empty: no JSON

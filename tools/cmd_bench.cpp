@@ -38,6 +38,11 @@ void register_bench_command(CLI::App& app) {
       ->add_option("--shared-gemv-ctas-per-sm", options->shared_gemv_ctas_per_sm,
                    "CTAs per SM of the shared expert's decode GEMVs (default 0: the kernel's own, two)")
       ->check(CLI::Range(0, 2));
+  layer
+      ->add_option("--mxfp4-pairs-max-tokens", options->mxfp4_pairs_max_tokens,
+                   "largest token count whose MXFP4 experts (bf16) take the pair decode kernels (0: never; default: "
+                   "the backend's own)")
+      ->check(CLI::Range(0, 8));
   layer->add_option("--experts", options->experts, "dense (default) or mxfp4: the routed experts' weights")
       ->check(CLI::IsMember({"dense", "mxfp4"}));
   layer->add_option("--json", options->json_path, "write the results as JSON to this file");

@@ -37,6 +37,7 @@ enum class Setting {
   one_shot_max_tokens,
   mxfp4_gate_up_split,
   mxfp4_decode_max_tokens,
+  mxfp4_pairs_max_tokens,
   cuda_device_max_connections,
   nccl_nvls_enable,
   cuda_module_loading,
@@ -63,7 +64,7 @@ struct SettingSpec {
 inline constexpr int64_t kMxfp4GateUpSplits[] = {1, 2, 8};
 
 // In the order of enum Setting (checked at compile time). Markdown cells: no '|'.
-inline constexpr std::array<SettingSpec, 12> kSettings{{
+inline constexpr std::array<SettingSpec, 13> kSettings{{
     {.id = Setting::tail_fusion_max_tokens,
      .name = "LATENTMOE_TAIL_FUSION_MAX_TOKENS",
      .type = SettingType::integer,
@@ -142,6 +143,18 @@ inline constexpr std::array<SettingSpec, 12> kSettings{{
      .meaning = "up to how many tokens MXFP4 routed experts with bf16/f16 activations run on the decode kernels "
                 "(mxfp4_decode_mma.cu; above 8 in batches of 8); above, on the grouped GEMMs (to measure the "
                 "boundary; the default is `kMxfp4DecodeTokens`, measured: docs/MXFP4.md)",
+     .read_when = "when a CUDA backend is made (each runner's or rank context's)"},
+    {.id = Setting::mxfp4_pairs_max_tokens,
+     .name = "LATENTMOE_MXFP4_PAIRS_MAX_TOKENS",
+     .type = SettingType::integer,
+     .min = 0,
+     .max = 8,
+     .unit = "tokens",
+     .fallback = 8,
+     .meaning = "up to how many tokens MXFP4 routed experts with bf16 activations on the decode kernels run on the "
+                "pair kernels (mxfp4_pairs.cu: 16-byte loads, a pair's own tiles) instead of the tile decode kernels "
+                "(mxfp4_decode_mma.cu); 0: never (to measure the boundary; the default is `kMxfp4PairsTokens`, "
+                "measured: docs/MXFP4.md)",
      .read_when = "when a CUDA backend is made (each runner's or rank context's)"},
     {.id = Setting::cuda_device_max_connections,
      .name = "CUDA_DEVICE_MAX_CONNECTIONS",

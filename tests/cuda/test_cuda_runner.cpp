@@ -278,6 +278,58 @@ TEST(CudaRunner, mxfp4_grouped_rows_kernel_from_one_token_matches_the_cpu_runner
       << message;
 }
 
+// The MXFP4 pair kernels in the layer (mxfp4_pairs.h: bf16 activations up to LATENTMOE_MXFP4_PAIRS_MAX_TOKENS tokens;
+// the tests above run them at their default bound) and, with the setting at 0 and at 2, the tile decode kernels that
+// bf16 then takes at every count and above 2 tokens: situ with a gate, relu2 with zero experts, latents of 544 (17
+// scale groups) and 32 (one), I of 320 (10 groups; 5 a rank at tp 2), 1, 2, 3 and 8 tokens, tp 1 and 2, scale bytes
+// of 129 and 131 among the edge bytes (the folded products' second path), against the CPU runner. A value past 8 is
+// refused by name.
+TEST(CudaRunner, mxfp4_pair_and_tile_decode_kernels_match_the_cpu_runner) {
+  LATENTMOE_REQUIRE_GPU();
+  LayerConfig kimi_long = resized(kimi_k3_config(), {48, 544, 9, 4, 320, 40});
+  kimi_long.experts_format = ExpertWeightFormat::mxfp4;
+  LayerConfig nemotron = nemotron3_super_config();
+  nemotron.zero_expert_num = 2;
+  nemotron = resized(nemotron, {48, 32, 5, 3, 320, 72});
+  nemotron.experts_format = ExpertWeightFormat::mxfp4;
+  auto large_scales = [](HostTensor& scales) {
+    if (!scales.defined()) return;
+    set_edge_scales(scales);
+    auto* bytes = scales.data_as<uint8_t>();
+    for (int64_t i = 3; i < scales.numel(); i += 11) bytes[i] = i % 2 == 0 ? 129 : 131;
+  };
+  uint64_t seed = 500;
+  for (const char* bound : {"8", "2", "0"}) {
+    const ScopedVariable forced("LATENTMOE_MXFP4_PAIRS_MAX_TOKENS", bound);
+    for (const LayerConfig& config : {kimi_long, nemotron}) {
+      LayerWeights weights = make_random_layer_weights(config, DType::bf16, ++seed);
+      large_scales(weights.expert_gate_scale);
+      large_scales(weights.expert_up_scale);
+      large_scales(weights.expert_down_scale);
+      for (int64_t tokens : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}}) {
+        for (int tp : {1, 2}) {
+          SCOPED_TRACE(std::string("pairs up to ") + bound + " tokens, " + std::string(to_string(config.activation)) +
+                       ", T " + std::to_string(tokens) + ", tp " + std::to_string(tp));
+          const LocalGroupInputs inputs = latentmoe::testing::random_inputs(config, tokens, DType::bf16, seed + tokens);
+          expect_cuda_matches_cpu(
+              config, [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, config, parallel); },
+              inputs, tp, DType::bf16);
+        }
+      }
+    }
+  }
+  const ScopedVariable forced("LATENTMOE_MXFP4_PAIRS_MAX_TOKENS", "9");
+  const LayerWeights weights = make_random_layer_weights(kimi_long, DType::bf16, 7);
+  const std::string message = latentmoe::testing::message_of([&] {
+    expect_cuda_matches_cpu(
+        kimi_long, [&](const ParallelConfig& parallel) { return shard_layer_weights(weights, kimi_long, parallel); },
+        latentmoe::testing::random_inputs(kimi_long, 2, DType::bf16, 8), 1, DType::bf16);
+  });
+  EXPECT_NE(message.find("LATENTMOE_MXFP4_PAIRS_MAX_TOKENS='9' is out of range; expected an integer in 0..8 (tokens)"),
+            std::string::npos)
+      << message;
+}
+
 // Issue 16's end-to-end case on the GPU: a Kimi-K3-style checkpoint (MXFP4 experts under the K3 names
 // and prefix, three shards and an index, another layer's tensor beside them) loaded per rank straight
 // from the index, run on the CUDA backend at tp 1, 2, 4 and 8 (simulated ranks) with 37 tokens, against

@@ -16,6 +16,7 @@
 #include "cuda/common/matrix.h"
 #include "cuda/gemm/blas.h"
 #include "cuda/gemm/mxfp4_decode.h"
+#include "cuda/gemm/mxfp4_pairs.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {
@@ -114,6 +115,9 @@ struct CudaBackend::State {
   // Up to how many tokens MXFP4 experts with 16-bit activations take the decode kernels (in batches of
   // kMxfp4DecodeMaxRows; LATENTMOE_MXFP4_DECODE_MAX_TOKENS); above, the grouped GEMMs.
   int mxfp4_decode_max_tokens = kMxfp4DecodeTokens;
+  // Up to how many tokens those decode-kernel calls with bf16 activations take the pair kernels (mxfp4_pairs.h;
+  // LATENTMOE_MXFP4_PAIRS_MAX_TOKENS, set_mxfp4_pairs_max_tokens); 0: never.
+  int mxfp4_pairs_max_tokens = kMxfp4PairsTokens;
 
   // run_overlapped bookkeeping: which streams routed_experts / dense_mlp ran on in this region, and the
   // weight bytes the routed experts on its main side stream at most (0: none there).

@@ -37,6 +37,14 @@ int mxfp4_decode_max_tokens_from_environment() {
       ::latentmoe::detail::read_integer(Setting::mxfp4_decode_max_tokens).value_or(kMxfp4DecodeTokens));
 }
 
+// LATENTMOE_MXFP4_PAIRS_MAX_TOKENS: up to how many tokens the MXFP4 pair kernels run; read once, when a backend
+// is made. Unset: kMxfp4PairsTokens.
+int mxfp4_pairs_max_tokens_from_environment() {
+  using ::latentmoe::detail::Setting;
+  return static_cast<int>(
+      ::latentmoe::detail::read_integer(Setting::mxfp4_pairs_max_tokens).value_or(kMxfp4PairsTokens));
+}
+
 }  // namespace
 
 CudaBackend::CudaBackend(int device_ordinal) : state_(std::make_unique<State>()) {
@@ -46,6 +54,7 @@ CudaBackend::CudaBackend(int device_ordinal) : state_(std::make_unique<State>())
   s.dispatch = &decode_dispatch(10 * s.info.major + s.info.minor);
   s.mxfp4_gate_up_warps_per_tile = mxfp4_gate_up_split_from_environment();
   s.mxfp4_decode_max_tokens = mxfp4_decode_max_tokens_from_environment();
+  s.mxfp4_pairs_max_tokens = mxfp4_pairs_max_tokens_from_environment();
   DeviceGuard guard(device_ordinal);
   LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.main_stream, cudaStreamNonBlocking));
   LATENTMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.aux_stream, cudaStreamNonBlocking));
@@ -137,6 +146,12 @@ void CudaBackend::set_shared_gemv_ctas_per_sm(int ctas) {
   state_->shared_gemv_ctas_per_sm = ctas;
 }
 int CudaBackend::shared_gemv_ctas_per_sm() const { return state_->shared_gemv_ctas_per_sm; }
+void CudaBackend::set_mxfp4_pairs_max_tokens(int tokens) {
+  LATENTMOE_CHECK(tokens >= 0 && tokens <= kMxfp4PairsMaxTokens, "CUDA backend: mxfp4_pairs_max_tokens ", tokens,
+                  " is outside 0..", kMxfp4PairsMaxTokens);
+  state_->mxfp4_pairs_max_tokens = tokens;
+}
+int CudaBackend::mxfp4_pairs_max_tokens() const { return state_->mxfp4_pairs_max_tokens; }
 
 void CudaBackend::set_fused_up_projection_max_tokens(int tokens) {
   LATENTMOE_CHECK(tokens >= 0 && tokens <= kDensePushMaxRows, "CUDA backend: fused_up_projection_max_tokens ", tokens,

@@ -165,6 +165,13 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   // token: 0.903 and 0.917 of main's graph time at 0 and 1). Throws Error outside 0..2.
   void set_shared_gemv_ctas_per_sm(int ctas);
   int shared_gemv_ctas_per_sm() const;
+  // Up to how many tokens MXFP4 routed experts with bf16 activations, where the decode kernels take them, run on
+  // the pair kernels (cuda/gemm/mxfp4_pairs.h: each (token, expert) pair its own tiles, 16-byte loads) instead
+  // of the tile decode kernels: 0..kMxfp4PairsMaxTokens (8); default kMxfp4PairsTokens (mxfp4_pairs.h has the
+  // measurement), LATENTMOE_MXFP4_PAIRS_MAX_TOKENS when set; 0 turns them off (the benchmark compares both).
+  // Throws Error outside that range.
+  void set_mxfp4_pairs_max_tokens(int tokens);
+  int mxfp4_pairs_max_tokens() const;
 
   // Up to how many rows tier 0's up-projection pushes into the peers from its epilogue
   // (up_projection_all_gather): 0..kDensePushMaxRows (128); default kDefaultFusedUpProjectionMaxTokens;

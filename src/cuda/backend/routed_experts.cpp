@@ -4,6 +4,7 @@
 #include "cuda/backend/backend_state.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/mxfp4_decode.h"
+#include "cuda/gemm/mxfp4_pairs.h"
 #include "cuda/gemm/skinny_gemm.h"
 #include "cuda/kernels/elementwise.h"
 #include "cuda/kernels/moe_layout.h"
@@ -181,6 +182,13 @@ void CudaBackend::mxfp4_routed_experts(const ActivationParams& activation, const
     gate_up.z = static_cast<const char*>(z.data()) + first * z.stride(0) * dtype_size(z.dtype());
     down.weights = topk_weights.data_as<float>() + first * k;
     down.out = static_cast<char*>(out.data()) + first * out.stride(0) * dtype_size(out.dtype());
+    // Up to s.mxfp4_pairs_max_tokens tokens of bf16 activations: the pair kernels, both calls or neither (each
+    // kernel family writes and reads its own act rows).
+    if (num_tokens <= s.mxfp4_pairs_max_tokens && mxfp4_pairs_supported(gate_up, down)) {
+      mxfp4_pairs_gate_up(gate_up, s.current);
+      mxfp4_pairs_down(down, s.current);
+      continue;
+    }
     mxfp4_routed_gate_up(gate_up, s.current);
     mxfp4_routed_down(down, s.current);
   }

@@ -114,17 +114,6 @@ struct GemvParams {
   float eps = 0.0f;
 };
 
-// 16 bytes of weights: not allocated in L1, evict-first in L2. A weak ld.global, not ld.global.nc:
-// with .nc (LDG.CONSTANT) ptxas scheduled the wait (ACQBULK) above these loads, which would start the
-// stream only after the previous kernel; weak loads keep their place before it (checked in the SASS
-// of every instance). volatile: the compiler keeps them before pdl_wait() (whose asm clobbers memory).
-__device__ __forceinline__ uint4 stream_load(const uint4* pointer, uint64_t policy) {
-  uint4 v;
-  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(pointer), "l"(policy));
-  return v;
-}
 
 // Two packed 16-bit values (low half first) as floats.
 template <class T>
@@ -383,7 +372,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) gemv_short_kernel(const Gem
   const uint64_t policy = gg::evict_first_policy();
   int issued = 0;
   auto issue = [&](uint4& target) {
-    target = issued < lane_steps ? stream_load(source, policy) : make_uint4(0, 0, 0, 0);
+    target = issued < lane_steps ? gg::stream_load(source, policy) : make_uint4(0, 0, 0, 0);
     ++issued;
     source += advance;
   };
@@ -557,7 +546,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, warp_rows_ctas_per_sm(kRows))
       if (column < end) {
         const uint4* source =
             kGated && column < kv ? gate + row * ldw + column : w + row * ldw + (kGated ? column - kv : column);
-        batch[j] = stream_load(source, policy);
+        batch[j] = gg::stream_load(source, policy);
       }
     }
   };
