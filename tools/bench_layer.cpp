@@ -229,7 +229,8 @@ nlohmann::json bench_one(const std::string& preset, int tp_shard, const BenchLay
   bench_access::set_skinny_max_tokens(runner, options.skinny_max_tokens);
   bench_access::set_gemv_max_tokens(runner, options.gemv_max_tokens);
   bench_access::set_shared_gemv_ctas_per_sm(runner, options.shared_gemv_ctas_per_sm);
-  if (options.mxfp4_pairs_max_tokens >= 0) bench_access::set_mxfp4_pairs_max_tokens(runner, options.mxfp4_pairs_max_tokens);
+  if (options.mxfp4_pairs_max_tokens >= 0)
+    bench_access::set_mxfp4_pairs_max_tokens(runner, options.mxfp4_pairs_max_tokens);
 
   // The phases run the runner's backend operations on its own weights and workspaces, on its own stream.
   bench_access::RunnerState& state = bench_access::state_of(runner);

@@ -21,10 +21,10 @@
 #include <string>
 #include <vector>
 
+#include "core/settings.h"
 #include "cpu/activation.h"
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/common/device.h"
-#include "core/settings.h"
 #include "cuda/gemm/mxfp4_pairs.h"
 #include "cuda_test_util.h"
 #include "latentmoe/error.h"
@@ -57,7 +57,8 @@ HostExperts random_experts(int64_t experts, int64_t rows, int64_t cols, uint32_t
   for (auto& byte : m.codes) byte = static_cast<uint8_t>(generator());
   constexpr uint8_t kEdges[] = {0, 1, 127, 128, 129, 131};
   for (size_t i = 0; i < m.scales.size(); ++i) {
-    m.scales[i] = i % 13 == 5 ? kEdges[(i / 13) % 6] : static_cast<uint8_t>(center - 3 + static_cast<int>(generator() % 6));
+    m.scales[i] =
+        i % 13 == 5 ? kEdges[(i / 13) % 6] : static_cast<uint8_t>(center - 3 + static_cast<int>(generator() % 6));
   }
   return m;
 }
@@ -66,8 +67,8 @@ HostExperts random_experts(int64_t experts, int64_t rows, int64_t cols, uint32_t
 struct DeviceExperts {
   DeviceTensor codes, scales;
   Mxfp4Matrices matrices(const HostExperts& m) const {
-    return Mxfp4Matrices{static_cast<const uint8_t*>(codes.view.data()), static_cast<const uint8_t*>(scales.view.data()),
-                         m.rows, m.cols};
+    return Mxfp4Matrices{static_cast<const uint8_t*>(codes.view.data()),
+                         static_cast<const uint8_t*>(scales.view.data()), m.rows, m.cols};
   }
 };
 
@@ -105,7 +106,7 @@ std::vector<int32_t> make_ids(const Case& c, uint32_t seed) {
   }
   if (c.top_k >= 3) {
     ids[1] = static_cast<int32_t>(c.experts + (seed % 2));  // a zero expert
-    ids[ids.size() - 1] = -1;                                // a pad
+    ids[ids.size() - 1] = -1;                               // a pad
   }
   return ids;
 }
@@ -153,7 +154,8 @@ void run_case(CudaBackend& gpu, const Case& c, uint32_t seed) {
       }
       const size_t at = static_cast<size_t>(p * c.intermediate + i);
       act_ref[at] = bf16_round(cpu::activate(activation, g, u));
-      act_slack[at] = 0x1p-16 * (gated ? g_size * 1.1 * std::abs(u) + u_size * std::abs(g) : u_size * 2.0 * std::abs(u));
+      act_slack[at] =
+          0x1p-16 * (gated ? g_size * 1.1 * std::abs(u) + u_size * std::abs(g) : u_size * 2.0 * std::abs(u));
     }
   }
 
@@ -365,9 +367,9 @@ TEST(Mxfp4Pairs, down_launch_rule) {
   struct Expected {
     int pairs, cluster, pairs_per_cta, warps;
   };
-  for (const Expected& e : {Expected{1, 1, 1, 1}, Expected{3, 1, 3, 3}, Expected{5, 2, 3, 3}, Expected{16, 4, 4, 4},
-                            Expected{22, 6, 4, 4}, Expected{32, 8, 4, 4}, Expected{33, 7, 5, 5},
-                            Expected{128, 8, 16, 8}, Expected{256, 8, 32, 8}}) {
+  for (const Expected& e :
+       {Expected{1, 1, 1, 1}, Expected{3, 1, 3, 3}, Expected{5, 2, 3, 3}, Expected{16, 4, 4, 4}, Expected{22, 6, 4, 4},
+        Expected{32, 8, 4, 4}, Expected{33, 7, 5, 5}, Expected{128, 8, 16, 8}, Expected{256, 8, 32, 8}}) {
     const Mxfp4PairsDownShape shape = mxfp4_pairs_down_shape(e.pairs);
     EXPECT_EQ(shape.cluster, e.cluster) << e.pairs << " pairs";
     EXPECT_EQ(shape.pairs_per_cta, e.pairs_per_cta) << e.pairs << " pairs";

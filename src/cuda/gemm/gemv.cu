@@ -114,7 +114,6 @@ struct GemvParams {
   float eps = 0.0f;
 };
 
-
 // Two packed 16-bit values (low half first) as floats.
 template <class T>
 __device__ __forceinline__ float2 widen(uint32_t word) {

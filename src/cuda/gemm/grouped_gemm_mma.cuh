@@ -96,10 +96,11 @@ __device__ __forceinline__ void cp_async_16_stream(uint32_t dst, const void* src
   asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
                "r"(bytes), "l"(policy));
 }
-// 16 bytes of weights (the decode GEMV, gemv.cu; the MXFP4 pair kernels, mxfp4_pairs.cu): not allocated in L1, evict-first in L2. A weak ld.global, not ld.global.nc:
-// with .nc (LDG.CONSTANT) ptxas scheduled the wait (ACQBULK) above these loads, which would start the
-// stream only after the previous kernel; weak loads keep their place before it (checked in the SASS
-// of every instance). volatile: the compiler keeps them before pdl_wait() (whose asm clobbers memory).
+// 16 bytes of weights (the decode GEMV, gemv.cu; the MXFP4 pair kernels, mxfp4_pairs.cu): not allocated in L1,
+// evict-first in L2. A weak ld.global, not ld.global.nc: with .nc (LDG.CONSTANT) ptxas scheduled the wait (ACQBULK)
+// above these loads, which would start the stream only after the previous kernel; weak loads keep their place before it
+// (checked in the SASS of every instance). volatile: the compiler keeps them before pdl_wait() (whose asm clobbers
+// memory).
 __device__ __forceinline__ uint4 stream_load(const uint4* pointer, uint64_t policy) {
   uint4 v;
   asm volatile("ld.global.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"

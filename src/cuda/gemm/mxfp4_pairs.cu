@@ -25,10 +25,9 @@
 //   token's pairs in j order across the cluster (distributed shared memory) and rounds once. A programmatic
 //   dependent of gate/up: a warp's first codes are loaded before pdl_wait(), the act rows after.
 //
-// Loads: a warp issues kGateUpBatch (4) or kDownBatch (3) steps' codes and scales before it decodes any (gg::stream_load: no L1 allocation,
-// evict-first in L2, 256-byte L2 fetches; the weights are read once), so up to 4 KB (3 KB) a warp are in flight.
-#include "cuda/gemm/mxfp4_pairs.h"
-
+// Loads: a warp issues kGateUpBatch (4) or kDownBatch (3) steps' codes and scales before it decodes any
+// (gg::stream_load: no L1 allocation, evict-first in L2, 256-byte L2 fetches; the weights are read once), so up to 4 KB
+// (3 KB) a warp are in flight.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -43,6 +42,7 @@
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/grouped_gemm_mma.cuh"  // stream_load, evict_first_policy
 #include "cuda/gemm/mxfp4_device.cuh"
+#include "cuda/gemm/mxfp4_pairs.h"
 #include "latentmoe/error.h"
 
 namespace latentmoe::cuda {
@@ -128,7 +128,8 @@ __device__ __forceinline__ void unit_mma(float (&acc)[4], const LaneRows& rows, 
     Step steps[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      if (base + j * stride < groups) steps[j] = load_step(rows, base + j * stride + t, groups, policy);  // warp-uniform
+      if (base + j * stride < groups)
+        steps[j] = load_step(rows, base + j * stride + t, groups, policy);  // warp-uniform
     }
     before_compute();
 #pragma unroll
@@ -158,7 +159,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) mxfp4_pairs_gate_up_kernel(
   const bf16* x = static_cast<const bf16*>(p.z) + static_cast<int64_t>(pair / p.top_k) * p.ld_z;
   const int groups = static_cast<int>(p.up.cols / kGroup);
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  unit_mma<kGateUpBatch>(acc, rows, x, groups, kRowLanes * warp, kRowLanes * kGateUpWarps, t, gg::evict_first_policy(), [] {});
+  unit_mma<kGateUpBatch>(acc, rows, x, groups, kRowLanes * warp, kRowLanes * kGateUpWarps, t, gg::evict_first_policy(),
+                         [] {});
   if (t == 0) {
     partial[warp][g] = acc[0];
     partial[warp][g + 8] = acc[2];
@@ -172,8 +174,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) mxfp4_pairs_gate_up_kernel(
       lo += partial[w][i];
       if constexpr (kGated) hi += partial[w][i + 8];
     }
-    const float value = kGated ? act::gated(lo, hi, p.activation.activation == Activation::situ,
-                                            p.activation.situ_beta, p.activation.situ_linear_beta)
+    const float value = kGated ? act::gated(lo, hi, p.activation.activation == Activation::situ, p.activation.situ_beta,
+                                            p.activation.situ_linear_beta)
                                : act::relu2(lo);
     static_cast<bf16*>(p.act)[static_cast<int64_t>(pair) * p.up.rows + row0 + i] = __float2bfloat16_rn(value);
   }
@@ -181,8 +183,8 @@ __global__ void __launch_bounds__(kGateUpWarps * 32) mxfp4_pairs_gate_up_kernel(
 
 // ---- down ----------------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kDownMaxWarps * 32, kDownMinCtasPerSm) mxfp4_pairs_down_kernel(Mxfp4DownCall p, int cluster,
-                                                                               int pairs_per_cta) {
+__global__ void __launch_bounds__(kDownMaxWarps * 32, kDownMinCtasPerSm)
+    mxfp4_pairs_down_kernel(Mxfp4DownCall p, int cluster, int pairs_per_cta) {
   __shared__ float partial[kMaxPairsPerCta][kTileRows];  // this CTA's pairs: weight x sum, per row of the tile
   const int rank = static_cast<int>(blockIdx.x) % cluster;
   const int64_t tile_row = static_cast<int64_t>(blockIdx.x / cluster) * kTileRows;
@@ -221,8 +223,7 @@ __global__ void __launch_bounds__(kDownMaxWarps * 32, kDownMinCtasPerSm) mxfp4_p
         const float* peer = cluster_shared(&partial[0][0], pair / pairs_per_cta, cluster);
         total += peer[(pair % pairs_per_cta) * kTileRows + row];
       }
-      static_cast<bf16*>(p.out)[static_cast<int64_t>(token) * p.ld_out + tile_row + row] =
-          __float2bfloat16_rn(total);
+      static_cast<bf16*>(p.out)[static_cast<int64_t>(token) * p.ld_out + tile_row + row] = __float2bfloat16_rn(total);
     }
   }
   cluster_barrier(cluster);  // the peers' shared memory stays alive until rank 0 has read it
@@ -282,11 +283,11 @@ void mxfp4_pairs_gate_up(const Mxfp4GateUpCall& call, cudaStream_t stream) {
   LATENTMOE_CHECK(units <= INT_MAX, "MXFP4 pair gate/up: ", call.up.rows, " rows exceed the grid");
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(call.tokens * call.top_k));
   if (gated) {
-    launch_kernel("mxfp4_pairs_gate_up_kernel", false, mxfp4_pairs_gate_up_kernel<true>, grid,
-                  dim3(kGateUpWarps * 32), 0, stream, call);
+    launch_kernel("mxfp4_pairs_gate_up_kernel", false, mxfp4_pairs_gate_up_kernel<true>, grid, dim3(kGateUpWarps * 32),
+                  0, stream, call);
   } else {
-    launch_kernel("mxfp4_pairs_gate_up_kernel", false, mxfp4_pairs_gate_up_kernel<false>, grid,
-                  dim3(kGateUpWarps * 32), 0, stream, call);
+    launch_kernel("mxfp4_pairs_gate_up_kernel", false, mxfp4_pairs_gate_up_kernel<false>, grid, dim3(kGateUpWarps * 32),
+                  0, stream, call);
   }
 }
 
@@ -297,8 +298,8 @@ void mxfp4_pairs_down(const Mxfp4DownCall& call, cudaStream_t stream) {
   const int64_t ctas = call.down.rows / kTileRows * shape.cluster;
   LATENTMOE_CHECK(ctas <= INT_MAX, "MXFP4 pair down: ", call.down.rows, " rows exceed the grid");
   launch_kernel_clustered("mxfp4_pairs_down_kernel", pdl_supported(), static_cast<unsigned>(shape.cluster),
-                          mxfp4_pairs_down_kernel, dim3(static_cast<unsigned>(ctas)), dim3(shape.warps * 32), 0,
-                          stream, call, shape.cluster, shape.pairs_per_cta);
+                          mxfp4_pairs_down_kernel, dim3(static_cast<unsigned>(ctas)), dim3(shape.warps * 32), 0, stream,
+                          call, shape.cluster, shape.pairs_per_cta);
 }
 
 }  // namespace latentmoe::cuda

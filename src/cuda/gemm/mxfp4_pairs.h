@@ -31,7 +31,8 @@ bool mxfp4_pairs_supported(const Mxfp4GateUpCall& gate_up, const Mxfp4DownCall& 
 
 // The down kernel's launch for `pairs` pairs (a host rule, tested without a GPU): each CTA takes pairs_per_cta =
 // ceil(pairs / min(8, ceil(pairs / 4))) consecutive pairs on `warps` warps (a warp a pair at a time, at most 8), and
-// a cluster of `cluster` CTAs, as many as the pairs fill, takes 16 output rows. Throws Error for pairs outside 1..kMxfp4PairsMaxPairs.
+// a cluster of `cluster` CTAs, as many as the pairs fill, takes 16 output rows. Throws Error for pairs
+// outside 1..kMxfp4PairsMaxPairs.
 struct Mxfp4PairsDownShape {
   int cluster = 1;
   int pairs_per_cta = 1;
