@@ -155,7 +155,7 @@ void run_case(CudaBackend& gpu, const Case& c, uint32_t seed) {
       const size_t at = static_cast<size_t>(p * c.intermediate + i);
       act_ref[at] = bf16_round(cpu::activate(activation, g, u));
       act_slack[at] =
-          0x1p-16 * (gated ? g_size * 1.1 * std::abs(u) + u_size * std::abs(g) : u_size * 2.0 * std::abs(u));
+          0x1p-14 * (gated ? g_size * 1.1 * std::abs(u) + u_size * std::abs(g) : u_size * 2.0 * std::abs(u));
     }
   }
 
@@ -215,7 +215,7 @@ void run_case(CudaBackend& gpu, const Case& c, uint32_t seed) {
         }
       }
       // The output against the down and the combine of the kernel's own act rows, in double: within half a bf16
-      // ulp of the value and the fp32 sums' error (2^-16 of the sum of |w · products|).
+      // ulp of the value and the fp32 sums' error (2^-14 of the sum of |w · products|: K 2^-24 for K up to 1024).
       for (int64_t t = 0; t < c.tokens; ++t) {
         for (int64_t r = 0; r < ld_out; ++r) {
           const float got = value_at(out_host, t * ld_out + r);
@@ -235,7 +235,7 @@ void run_case(CudaBackend& gpu, const Case& c, uint32_t seed) {
               magnitude += std::abs(product);
             }
           }
-          ASSERT_LE(std::abs(got - want), 0x1p-8 * std::abs(want) + 0x1p-16 * magnitude + 0x1p-126)
+          ASSERT_LE(std::abs(got - want), 0x1p-8 * std::abs(want) + 0x1p-14 * magnitude + 0x1p-126)
               << "output token " << t << ", row " << r << ": " << got << " against " << want;
         }
       }
