@@ -150,11 +150,11 @@ inline constexpr std::array<SettingSpec, 13> kSettings{{
      .min = 0,
      .max = 8,
      .unit = "tokens",
-     .fallback = 8,
+     .fallback = 0,
      .meaning = "up to how many tokens MXFP4 routed experts with bf16 activations on the decode kernels run on the "
                 "pair kernels (mxfp4_pairs.cu: 16-byte loads, a pair's own tiles) instead of the tile decode kernels "
-                "(mxfp4_decode_mma.cu); 0: never (to measure the boundary; the default is `kMxfp4PairsTokens`, "
-                "measured: docs/MXFP4.md)",
+                "(mxfp4_decode_mma.cu); 0: never (the default, `kMxfp4PairsTokens`, until they are measured: "
+                "docs/MXFP4.md)",
      .read_when = "when a CUDA backend is made (each runner's or rank context's)"},
     {.id = Setting::cuda_device_max_connections,
      .name = "CUDA_DEVICE_MAX_CONNECTIONS",

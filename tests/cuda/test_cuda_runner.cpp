@@ -279,11 +279,11 @@ TEST(CudaRunner, mxfp4_grouped_rows_kernel_from_one_token_matches_the_cpu_runner
 }
 
 // The MXFP4 pair kernels in the layer (mxfp4_pairs.h: bf16 activations up to LATENTMOE_MXFP4_PAIRS_MAX_TOKENS tokens;
-// the tests above run them at their default bound) and, with the setting at 0 and at 2, the tile decode kernels that
-// bf16 then takes at every count and above 2 tokens: situ with a gate, relu2 with zero experts, latents of 544 (17
-// scale groups) and 32 (one), I of 320 (10 groups; 5 a rank at tp 2), 1, 2, 3 and 8 tokens, tp 1 and 2, scale bytes
-// of 129 and 131 among the edge bytes (the folded products' second path), against the CPU runner. A value past 8 is
-// refused by name.
+// the tests above run the default bound, kMxfp4PairsTokens) at 8 and at 2, and with the setting at 0 the tile decode
+// kernels, which bf16 then takes at every count (and above 2 tokens at 2): situ with a gate, relu2 with zero experts,
+// latents of 544 (17 scale groups) and 32 (one), I of 320 (10 groups; 5 a rank at tp 2), 1, 2, 3 and 8 tokens, tp 1 and
+// 2, scale bytes of 129 and 131 among the edge bytes (the folded products' second path), against the CPU runner. A
+// value past 8 is refused by name.
 TEST(CudaRunner, mxfp4_pair_and_tile_decode_kernels_match_the_cpu_runner) {
   LATENTMOE_REQUIRE_GPU();
   LayerConfig kimi_long = resized(kimi_k3_config(), {48, 544, 9, 4, 320, 40});

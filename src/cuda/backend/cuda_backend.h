@@ -167,8 +167,8 @@ class CudaBackend final : public ::latentmoe::detail::Backend {
   int shared_gemv_ctas_per_sm() const;
   // Up to how many tokens MXFP4 routed experts with bf16 activations, where the decode kernels take them, run on
   // the pair kernels (cuda/gemm/mxfp4_pairs.h: each (token, expert) pair its own tiles, 16-byte loads) instead
-  // of the tile decode kernels: 0..kMxfp4PairsMaxTokens (8); default kMxfp4PairsTokens (mxfp4_pairs.h has the
-  // measurement), LATENTMOE_MXFP4_PAIRS_MAX_TOKENS when set; 0 turns them off (the benchmark compares both).
+  // of the tile decode kernels: 0..kMxfp4PairsMaxTokens (8); default kMxfp4PairsTokens (0, off until measured:
+  // mxfp4_pairs.h), LATENTMOE_MXFP4_PAIRS_MAX_TOKENS when set; 0 turns them off (the benchmark compares both).
   // Throws Error outside that range.
   void set_mxfp4_pairs_max_tokens(int tokens);
   int mxfp4_pairs_max_tokens() const;

@@ -16,9 +16,10 @@
 namespace latentmoe::cuda {
 
 // Up to how many tokens the layer runs MXFP4 experts with bf16 activations on the pair kernels
-// (CudaBackend::set_mxfp4_pairs_max_tokens, LATENTMOE_MXFP4_PAIRS_MAX_TOKENS; 0: never): the measured default
-// (docs/MXFP4.md, "The pair kernels").
-inline constexpr int kMxfp4PairsTokens = 8;
+// (CudaBackend::set_mxfp4_pairs_max_tokens, LATENTMOE_MXFP4_PAIRS_MAX_TOKENS; 0: never). 0 until they are measured:
+// as of session 30 they have not run on a GPU (no machine started), so the layer keeps the tile decode kernels
+// unless asked (docs/MXFP4.md, "The pair kernels").
+inline constexpr int kMxfp4PairsTokens = 0;
 // The most tokens the kernels take (pairs <= kMxfp4PairsMaxPairs).
 inline constexpr int kMxfp4PairsMaxTokens = 8;
 inline constexpr int kMxfp4PairsMaxPairs = 256;
