@@ -57,6 +57,9 @@ constexpr int kTileRows = 16;            // A's rows
 constexpr int kGateUpBatch = 4;          // steps whose loads a gate/up warp issues before it decodes
 constexpr int kDownBatch = 3;            // the same for down (within kDownMinCtasPerSm's registers)
 constexpr int kGateUpWarps = 4;          // warps splitting one gate/up unit's K
+// At most 80 registers a thread, 6 CTAs an SM: Kimi-K3 tp 8's one-token gate/up is 768 CTAs (48 units x 16 pairs), one
+// wave of 132 x 6 (ptxas took 91-96 unbounded, which leaves 5 an SM).
+constexpr int kGateUpMinCtasPerSm = 6;
 constexpr int kDownMaxWarps = 8;
 // At most 80 registers a thread (3 CTAs of 8 warps, 6 of 4, an SM; ptxas: 77, no spill; unbounded it took 97, and
 // at 64 or 72 it spilled). Kimi-K3 tp 8's one-token down is 3584 warps (224 tiles x 16 pairs) in 896 CTAs of 4 warps:
@@ -87,16 +90,16 @@ __device__ __forceinline__ LaneRows lane_rows(const Mxfp4Matrices& lo_matrix, in
 }
 
 // Group q of the lane's rows; a group past the row (q >= groups: the last step of a K that is not a multiple of
-// 4 W groups) is read at group 0 and given zero codes, so every load is unconditional.
+// 4 W groups) is read at group 0, and step_mma gives it zero codes. Nothing here reads the loaded registers: a
+// select on them would wait for the load before the warp could issue the next one (the SASS of a first version
+// did so), and the loads of a batch must all be in flight together.
 __device__ __forceinline__ Step load_step(const LaneRows& r, int q, int groups, uint64_t policy) {
-  const bool valid = q < groups;
-  const int at = valid ? q : 0;
+  const int at = q < groups ? q : 0;
   Step s;
   s.lo = gg::stream_load(reinterpret_cast<const uint4*>(r.code_lo + at * kGroupBytes), policy);
   s.hi = gg::stream_load(reinterpret_cast<const uint4*>(r.code_hi + at * kGroupBytes), policy);
   s.scale_lo = __ldg(r.scale_lo + at);
   s.scale_hi = __ldg(r.scale_hi + at);
-  if (!valid) s.lo = s.hi = make_uint4(0u, 0u, 0u, 0u);
   return s;
 }
 
@@ -104,17 +107,21 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;  // w is a constant after unrolling
 }
 
-// The step's 8 MMAs into acc: `x` the activation row (bf16) at column 0; zeros for a group past the row (its
-// values are never read: they may lie past the row's end, and 0 * inf would be NaN).
+// The step's 8 MMAs into acc: `x` the activation row (bf16) at column 0. A group past the row (valid false) takes
+// zero codes and zero activations (its values are never read: they may lie past the row's end, and 0 * inf would be
+// NaN). The four activation loads are issued before the first MMA, so the step waits for L1 once.
 __device__ __forceinline__ void step_mma(float (&acc)[4], const Step& s, const bf16* x, int q, bool valid) {
   const uint4* group = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(valid ? q : 0) * kGroup);
+  uint4 b[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) b[w] = valid ? __ldg(group + w) : make_uint4(0u, 0u, 0u, 0u);
+  const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    const uint4 a_lo = mxfp4_decode8<bf16>(word_of(s.lo, w), s.scale_lo);
-    const uint4 a_hi = mxfp4_decode8<bf16>(word_of(s.hi, w), s.scale_hi);
-    const uint4 b = valid ? __ldg(group + w) : make_uint4(0u, 0u, 0u, 0u);
-    mma_16x8x16<bf16>(acc, a_lo.x, a_hi.x, a_lo.y, a_hi.y, b.x, b.y);
-    mma_16x8x16<bf16>(acc, a_lo.z, a_hi.z, a_lo.w, a_hi.w, b.z, b.w);
+    const uint4 a_lo = mxfp4_decode8<bf16>(word_of(s.lo, w) & keep, s.scale_lo);
+    const uint4 a_hi = mxfp4_decode8<bf16>(word_of(s.hi, w) & keep, s.scale_hi);
+    mma_16x8x16<bf16>(acc, a_lo.x, a_hi.x, a_lo.y, a_hi.y, b[w].x, b[w].y);
+    mma_16x8x16<bf16>(acc, a_lo.z, a_hi.z, a_lo.w, a_hi.w, b[w].z, b[w].w);
   }
 }
 
@@ -143,7 +150,8 @@ __device__ __forceinline__ void unit_mma(float (&acc)[4], const LaneRows& rows, 
 // ---- gate/up -------------------------------------------------------------------------------------
 
 template <bool kGated>
-__global__ void __launch_bounds__(kGateUpWarps * 32) mxfp4_pairs_gate_up_kernel(Mxfp4GateUpCall p) {
+__global__ void __launch_bounds__(kGateUpWarps * 32, kGateUpMinCtasPerSm)
+    mxfp4_pairs_gate_up_kernel(Mxfp4GateUpCall p) {
   constexpr int kUnitRows = kGated ? kTileRows / 2 : kTileRows;  // intermediate rows per CTA
   __shared__ float partial[kGateUpWarps][kTileRows];
   pdl_trigger();  // never a dependent (pdl.cuh, 3.)
